@@ -1,0 +1,42 @@
+"""Every axis name in jdist, spelled once.
+
+Mesh axes are physical (groups of devices); logical axes say what a tensor
+dimension means. Model code imports only the logical names; `jdist.rules`
+maps logical names onto mesh axes.
+"""
+
+# Mesh axes, outermost (slowest links) to innermost (fastest links).
+DATA = "data"
+STAGE = "stage"
+FSDP = "fsdp"
+SEQUENCE = "sequence"
+EXPERT = "expert"
+TENSOR = "tensor"
+MESH_AXES = (DATA, STAGE, FSDP, SEQUENCE, EXPERT, TENSOR)
+
+# Command-line spellings of each mesh axis.
+MESH_AXIS_ALIASES = {
+    "dp": DATA, "data": DATA,
+    "pp": STAGE, "stage": STAGE,
+    "fsdp": FSDP,
+    "sp": SEQUENCE, "cp": SEQUENCE, "sequence": SEQUENCE,
+    "ep": EXPERT, "expert": EXPERT,
+    "tp": TENSOR, "tensor": TENSOR,
+}
+
+# Logical axes of activations.
+BATCH = "batch"
+LENGTH = "length"          # sequence positions (queries, residual stream, logits)
+KV_LENGTH = "kv_length"    # key/value positions inside attention
+ACT_EMBED = "act_embed"    # model dimension of an activation
+
+# Logical axes of parameters (heads, kv_heads, mlp, vocab also name activation dims).
+EMBED = "embed"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+MLP = "mlp"
+VOCAB = "vocab"
+NORM = "norm"              # scale vectors of normalisation layers
+LAYERS = "layers"          # the stacked-layer dimension of the transformer blocks
+EXPERTS = "experts"

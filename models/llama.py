@@ -1,0 +1,110 @@
+"""A Llama-style decoder: embedding, pre-norm blocks (GQA attention with rotary embeddings,
+SwiGLU MLP), final RMSNorm, untied (or tied) output head.
+
+Blocks are stacked along a leading `layers` dimension and run with `jax.lax.scan`, so
+compile time does not grow with depth and pipeline stages can slice the stack.
+Every parameter and key activation carries logical names; no mesh axis appears here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdist.axes import (ACT_EMBED, BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP,
+                        VOCAB)
+from jdist.rules import constrain
+from models.config import ModelConfig
+from models.layers import (RMSNorm, apply_rotary, dot_product_attention, param, rotary_tables)
+
+RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
+
+
+class Attention(nnx.Module):
+    """Column-parallel Q/K/V (heads split), row-parallel output projection."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, hd = cfg.d_model, cfg.dim_per_head
+        out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
+        self.wq = param(rngs, (d, cfg.n_heads, hd), (EMBED, HEADS, HEAD_DIM))
+        self.wk = param(rngs, (d, cfg.n_kv_heads, hd), (EMBED, KV_HEADS, HEAD_DIM))
+        self.wv = param(rngs, (d, cfg.n_kv_heads, hd), (EMBED, KV_HEADS, HEAD_DIM))
+        self.wo = param(rngs, (cfg.n_heads, hd, d), (HEADS, HEAD_DIM, EMBED), std=out_std)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        q = constrain(jnp.einsum("bse,ehd->bshd", x, self.wq[...]), (BATCH, LENGTH, HEADS, HEAD_DIM))
+        k = constrain(jnp.einsum("bse,ehd->bshd", x, self.wk[...]),
+                      (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+        v = constrain(jnp.einsum("bse,ehd->bshd", x, self.wv[...]),
+                      (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = constrain(dot_product_attention(q, k, v), (BATCH, LENGTH, HEADS, HEAD_DIM))
+        return jnp.einsum("bshd,hde->bse", out, self.wo[...])
+
+
+class SwiGLU(nnx.Module):
+    """Column-parallel gate/up, row-parallel down projection."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
+        self.w_gate = param(rngs, (cfg.d_model, cfg.d_ff), (EMBED, MLP))
+        self.w_up = param(rngs, (cfg.d_model, cfg.d_ff), (EMBED, MLP))
+        self.w_down = param(rngs, (cfg.d_ff, cfg.d_model), (MLP, EMBED), std=out_std)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.einsum("bse,ef->bsf", x, self.w_gate[...])
+        up = jnp.einsum("bse,ef->bsf", x, self.w_up[...])
+        hidden = constrain(jax.nn.silu(gate) * up, (BATCH, LENGTH, MLP))
+        return jnp.einsum("bsf,fe->bse", hidden, self.w_down[...])
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        x = constrain(x + self.attn(self.attn_norm(x), cos, sin), RESIDUAL)
+        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+
+
+def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """`n_layers` blocks as one Block whose parameters have a leading `layers` dimension."""
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs)
+
+    return make(rngs)
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
+        self.blocks = stacked_blocks(cfg, rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [batch, length] int32 -> logits [batch, length, vocab]."""
+        cfg = self.config
+        x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
+        cos, sin = rotary_tables(jnp.arange(tokens.shape[1]), cfg.dim_per_head, cfg.rope_theta)
+        graphdef, layers = nnx.split(self.blocks)
+
+        def layer(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, cos, sin), None
+
+        x, _ = jax.lax.scan(layer, x, layers)
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("bse,ve->bsv", x, self.embed[...])
+        else:
+            logits = jnp.einsum("bse,ev->bsv", x, self.head[...])
+        return constrain(logits, (BATCH, LENGTH, VOCAB))
