@@ -94,7 +94,10 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, length] int32 -> logits [batch, length, vocab]."""
         cfg = self.config
-        x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
+        # Gathering rows of a vocab/fsdp-sharded table makes GSPMD replicate it clumsily
+        # ("involuntary full rematerialization"); all-gather it explicitly instead.
+        table = constrain(self.embed[...], (None, ACT_EMBED))
+        x = constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
         cos, sin = rotary_tables(jnp.arange(tokens.shape[1]), cfg.dim_per_head, cfg.rope_theta)
         graphdef, layers = nnx.split(self.blocks)
 

@@ -1,0 +1,153 @@
+"""Token data and deterministic global batches.
+
+A global batch is a pure function of (seed, step): the same rows for every mesh and
+every process count, so runs are comparable across parallel configurations and
+resumable from any step. Each process materialises only the rows (and columns) its
+own devices hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from jdist.errors import ConfigError, require
+
+BYTE_VOCAB = 256
+BUILTIN = "builtin"
+BUILTIN_MAX_BYTES = 16 << 20
+VAL_FRACTION = 0.05
+TRAIN_STREAM, VAL_STREAM = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    train: np.ndarray  # 1-D token ids
+    val: np.ndarray
+    vocab_size: int  # smallest vocabulary that covers the ids
+    source: str
+
+
+def encode(text: str | bytes) -> np.ndarray:
+    """Byte-level tokenizer: every byte is one token id in [0, 256)."""
+    raw = text.encode("utf-8") if isinstance(text, str) else text
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def decode(ids) -> str:
+    return bytes(np.asarray(ids, dtype=np.uint8)).decode("utf-8", errors="replace")
+
+
+def builtin_text(max_bytes: int = BUILTIN_MAX_BYTES) -> bytes:
+    """The Python standard library's own source: real text that every machine with Python has."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    chunks, total = [], 0
+    for path in files:
+        chunk = path.read_bytes()
+        chunks.append(chunk)
+        total += len(chunk)
+        if total >= max_bytes:
+            break
+    return b"\n".join(chunks)[:max_bytes]
+
+
+def _text_files(root: Path) -> list[Path]:
+    files = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        if any(part.startswith(".") for part in path.relative_to(root).parts):
+            continue
+        with path.open("rb") as f:
+            if b"\0" not in f.read(4096):  # skip binaries
+                files.append(path)
+    return files
+
+
+def load_tokens(path: str | None, bin_dtype: str = "uint16") -> tuple[np.ndarray, str]:
+    """All token ids of a data source: builtin corpus, text file, directory of text, or `.bin`."""
+    if path in (None, "", BUILTIN):
+        return encode(builtin_text()), "python stdlib source (builtin)"
+    p = Path(path)
+    require(p.exists(), f"data path {path!r} does not exist; pass a text file, a directory of "
+                        "text files, or a .bin of token ids (or omit --data for the builtin corpus)")
+    if p.is_dir():
+        files = _text_files(p)
+        require(bool(files), f"data directory {path!r} has no text files; add .txt files or "
+                             "point --data elsewhere")
+        return encode(b"\n".join(f.read_bytes() for f in files)), f"{len(files)} files in {path}"
+    if p.suffix == ".bin":
+        require(bin_dtype in ("uint16", "uint32"),
+                f"--data-dtype {bin_dtype!r} is not supported; use uint16 or uint32")
+        itemsize = np.dtype(bin_dtype).itemsize
+        require(p.stat().st_size % itemsize == 0,
+                f"{path!r} has {p.stat().st_size} bytes, not a whole number of {bin_dtype} "
+                "tokens; check --data-dtype or re-export the file")
+        return np.memmap(p, dtype=bin_dtype, mode="r"), f"{path} ({bin_dtype} token ids)"
+    return encode(p.read_bytes()), str(path)
+
+
+def load_corpus(path: str | None, seq_len: int, bin_dtype: str = "uint16",
+                val_fraction: float = VAL_FRACTION) -> Corpus:
+    """Split a source into train and held-out validation tokens (the last `val_fraction`)."""
+    tokens, source = load_tokens(path, bin_dtype)
+    n_val = int(len(tokens) * val_fraction)
+    need = 2 * (seq_len + 1)
+    require(len(tokens) - n_val > need and n_val > seq_len + 1,
+            f"data {source!r} has {len(tokens)} tokens, too few for --seq-len {seq_len} with a "
+            f"{val_fraction:.0%} validation split; give more text (at least "
+            f"{int(need / val_fraction) + 1} tokens) or a shorter --seq-len")
+    vocab = BYTE_VOCAB if tokens.dtype == np.uint8 else int(tokens.max()) + 1
+    return Corpus(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], vocab, source)
+
+
+def window_starts(n_tokens: int, seed: int, step: int, batch_size: int, seq_len: int,
+                  stream: int = TRAIN_STREAM) -> np.ndarray:
+    """Start offsets of the `batch_size` windows of (seed, step). Pure; independent of the mesh."""
+    rng = np.random.default_rng((seed, stream, step))
+    return rng.integers(0, n_tokens - seq_len - 1, size=batch_size)
+
+
+def batch_rows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """Windows of seq_len + 1 tokens (inputs plus the next-token targets), int32."""
+    return np.stack([np.asarray(tokens[s: s + seq_len + 1], dtype=np.int32) for s in starts])
+
+
+def host_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int,
+               stream: int = TRAIN_STREAM) -> dict[str, np.ndarray]:
+    """The whole global batch on the host (reference runs, tests)."""
+    rows = batch_rows(tokens, window_starts(len(tokens), seed, step, batch_size, seq_len, stream),
+                      seq_len)
+    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+
+
+def global_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int,
+                 sharding, stream: int = TRAIN_STREAM) -> dict:
+    """The global batch as sharded `jax.Array`s; this process reads only its devices' rows."""
+    import jax
+
+    starts = window_starts(len(tokens), seed, step, batch_size, seq_len, stream)
+    shape = (batch_size, seq_len)
+    cache: dict[tuple, np.ndarray] = {}
+
+    def rows(index: tuple) -> np.ndarray:
+        key = (index[0].start, index[0].stop)
+        if key not in cache:
+            cache[key] = batch_rows(tokens, starts[index[0]], seq_len)
+        return cache[key]
+
+    def make(shift: int):
+        return jax.make_array_from_callback(
+            shape, sharding, lambda index: rows(index)[:, shift: shift + seq_len][:, index[1]])
+
+    return {"inputs": make(0), "targets": make(1)}
+
+
+def check_vocab(corpus: Corpus, vocab_size: int) -> None:
+    if corpus.vocab_size > vocab_size:
+        raise ConfigError(f"data {corpus.source!r} has token ids up to {corpus.vocab_size - 1} but "
+                          f"the model vocabulary is {vocab_size}; pass --vocab-size "
+                          f"{corpus.vocab_size} or larger")

@@ -1,0 +1,86 @@
+"""Shardings of the training state: parameters from their logical names, optimizer state
+mirroring its parameters, and per-device byte accounting."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jdist import axes as ax
+from jdist.errors import require
+from jdist.rules import Rules, resolve
+
+# Which command-line flag sets each logical dimension: errors name the fix.
+DIM_FLAGS = {
+    ax.HEADS: "--n-heads", ax.KV_HEADS: "--n-kv-heads", ax.MLP: "--d-ff",
+    ax.VOCAB: "--vocab-size", ax.EMBED: "--d-model", ax.NORM: "--d-model",
+    ax.LAYERS: "--n-layers", ax.BATCH: "--batch-size", ax.LENGTH: "--seq-len",
+}
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_names(state: nnx.State) -> dict:
+    """Pure dict {param path: tuple of logical names} from an (abstract) nnx state."""
+    def names(v: nnx.Variable) -> tuple:
+        meta = v.get_metadata()
+        found = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+        return tuple(found) if found else (None,) * len(v.shape)
+    return nnx.to_pure_dict(jax.tree.map(names, state, is_leaf=_is_variable))
+
+
+def check_divisible(shape: tuple[int, ...], names: tuple, mesh, rules: Rules, what: str) -> None:
+    """Every dimension must split evenly over the mesh axes its logical name resolves to."""
+    spec = resolve(names, rules, mesh)
+    for size, name, part in zip(shape, names, spec):
+        if part is None:
+            continue
+        mesh_axes = (part,) if isinstance(part, str) else part
+        ways = math.prod(mesh.shape[a] for a in mesh_axes)
+        flag = DIM_FLAGS.get(name, "the model shape")
+        require(size % ways == 0,
+                f"{what}: {name} dimension {size} is not divisible by "
+                f"{'x'.join(mesh_axes)}={ways}, which the rules shard it over; "
+                f"change {flag} to a multiple of {ways} or use a smaller "
+                f"{'/'.join(mesh_axes)} axis")
+
+
+def param_shardings(abstract_params: dict, names: dict, mesh, rules: Rules) -> dict:
+    """NamedSharding for every parameter, after checking each splits evenly."""
+    def one(path, leaf, leaf_names):
+        check_divisible(leaf.shape, leaf_names, mesh, rules, f"parameter {path_str(path)}")
+        return NamedSharding(mesh, resolve(leaf_names, rules, mesh))
+    return jax.tree_util.tree_map_with_path(one, abstract_params, names,
+                                            is_leaf=lambda x: isinstance(x, tuple))
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, abstract_params: dict,
+                        shardings: dict, mesh) -> Any:
+    """Optimizer state leaves shaped like a parameter take that parameter's sharding."""
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, shardings,
+                                 transform_non_params=lambda _: replicated)
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def per_device_bytes(abstract_tree: Any, shardings: Any) -> int:
+    """Bytes one device holds of `abstract_tree` laid out as `shardings`."""
+    leaves = jax.tree.leaves(abstract_tree)
+    sh = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(leaves, sh))
+
+
+def path_str(path) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+

@@ -1,0 +1,32 @@
+"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def lr_schedule(lr: float, steps: int, warmup: int, min_lr_ratio: float = 0.1) -> optax.Schedule:
+    warmup = max(0, min(warmup, steps - 1))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else lr, peak_value=lr, warmup_steps=warmup,
+        decay_steps=max(steps, warmup + 1), end_value=lr * min_lr_ratio)
+
+
+def make_optimizer(lr: float = 3e-3, steps: int = 1000, warmup: int = 100,
+                   weight_decay: float = 0.1, clip_norm: float = 1.0,
+                   b1: float = 0.9, b2: float = 0.95) -> tuple[optax.GradientTransformation,
+                                                               optax.Schedule]:
+    """Returns (transformation, schedule); the schedule reports the lr of each step."""
+    schedule = lr_schedule(lr, steps, warmup)
+    tx = optax.chain(
+        optax.clip_by_global_norm(clip_norm),
+        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
+                    mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params)),
+    )
+    return tx, schedule
+
+
+def _decays(path, p) -> bool:
+    """Weight decay applies to weight matrices, not to normalisation scales."""
+    return not any("norm" in str(getattr(k, "key", "")) for k in path)
