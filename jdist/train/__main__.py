@@ -1,0 +1,52 @@
+"""`python -m jdist.train`: parse flags, size the simulated CPU platform, join the process
+group, train. User mistakes end with one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import sys
+
+from jdist.errors import ConfigError, require
+
+
+def configure_devices(n_local: int) -> None:
+    """Simulate `n_local` CPU devices. Only the CPU platform reads this, so it is harmless
+    on accelerators; it must happen before JAX initialises its backends."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n_local)
+    except RuntimeError:  # backends already up (e.g. called from a test): keep what exists
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jdist.distributed import initialize, process_settings
+    from jdist.mesh import parse_mesh
+    from jdist.train.config import parse_args
+
+    try:
+        config = parse_args(argv)
+        spec = parse_mesh(config.mesh)
+        coordinator, n_proc, proc_id = process_settings(
+            config.coordinator, config.num_processes, config.process_id)
+        n_devices = config.cpu_devices or spec.n_devices(default_fill=8)
+        require(n_devices % n_proc == 0,
+                f"{n_devices} devices cannot be split evenly over {n_proc} processes; "
+                "change the mesh or the process count")
+        configure_devices(n_devices // n_proc)
+        initialize(coordinator, n_proc, proc_id)
+
+        from jdist.train.loop import train
+
+        train(config)
+    except ConfigError as e:
+        print(f"jdist: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jdist: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
