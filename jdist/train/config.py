@@ -12,7 +12,7 @@ from jdist.errors import ConfigError
 @dataclasses.dataclass
 class TrainConfig:
     model: str = "small"
-    mesh: str = "dp=1"
+    mesh: str = "fsdp=-1"
     steps: int = 300
     batch_size: int = 16  # global, in sequences
     seq_len: int = 128

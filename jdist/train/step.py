@@ -36,7 +36,7 @@ def make_train_step(plan: Plan, schedule: optax.Schedule | None = None,
             state.params)
         updates, opt_state = plan.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics

@@ -1,0 +1,52 @@
+"""Reading compiled HLO: which collectives a step runs and how many bytes they move."""
+
+from __future__ import annotations
+
+import re
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def _op_pattern(op: str) -> re.Pattern:
+    # `%x = (f32[..], f32[..]) all-reduce-start(...)`: match the op name, async form included.
+    return re.compile(rf"^\s*\S+ = (.*?) {op}(?:-start)?\(", re.MULTILINE)
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """Number of each collective in compiled HLO text (a loop body counts once)."""
+    return {op: len(_op_pattern(op).findall(hlo_text)) for op in COLLECTIVES}
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Result bytes of each collective (summed over tuple elements), per device."""
+    out = {}
+    for op in COLLECTIVES:
+        total = 0
+        for result_type in _op_pattern(op).findall(hlo_text):
+            for dtype, dims in _SHAPE.findall(result_type):
+                n = 1
+                for d in filter(None, dims.split(",")):
+                    n *= int(d)
+                total += n * _DTYPE_BYTES[dtype]
+        out[op] = total
+    return out
+
+
+def computation(hlo_text: str, name: str) -> str:
+    """The text of one named computation (e.g. a while-loop body) of HLO module text."""
+    lines = hlo_text.splitlines()
+    for i, line in enumerate(lines):
+        if re.match(rf"^(?:ENTRY )?%?{re.escape(name)} ", line):
+            for j in range(i, len(lines)):
+                if lines[j].startswith("}"):
+                    return "\n".join(lines[i: j + 1])
+    raise KeyError(f"no computation named {name!r}")
+
+
+def loop_bodies(hlo_text: str) -> list[str]:
+    """Texts of the bodies of every while loop (`lax.scan` over layers compiles to one)."""
+    names = re.findall(r"body=%?([\w.\-]+)", hlo_text)
+    return [computation(hlo_text, name) for name in dict.fromkeys(names)]
