@@ -52,6 +52,15 @@ def check_divisible(shape: tuple[int, ...], names: tuple, mesh, rules: Rules, wh
                 f"{'/'.join(mesh_axes)} axis")
 
 
+def check_model_fits(model, mesh, rules: Rules) -> None:
+    """Model dimensions that the rules shard must divide evenly; checked in the order a user
+    thinks about them (heads before kv heads), before any parameter is looked at."""
+    for name, size in ((ax.HEADS, model.n_heads), (ax.KV_HEADS, model.n_kv_heads),
+                       (ax.MLP, model.d_ff), (ax.VOCAB, model.vocab_size),
+                       (ax.EMBED, model.d_model)):
+        check_divisible((size,), (name,), mesh, rules, "model")
+
+
 def param_shardings(abstract_params: dict, names: dict, mesh, rules: Rules) -> dict:
     """NamedSharding for every parameter, after checking each splits evenly."""
     def one(path, leaf, leaf_names):

@@ -18,12 +18,12 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
     assert len(shape) == len(names), (shape, names)
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     # Shardings are applied by jdist from these names; flax must not try to place eagerly.
-    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=(NORM,),
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(NORM,),
                                eager_sharding=False)
         self.eps = eps
 

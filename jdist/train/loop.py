@@ -17,7 +17,7 @@ from jdist.distributed import is_main_process
 from jdist.errors import require
 from jdist.mesh import MeshSpec, build_mesh, parse_mesh
 from jdist.rules import DEFAULT_RULES, Rules, load_rules, with_sequence_parallel
-from jdist.sharding import check_divisible
+from jdist.sharding import check_divisible, check_model_fits
 from jdist.train import report
 from jdist.train.config import TrainConfig
 from jdist.train.optim import make_optimizer
@@ -62,6 +62,7 @@ def prepare(config: TrainConfig) -> Setup:
     require(not (model.shape_only and jax.default_backend() == "cpu"),
             f"model preset {config.model!r} is shape-only on CPU (too large to allocate); "
             "train 'tiny' or 'small' here")
+    check_model_fits(model, mesh, rules)
     check_divisible((config.batch_size, config.seq_len), (ax.BATCH, ax.LENGTH), mesh, rules,
                     "global batch")
     corpus = data.load_corpus(config.data or None, config.seq_len, config.data_dtype)

@@ -1,0 +1,70 @@
+"""`python -m jdist.train` end to end: a real run, and every user mistake the issue lists."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["--model", "tiny", "--steps", "4", "--batch-size", "8", "--seq-len", "32"]
+
+
+def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jdist.train", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+def test_run_writes_config_and_metrics(tmp_path):
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[rules]\nembed = []\n')  # replicate the model dimension of parameters
+    result = run_cli(*TINY, "--mesh", "dp=2,fsdp=2,tp=2", "--eval-every", "2",
+                     "--rules", str(rules), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    assert "mesh: data=2 fsdp=2 tensor=2 (8 devices, cpu)" in result.stdout
+    assert "blocks.mlp.w_up" in result.stdout and "per-device bytes" in result.stdout
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["mesh"]["tensor"] == 2 and config["train"]["steps"] == 4
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s"):
+        assert all(key in x for x in lines)
+    assert "val_loss" in lines[1] and "val_loss" in lines[3] and "val_loss" not in lines[0]
+    assert "step 4/4" in result.stderr
+
+
+BAD = [
+    (["--mesh", "dp2,tp=2"], "malformed mesh entry 'dp2'"),
+    (["--mesh", "gpu=2"], "unknown mesh axis 'gpu'"),
+    (["--mesh", "dp=8", "--cpu-devices", "4"], "needs 8 devices but 4 are available"),
+    (["--mesh", "tp=4", "--n-heads", "6", "--n-kv-heads", "2", "--d-model", "48"],
+     "heads dimension 6 is not divisible by tensor=4"),
+    (["--mesh", "tp=4", "--n-heads", "8", "--n-kv-heads", "2"],
+     "kv_heads dimension 2 is not divisible by tensor=4"),
+    (["--mesh", "tp=4", "--d-ff", "130"], "change --d-ff to a multiple of 4"),
+    (["--mesh", "tp=4", "--vocab-size", "258"], "change --vocab-size to a multiple of 4"),
+    (["--mesh", "dp=4", "--batch-size", "6"], "change --batch-size to a multiple of 4"),
+    (["--mesh", "sp=2", "--seq-len", "63"], "change --seq-len to a multiple of 2"),
+    (["--model", "huge"], "unknown model preset 'huge'"),
+    (["--model", "7b"], "shape-only on CPU"),
+    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+    (["--data", "EMPTY"], "too few for --seq-len"),
+    (["--rules", "/nonexistent/rules.toml"], "rules file '/nonexistent/rules.toml' does not exist"),
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--mesh", "dp=2", "--vocab-size", "128"], "pass --vocab-size 256 or larger"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[m.split(" ")[0] + str(i)
+                                                    for i, (_, m) in enumerate(BAD)])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    args = [str(empty) if a == "EMPTY" else a for a in args]
+    run_dir = tmp_path / "run"
+    result = run_cli(*TINY, *args, "--run-dir", str(run_dir))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("jdist: error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not run_dir.exists()  # nothing written for a run that never started
