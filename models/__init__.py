@@ -3,4 +3,4 @@
 from models.config import PRESETS, ModelConfig, get_preset
 from models.llama import Llama
 
-__all__ = ["PRESETS", "ModelConfig", "Llama", "get_preset"]
+__all__ = ["PRESETS", "Llama", "ModelConfig", "get_preset"]

@@ -12,11 +12,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdist.axes import (ACT_EMBED, BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LENGTH, MLP,
-                        VOCAB)
+from jdist.axes import (
+    ACT_EMBED,
+    BATCH,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    LENGTH,
+    MLP,
+    VOCAB,
+)
 from jdist.rules import constrain
 from models.config import ModelConfig
-from models.layers import (RMSNorm, apply_rotary, dot_product_attention, param, rotary_tables)
+from models.layers import RMSNorm, apply_rotary, dot_product_attention, param, rotary_tables
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
 

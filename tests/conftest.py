@@ -3,13 +3,13 @@
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import pytest  # noqa: E402
+import pytest
 
-from jdist import data  # noqa: E402
+from jdist import data
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,14 @@ from jax.sharding import PartitionSpec as P
 from jdist import axes as ax
 from jdist.errors import ConfigError
 from jdist.mesh import build_mesh
-from jdist.rules import (DEFAULT_RULES, constrain, load_rules, override, resolve,
-                         with_sequence_parallel)
+from jdist.rules import (
+    DEFAULT_RULES,
+    constrain,
+    load_rules,
+    override,
+    resolve,
+    with_sequence_parallel,
+)
 
 
 def test_first_unused_candidate_wins():

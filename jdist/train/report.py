@@ -30,7 +30,7 @@ def layout_table(plan: Plan) -> str:
     for (path, leaf), sharding, logical in zip(flat, shardings, names):
         spec = ",".join("-" if p is None else p if isinstance(p, str) else "x".join(p)
                         for p in sharding.spec) or "replicated"
-        lines.append(f"{sh.path_str(path):28} {str(leaf.shape):22} {','.join(map(str, logical)):36}"
+        lines.append(f"{sh.path_str(path):28} {leaf.shape!s:22} {','.join(map(str, logical)):36}"
                      f" {spec:28} {sharding.shard_shape(leaf.shape)}")
     params = sh.per_device_bytes(plan.abstract.params, plan.shardings.params)
     opt = sh.per_device_bytes(plan.abstract.opt_state, plan.shardings.opt_state)
