@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 
