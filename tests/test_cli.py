@@ -10,8 +10,8 @@ TINY = ["--model", "tiny", "--steps", "4", "--batch-size", "8", "--seq-len", "32
 
 
 def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jdist.train", *args], check=False, capture_output=True,
-                          text=True, timeout=300, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "jdist.train", *args], check=False,
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def test_run_writes_config_and_metrics(tmp_path):

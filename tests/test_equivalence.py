@@ -39,3 +39,12 @@ def test_bfloat16_compute_tracks_float32(corpus, reference):
     run = train_steps(TINY, "dp=2,fsdp=2,tp=2", corpus.train, compute_dtype=jnp.bfloat16)
     assert loss_rel_diff(run, reference) < 2e-2
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(run.params))
+
+
+def test_tied_embeddings_match_single_device(corpus):
+    tied = get_preset("tiny", tie_embeddings=True)
+    reference = train_steps(tied, "dp=1", corpus.train, steps=5)
+    run = train_steps(tied, "fsdp=2,tp=4", corpus.train, steps=5)
+    assert loss_rel_diff(run, reference) <= LOSS_RTOL
+    assert param_abs_diff(run, reference) <= PARAM_ATOL
+    assert "head" not in run.params
