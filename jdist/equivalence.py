@@ -29,14 +29,17 @@ class RunResult:
 
 def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEFAULT_RULES,
                 steps: int = 10, batch_size: int = 16, seq_len: int = 32, seed: int = 0,
-                lr: float = 3e-3, compute_dtype=jnp.float32) -> RunResult:
+                lr: float = 3e-3, compute_dtype=jnp.float32, zero: int = 0,
+                grad_accum: int = 1, remat: str = "none", offload: bool = False,
+                cp_strategy: str = "ring") -> RunResult:
     """Train `steps` steps of `model` on `mesh` (a Mesh or a mesh string)."""
     if isinstance(mesh, str):
         mesh = build_mesh(mesh, single_device() if mesh in ("", "dp=1") else None)
     tx, schedule = make_optimizer(lr, steps, warmup=2)
-    plan = make_plan(model, mesh, rules, tx)
+    plan = make_plan(model, mesh, rules, tx, zero=zero, offload_optimizer=offload,
+                     cp_strategy=cp_strategy)
     state = init_state(plan, seed)
-    step = make_train_step(plan, schedule, compute_dtype)
+    step = make_train_step(plan, schedule, compute_dtype, grad_accum, remat)
     losses = []
     for i in range(steps):
         batch = data.global_batch(tokens, seed, i, batch_size, seq_len, plan.batch_sharding)

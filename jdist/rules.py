@@ -103,6 +103,16 @@ def with_sequence_parallel(rules: Rules) -> Rules:
     return tuple(out)
 
 
+def without_axis(rules: Rules, mesh_axis: str) -> Rules:
+    """The rules with `mesh_axis` removed from every candidate: for code that runs per
+    slice of that axis (e.g. per data replica), where the axis is already spent."""
+    out = []
+    for logical, candidate in rules:
+        kept = tuple(a for a in _mesh_axes_of(candidate) if a != mesh_axis)
+        out.append((logical, None if not kept else kept[0] if len(kept) == 1 else kept))
+    return tuple(out)
+
+
 def _canonical(candidate) -> Candidate:
     if candidate is None or candidate == "" or candidate == []:
         return None

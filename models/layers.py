@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdist.axes import NORM
+from jdist.parallel.context import current as context_parallel
 
 INIT_STD = 0.02
 
@@ -61,3 +62,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True) -> jax.Array:
+    """The attention core the model calls: inside a training step whose sequence is sharded,
+    the step's context-parallel kernel (`jdist.parallel`); otherwise `dot_product_attention`."""
+    cp = context_parallel()
+    return dot_product_attention(q, k, v, causal) if cp is None else cp.attention(q, k, v, causal)

@@ -8,10 +8,14 @@ Every parameter and key activation carries logical names; no mesh axis appears h
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from jdist import remat
 from jdist.axes import (
     ACT_EMBED,
     BATCH,
@@ -26,9 +30,10 @@ from jdist.axes import (
 )
 from jdist.rules import constrain
 from models.config import ModelConfig
-from models.layers import RMSNorm, apply_rotary, dot_product_attention, param, rotary_tables
+from models.layers import RMSNorm, apply_rotary, attention, param, rotary_tables
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
+_named = checkpoint_name
 
 
 class Attention(nnx.Module):
@@ -43,14 +48,15 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (cfg.n_heads, hd, d), (HEADS, HEAD_DIM, EMBED), std=out_std)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        q = constrain(jnp.einsum("bse,ehd->bshd", x, self.wq[...]), (BATCH, LENGTH, HEADS, HEAD_DIM))
-        k = constrain(jnp.einsum("bse,ehd->bshd", x, self.wk[...]),
+        q = constrain(_named(jnp.einsum("bse,ehd->bshd", x, self.wq[...]), remat.QUERY),
+                      (BATCH, LENGTH, HEADS, HEAD_DIM))
+        k = constrain(_named(jnp.einsum("bse,ehd->bshd", x, self.wk[...]), remat.KEY),
                       (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-        v = constrain(jnp.einsum("bse,ehd->bshd", x, self.wv[...]),
+        v = constrain(_named(jnp.einsum("bse,ehd->bshd", x, self.wv[...]), remat.VALUE),
                       (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = constrain(dot_product_attention(q, k, v), (BATCH, LENGTH, HEADS, HEAD_DIM))
-        return jnp.einsum("bshd,hde->bse", out, self.wo[...])
+        out = constrain(attention(q, k, v), (BATCH, LENGTH, HEADS, HEAD_DIM))
+        return _named(jnp.einsum("bshd,hde->bse", out, self.wo[...]), remat.ATTENTION_OUT)
 
 
 class SwiGLU(nnx.Module):
@@ -63,10 +69,10 @@ class SwiGLU(nnx.Module):
         self.w_down = param(rngs, (cfg.d_ff, cfg.d_model), (MLP, EMBED), std=out_std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jnp.einsum("bse,ef->bsf", x, self.w_gate[...])
-        up = jnp.einsum("bse,ef->bsf", x, self.w_up[...])
+        gate = _named(jnp.einsum("bse,ef->bsf", x, self.w_gate[...]), remat.MLP_GATE)
+        up = _named(jnp.einsum("bse,ef->bsf", x, self.w_up[...]), remat.MLP_UP)
         hidden = constrain(jax.nn.silu(gate) * up, (BATCH, LENGTH, MLP))
-        return jnp.einsum("bsf,fe->bse", hidden, self.w_down[...])
+        return _named(jnp.einsum("bsf,fe->bse", hidden, self.w_down[...]), remat.MLP_DOWN)
 
 
 class Block(nnx.Module):
@@ -101,20 +107,26 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens [batch, length] int32 -> logits [batch, length, vocab]."""
+    def __call__(self, tokens: jax.Array, *, remat_block: Callable = lambda f: f,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """tokens [batch, length] int32 -> logits [batch, length, vocab].
+
+        `remat_block` wraps the per-layer function (see `jdist.remat.wrapper`). `positions`
+        [length] are the tokens' positions in the text (default 0..length-1); a step that
+        stores tokens out of order (causal load balancing) passes them."""
         cfg = self.config
         # Gathering rows of a vocab/fsdp-sharded table makes GSPMD replicate it clumsily
         # ("involuntary full rematerialization"); all-gather it explicitly instead.
         table = constrain(self.embed[...], (None, ACT_EMBED))
         x = constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
-        cos, sin = rotary_tables(jnp.arange(tokens.shape[1]), cfg.dim_per_head, cfg.rope_theta)
+        positions = jnp.arange(tokens.shape[1]) if positions is None else positions
+        cos, sin = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta)
         graphdef, layers = nnx.split(self.blocks)
 
         def layer(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, cos, sin), None
 
-        x, _ = jax.lax.scan(layer, x, layers)
+        x, _ = jax.lax.scan(remat_block(layer), x, layers)
         x = self.final_norm(x)
         if cfg.tie_embeddings:
             logits = jnp.einsum("bse,ve->bsv", x, self.embed[...])

@@ -1,5 +1,6 @@
 """`python -m jdist.train`: parse flags, size the simulated CPU platform, join the process
-group, train. User mistakes end with one line on stderr and exit status 2."""
+group, train. User mistakes end with one line on stderr and exit status 2; the other exit
+statuses are listed in `jdist.train.faults` (3: non-finite loss, 75: preempted)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def configure_devices(n_local: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     from jdist.distributed import initialize, process_settings
     from jdist.mesh import parse_mesh
+    from jdist.train import faults
     from jdist.train.config import parse_args
 
     try:
@@ -41,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         train(config)
     except ConfigError as e:
         print(f"jdist: error: {e}", file=sys.stderr)
-        return 2
+        return faults.EXIT_CONFIG
+    except faults.Preempted as e:
+        print(f"jdist: {e}", file=sys.stderr)
+        return faults.EXIT_PREEMPTED
+    except faults.NonFinite as e:
+        print(f"jdist: error: {e}", file=sys.stderr)
+        return faults.EXIT_NONFINITE
     except KeyboardInterrupt:
         print("jdist: interrupted", file=sys.stderr)
         return 130

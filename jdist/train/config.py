@@ -28,6 +28,14 @@ class TrainConfig:
     log_every: int = 10
     rules: str = ""
     sequence_parallel: bool = False
+    cp_strategy: str = "ring"
+    # Memory (see jdist.zero, jdist.remat, jdist.memory).
+    zero: int = 0
+    grad_accum: int = 1
+    remat: str = "none"
+    offload: str = "none"
+    dry_run: bool = False
+    device_memory_gb: float = 0.0  # 0: ask the device (accelerators); CPU has no limit
     data: str = ""
     data_dtype: str = "uint16"
     cpu_devices: int = 0  # 0: as many as the mesh needs (8 for a -1 axis)
@@ -43,6 +51,12 @@ class TrainConfig:
     coordinator: str = ""
     num_processes: int = 0
     process_id: int = -1
+    # Checkpoints and fault tolerance (see jdist.checkpoint, jdist.train.faults).
+    checkpoint_every: int = 0
+    keep: int = 3
+    resume: str = "auto"
+    on_nan: str = "stop"
+    inject_nan_at_step: int = 0
 
     def model_overrides(self) -> dict:
         keys = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
@@ -60,10 +74,32 @@ HELP = {
     "eval_every": "evaluate held-out loss every N steps (0: never)",
     "rules": "TOML file overriding the logical-axis rules ([rules] name = [mesh axes])",
     "sequence_parallel": "shard activations' sequence dim over tensor between TP regions",
+    "cp_strategy": "attention when the mesh has sp>1: ring (K/V pass around, load-balanced), "
+                   "all_gather (gather K/V), or ulysses (all-to-all to heads)",
+    "zero": "ZeRO stage over the data axis: 0 DDP, 1 +optimizer state sharded, "
+            "2 +gradients (reduce-scatter), 3 +parameters",
+    "grad_accum": "micro-batches per optimizer step (one compiled step, scanned)",
+    "remat": "activation checkpointing: none, full, selective, or a policy name "
+             "(dots_saveable, offload_selective, ...)",
+    "offload": "none, or optimizer: optimizer state lives in pinned host memory between steps",
+    "dry_run": "compile the step, print the memory plan and exit",
+    "device_memory_gb": "per-device memory budget for the fit check (default: the device's)",
     "data": "text file, directory of text files, or .bin of token ids (default: builtin corpus)",
     "data_dtype": "token dtype of a .bin file: uint16 or uint32",
     "cpu_devices": "CPU devices to simulate when the mesh has a -1 axis (default 8)",
+    "checkpoint_every": "save an async sharded checkpoint to RUN_DIR/checkpoints every N steps "
+                        "(0: only on preemption)",
+    "keep": "keep the newest K good checkpoints",
+    "resume": "auto (newest good checkpoint in --run-dir, else start fresh), a checkpoint "
+              "directory, or none",
+    "on_nan": "non-finite loss or gradient: skip the update, rollback to the last checkpoint "
+              "and skip that batch, or stop (exit status 3)",
+    "inject_nan_at_step": "debug: make step N's loss and gradients NaN (tests --on-nan)",
 }
+
+
+CHOICES = {"compute_dtype": ["float32", "bfloat16"], "zero": [0, 1, 2, 3],
+           "offload": ["none", "optimizer"]}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,7 +120,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         else:
             parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
                                 default=field.default, help=HELP.get(field.name),
-                                choices=["float32", "bfloat16"] if field.name == "compute_dtype"
-                                else None)
+                                choices=CHOICES.get(field.name))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return TrainConfig(**vars(args))

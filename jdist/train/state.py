@@ -13,7 +13,9 @@ from flax import nnx
 
 from jdist import axes as ax
 from jdist import sharding as sh
+from jdist.errors import require
 from jdist.rules import Rules, resolve
+from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, STAGES, zero_shardings
 from models import Llama, ModelConfig
 
 
@@ -34,26 +36,43 @@ class Plan:
     graphdef: nnx.GraphDef
     names: dict           # logical names of every parameter
     abstract: TrainState  # ShapeDtypeStructs
-    shardings: TrainState
-    batch_sharding: Any   # for [batch, length] token arrays
+    shardings: TrainState          # where the state lives between steps
+    batch_sharding: Any            # for [batch, length] token arrays
+    zero: int = 0                  # ZeRO stage over `data` (see jdist.zero)
+    base_params: Any = None        # parameter shardings before ZeRO (as the rules give them)
+    grad_shardings: Any = None     # reduced gradients (sharded over data from ZeRO-2)
+    opt_device_shardings: Any = None  # optimizer state while it is being updated
+    cp_strategy: str = "ring"      # attention over a sharded sequence (see jdist.parallel)
+
+    @property
+    def offload(self) -> bool:
+        return self.opt_device_shardings != self.shardings.opt_state
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Llama:
     return Llama(cfg, rngs=nnx.Rngs(params=seed))
 
 
-def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation) -> Plan:
-    """Shapes and shardings of the whole training state, from the model's logical names."""
+def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation,
+              zero: int = 0, offload_optimizer: bool = False, cp_strategy: str = "ring") -> Plan:
+    """Shapes and shardings of the whole training state, from the model's logical names,
+    the ZeRO stage, and whether optimizer state lives in host memory between steps."""
+    require(zero in STAGES, f"--zero {zero} is not a ZeRO stage; use 0, 1, 2 or 3")
     graphdef, abstract_vars = nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)))
     names = sh.logical_names(abstract_vars)
     abstract_params = nnx.to_pure_dict(abstract_vars)
-    param_sh = sh.param_shardings(abstract_params, names, mesh, rules)
-    state_sh = TrainState(step=sh.replicated(mesh), params=param_sh,
-                          opt_state=sh.optimizer_shardings(tx, abstract_params, param_sh, mesh))
+    base = sh.param_shardings(abstract_params, names, mesh, rules)
+    sharded = zero_shardings(abstract_params, base, names, mesh)
+    pick = lambda stage: sharded if zero >= stage else base  # noqa: E731
+    opt_device = sh.optimizer_shardings(tx, abstract_params, pick(OPTIMIZER), mesh)
+    opt_rest = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_device) \
+        if offload_optimizer else opt_device
+    state_sh = TrainState(step=sh.replicated(mesh), params=pick(PARAMETERS), opt_state=opt_rest)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
                           opt_state=jax.eval_shape(tx.init, abstract_params))
     batch_sharding = jax.sharding.NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
-    return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding)
+    return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
+                zero, base, pick(GRADIENTS), opt_device, cp_strategy)
 
 
 def init_state(plan: Plan, seed: int) -> TrainState:

@@ -11,32 +11,48 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jdist import remat
+from jdist.parallel.context import context_parallel
 from jdist.rules import activation_sharding
 from jdist.sharding import replicated
+from jdist.train.grads import accumulated_grads
 from jdist.train.state import Plan, TrainState
 
 
-def loss_fn(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32) -> jax.Array:
-    """Mean next-token cross-entropy. Matmuls run in `compute_dtype`; the loss in float32."""
+def loss_fn(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32,
+            remat_block=lambda f: f) -> jax.Array:
+    """Mean next-token cross-entropy. Matmuls run in `compute_dtype`; the loss in float32.
+
+    Under context parallelism tokens and targets are first moved into the attention
+    kernel's (load-balanced) order, with their positions; a mean over tokens is unchanged."""
     compute = jax.tree.map(lambda p: p.astype(compute_dtype), params)
-    with activation_sharding(plan.mesh, plan.rules):
-        logits = nnx.merge(plan.graphdef, compute)(batch["inputs"])
+    with activation_sharding(plan.mesh, plan.rules), \
+            context_parallel(plan.mesh, plan.rules, plan.cp_strategy) as cp:
+        logits = nnx.merge(plan.graphdef, compute)(
+            cp.reorder(batch["inputs"]), remat_block=remat_block,
+            positions=cp.positions(batch["inputs"].shape[1]))
     losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch["targets"])
+        logits.astype(jnp.float32), cp.reorder(batch["targets"]))
     return losses.mean()
 
 
 def make_train_step(plan: Plan, schedule: optax.Schedule | None = None,
-                    compute_dtype=jnp.float32):
+                    compute_dtype=jnp.float32, grad_accum: int = 1, remat_policy: str = "none"):
     """`step(state, batch) -> (state, metrics)`, jitted with the plan's shardings; the old
     state is donated so parameters and optimizer state are updated in place."""
+    remat_block = remat.wrapper(remat_policy)
+
+    def loss(plan_: Plan, params: dict, batch: dict) -> jax.Array:
+        return loss_fn(plan_, params, batch, compute_dtype, remat_block)
 
     def step(state: TrainState, batch: dict):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(plan, p, batch, compute_dtype))(
-            state.params)
-        updates, opt_state = plan.tx.update(grads, state.opt_state, state.params)
+        loss_value, grads = accumulated_grads(plan, loss, state.params, batch, grad_accum)
+        # Offloaded optimizer state comes in from host memory for the update only.
+        opt_state = jax.device_put(state.opt_state, plan.opt_device_shardings) \
+            if plan.offload else state.opt_state
+        updates, opt_state = plan.tx.update(grads, opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads)}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
         return TrainState(state.step + 1, params, opt_state), metrics

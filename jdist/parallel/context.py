@@ -1,0 +1,149 @@
+"""Which context-parallel attention a training step runs, chosen without the model naming
+a mesh axis.
+
+The step enters `context_parallel(mesh, rules, strategy)`; the model's attention core
+(`models.layers.attention`) asks `current()` and, inside such a step, runs the chosen
+`shard_map` kernel over whatever mesh axes the rules give the logical `length` dimension
+of the queries. Outside a step, or when `length` is not sharded, it stays dense.
+
+The ring's causal load balancing stores tokens in a fixed permuted order; the step moves
+tokens, targets and rotary positions into that order with `reorder`/`positions`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jdist.axes import BATCH, HEAD_DIM, HEADS, KV_HEADS, LENGTH
+from jdist.errors import require
+from jdist.parallel.all_gather_attention import all_gather_attention
+from jdist.parallel.load_balance import balanced_order
+from jdist.parallel.ring_attention import Ring, ring_attention
+from jdist.parallel.ulysses_attention import ulysses_attention
+from jdist.rules import Rules, resolve
+
+RING, ALL_GATHER, ULYSSES = "ring", "all_gather", "ulysses"
+STRATEGIES = (RING, ALL_GATHER, ULYSSES)
+
+Q_NAMES = (BATCH, LENGTH, HEADS, HEAD_DIM)
+KV_NAMES = (BATCH, LENGTH, KV_HEADS, HEAD_DIM)
+
+
+def _mesh_axes(part) -> tuple[str, ...]:
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """A strategy bound to a mesh and rules: the layout of the sequence and the kernel."""
+
+    mesh: Any
+    rules: Rules
+    strategy: str = RING
+
+    def __post_init__(self) -> None:
+        require(self.strategy in STRATEGIES,
+                f"unknown context-parallel strategy {self.strategy!r}; use --cp-strategy "
+                f"{', '.join(STRATEGIES)}")
+
+    @property
+    def q_spec(self) -> PartitionSpec:
+        return resolve(Q_NAMES, self.rules, self.mesh)
+
+    @property
+    def kv_spec(self) -> PartitionSpec:
+        return resolve(KV_NAMES, self.rules, self.mesh)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Mesh axes the sequence of the attention inputs is split over."""
+        return _mesh_axes(self.q_spec[1])
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    @property
+    def balanced(self) -> bool:
+        """Only the ring skips masked blocks, so only it needs the balanced token order."""
+        return self.strategy == RING and self.size > 1
+
+    def positions(self, seq_len: int) -> np.ndarray:
+        """Original position of each token slot along the length dimension."""
+        return balanced_order(seq_len, self.size) if self.balanced else np.arange(seq_len)
+
+    def reorder(self, x: jax.Array, axis: int = 1) -> jax.Array:
+        """Move `x`'s length dimension into the layout's token order."""
+        if not self.balanced:
+            return x
+        return jnp.take(x, self.positions(x.shape[axis]), axis=axis)
+
+    def restore(self, x: jax.Array, axis: int = 1) -> jax.Array:
+        """Undo `reorder`."""
+        if not self.balanced:
+            return x
+        return jnp.take(x, np.argsort(self.positions(x.shape[axis])), axis=axis)
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array,
+                  causal: bool = True) -> jax.Array:
+        """q [b, S, h, d], k/v [b, S, kv, d], already in this layout's token order."""
+        common = {"mesh": self.mesh, "q_spec": self.q_spec, "kv_spec": self.kv_spec}
+        if self.strategy == RING:
+            ring = Ring(self.axes, self.size, causal, self.balanced)
+            return ring_attention(q, k, v, ring=ring, **common)
+        kernel = all_gather_attention if self.strategy == ALL_GATHER else ulysses_attention
+        return kernel(q, k, v, axis=self.axes, n=self.size, causal=causal, **common)
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jdist_context_parallel", default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(mesh, rules: Rules, strategy: str = RING) -> Iterator[ContextParallel]:
+    """While tracing inside this context, attention runs `strategy` over the sequence axes."""
+    token = _ACTIVE.set(ContextParallel(mesh, rules, strategy))
+    try:
+        yield _ACTIVE.get()
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current() -> ContextParallel | None:
+    """The active context parallelism, or None when attention should stay dense."""
+    cp = _ACTIVE.get()
+    return cp if cp is not None and cp.size > 1 else None
+
+
+def check_context_parallel(n_heads: int, seq_len: int, mesh, rules: Rules,
+                           strategy: str) -> None:
+    """User errors of a context-parallel run, in one line each, before anything compiles."""
+    cp = ContextParallel(mesh, rules, strategy)
+    if cp.size == 1:
+        return
+    n, seq = cp.size, "x".join(cp.axes)
+    q_spec, kv_spec = cp.q_spec, cp.kv_spec
+    require(q_spec[:2] == kv_spec[:2] and q_spec[2] == kv_spec[2],
+            f"context parallelism needs keys/values sharded like queries, but the rules give "
+            f"heads {q_spec[2]} and kv_heads {kv_spec[2]}; give kv_heads the same rules")
+    if cp.balanced:
+        require(seq_len % (2 * n) == 0,
+                f"--seq-len {seq_len} does not split into 2 x {seq}={n} equal chunks, as "
+                f"load-balanced causal ring attention needs; change --seq-len to a multiple "
+                f"of {2 * n} or use --cp-strategy all_gather")
+    if strategy == ULYSSES:
+        tp = math.prod(mesh.shape[a] for a in _mesh_axes(q_spec[2]))
+        local = n_heads // tp
+        require(local % n == 0,
+                f"--cp-strategy ulysses splits each device's {local} attention heads over "
+                f"{seq}={n}, which does not divide them; change --n-heads to a multiple of "
+                f"{n * tp} or use --cp-strategy ring")

@@ -1,0 +1,168 @@
+"""Ring attention: queries stay put, key/value blocks travel around the `sequence` ring.
+
+At step s device j holds the keys/values of device j - s, merges them into an online
+softmax, and passes them on with `ppermute`; after N steps every query has seen every
+key and no device ever held more than one remote block. The backward pass is a custom
+VJP that runs the ring again, recomputing each block's probabilities from the saved
+log-sum-exp, while the key/value gradients travel with their blocks and a final shift
+hands them to their owners. Residuals are the local q, k, v, output and log-sum-exp, so
+memory stays O(S/N) in forward and backward alike.
+
+Causal masking works on chunks (see `load_balance`): a block whose keys all follow its
+queries is skipped with `lax.switch`, a block on the diagonal gets the triangular mask,
+every other block is computed unmasked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jdist.parallel import CHECK_VMA
+from jdist.parallel import blockwise as bw
+from jdist.parallel.load_balance import block_kind, chunk_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    axis: tuple[str, ...]     # mesh axes the sequence is split over (the ring)
+    n: int                    # devices in the ring
+    causal: bool
+    balanced: bool            # two chunks per device (j, 2N-1-j) instead of one
+
+    @property
+    def n_chunks(self) -> int:
+        # Without a mask nothing is skipped, so one block per device is enough.
+        return 2 if self.balanced and self.causal else 1
+
+    def shift(self, tree):
+        """Send to the next device of the ring (device j receives from j - 1)."""
+        return lax.ppermute(tree, self.axis, [(i, (i + 1) % self.n) for i in range(self.n)])
+
+    def split(self, x: jax.Array) -> list[jax.Array]:
+        return jnp.split(x, self.n_chunks, axis=1)
+
+    def kinds(self, step) -> list[list]:
+        """kinds[a][b]: what to do with local query chunk a and visiting key chunk b."""
+        me = lax.axis_index(self.axis)
+        q_ids = chunk_ids(me, self.n, self.balanced)
+        k_ids = chunk_ids((me - step) % self.n, self.n, self.balanced)
+        return [[block_kind(qc, kc, self.causal, jnp) for kc in k_ids] for qc in q_ids]
+
+    def run(self, compute: Callable, travelling, local):
+        """compute(step, travelling, local) -> (travelling, local) for steps 0..N-1,
+        shifting `travelling` to the next device between steps (not after the last)."""
+        def body(step, carry):
+            travelling, local = compute(step, *carry)
+            return self.shift(travelling), local
+        carry = lax.fori_loop(0, self.n - 1, body, (travelling, local))
+        return compute(self.n - 1, *carry)
+
+
+def _dispatch(ring: Ring, kind, block: Callable, acc, *args):
+    """Run `block(acc, *args, mask)` as the chunk pair's kind says (skip / full / diagonal)."""
+    if not ring.causal:
+        return block(acc, *args, None)
+    size = args[0].shape[1]
+    diag = bw.causal_mask(jnp.arange(size), jnp.arange(size))
+    return lax.switch(kind, (lambda acc, *_: acc,
+                             lambda acc, *a: block(acc, *a, None),
+                             lambda acc, *a: block(acc, *a, diag)), acc, *args)
+
+
+def _forward(ring: Ring, q, k, v):
+    """Local blocks q [b, L, h, d], k/v [b, L, kv, d] -> (out [b, L, h, d], lse [b, L, h])."""
+    q_chunks = ring.split(bw.group_heads(q, k.shape[2]))
+
+    def compute(step, kv, accs):
+        kinds = ring.kinds(step)
+        accs = list(accs)
+        for a, qc in enumerate(q_chunks):
+            for b, (kc, vc) in enumerate(zip(ring.split(kv[0]), ring.split(kv[1]))):
+                accs[a] = _dispatch(ring, kinds[a][b], bw.attend, accs[a], qc, kc, vc)
+        return kv, tuple(accs)
+
+    _, accs = ring.run(compute, (k, v), tuple(bw.empty(qc) for qc in q_chunks))
+    outs, lses = zip(*(bw.finish(acc) for acc in accs))
+    out = bw.ungroup_heads(jnp.concatenate(outs, axis=1)).astype(q.dtype)
+    lse = jnp.concatenate(lses, axis=-1)  # [b, kv, g, L]
+    return out, _lse_to_heads(lse)
+
+
+def _backward(ring: Ring, q, k, v, out, lse, dout):
+    """Local gradients (dq, dk, dv); dk/dv travel with their k/v blocks and end at home."""
+    n_kv = k.shape[2]
+    q_chunks = ring.split(bw.group_heads(q, n_kv))
+    dout_g = bw.group_heads(dout, n_kv)
+    do_chunks = ring.split(dout_g)
+    lse_chunks = jnp.split(_lse_from_heads(lse, n_kv), ring.n_chunks, axis=-1)
+    delta_chunks = jnp.split(bw.row_delta(bw.group_heads(out, n_kv), dout_g), ring.n_chunks,
+                             axis=-1)
+
+    def block(acc, qc, kc, vc, doc, lsec, deltac, mask):
+        dq, dk, dv = bw.block_grads(qc, kc, vc, doc, lsec, deltac, mask)
+        return acc[0] + dq, acc[1] + dk, acc[2] + dv
+
+    def compute(step, travelling, dqs):
+        kc_all, vc_all, dk_all, dv_all = travelling
+        ks, vs = ring.split(kc_all), ring.split(vc_all)
+        dks, dvs, dqs = ring.split(dk_all), ring.split(dv_all), list(dqs)
+        kinds = ring.kinds(step)
+        for a in range(ring.n_chunks):
+            for b in range(ring.n_chunks):
+                dqs[a], dks[b], dvs[b] = _dispatch(
+                    ring, kinds[a][b], block, (dqs[a], dks[b], dvs[b]), q_chunks[a], ks[b],
+                    vs[b], do_chunks[a], lse_chunks[a], delta_chunks[a])
+        travelling = (kc_all, vc_all, jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
+        return travelling, tuple(dqs)
+
+    zeros_kv = jnp.zeros(k.shape, jnp.float32)
+    dq_init = tuple(jnp.zeros(qc.shape, jnp.float32) for qc in q_chunks)
+    (_, _, dk, dv), dqs = ring.run(compute, (k, v, zeros_kv, zeros_kv), dq_init)
+    dk, dv = ring.shift((dk, dv))  # after N steps each gradient sits one device short of home
+    dq = bw.ungroup_heads(jnp.concatenate(dqs, axis=1))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _lse_to_heads(lse: jax.Array) -> jax.Array:
+    """[b, kv, g, L] -> [b, L, h], laid out like the queries so it shards like them."""
+    b, kv, g, s = lse.shape
+    return jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, s, kv * g)
+
+
+def _lse_from_heads(lse: jax.Array, n_kv: int) -> jax.Array:
+    b, s, h = lse.shape
+    return jnp.transpose(lse.reshape(b, s, n_kv, h // n_kv), (0, 2, 3, 1))
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: PartitionSpec,
+                   kv_spec: PartitionSpec, ring: Ring) -> jax.Array:
+    """Attention of global q [b, S, h, d] against k, v [b, S, kv, d], sequence-sharded over
+    `ring.axis` as `q_spec`/`kv_spec` say (heads may be sharded too: blocks are per head)."""
+    lse_spec = PartitionSpec(*q_spec[:3])
+    smap = partial(jax.shard_map, mesh=mesh, check_vma=CHECK_VMA)
+    fwd = smap(partial(_forward, ring), in_specs=(q_spec, kv_spec, kv_spec),
+               out_specs=(q_spec, lse_spec))
+    bwd = smap(partial(_backward, ring),
+               in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec),
+               out_specs=(q_spec, kv_spec, kv_spec))
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return fwd(q, k, v)[0]
+
+    def attention_fwd(q, k, v):
+        out, lse = fwd(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def attention_bwd(residuals, dout):
+        return bwd(*residuals, dout)
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention(q, k, v)

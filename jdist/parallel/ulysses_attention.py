@@ -1,0 +1,50 @@
+"""Ulysses attention: all-to-all from sequence sharding to head sharding, full-sequence
+attention on H/N heads per device, then all-to-all back.
+
+Each device trades its sequence slice of every head for the full sequence of 1/N of the
+heads, attends locally, and trades back. Communication per layer is four all-to-alls of
+activation size / N (q, k, v in; output back), independent of the ring's N steps, but the
+local head count must divide by N. With grouped-query attention the kv heads are repeated
+just enough to divide by N, so each device gets the kv heads its query heads use.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jdist.parallel import CHECK_VMA
+from jdist.parallel import blockwise as bw
+
+
+def kv_repeats(local_kv_heads: int, n: int) -> int:
+    """How often to repeat each kv head so the kv heads split n ways."""
+    return n // math.gcd(local_kv_heads, n)
+
+
+def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v):
+    rep = kv_repeats(k.shape[2], n)
+    if rep > 1:  # repeating kv head i as i*rep .. i*rep+rep-1 keeps head h -> kv h // group
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+    to_heads = partial(lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True)
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    size = q.shape[1]  # now the whole sequence, in order
+    mask = bw.causal_mask(jnp.arange(size), jnp.arange(size)) if causal else None
+    out = bw.ungroup_heads(bw.dense(bw.group_heads(q, k.shape[2]), k, v, mask))
+    out = lax.all_to_all(out.astype(q.dtype), axis, split_axis=1, concat_axis=2, tiled=True)
+    return out
+
+
+def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: PartitionSpec,
+                      kv_spec: PartitionSpec, axis: tuple[str, ...], n: int,
+                      causal: bool) -> jax.Array:
+    """Attention of global q [b, S, h, d] against k, v [b, S, kv, d] (contiguous layout);
+    the local head count must be divisible by `n`."""
+    return jax.shard_map(partial(_local, axis, n, causal), mesh=mesh,
+                         in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=CHECK_VMA)(q, k, v)

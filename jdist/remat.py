@@ -1,0 +1,53 @@
+"""Activation checkpointing: the names the model gives its activations, and the policies
+(`--remat`) that decide which of them a block keeps for the backward pass.
+
+Each name is spelled once, here; `models/` tags activations with these constants and the
+policies below refer to the same constants, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from jdist.errors import ConfigError
+
+# Matmul outputs: cheap to store relative to the FLOPs needed to recompute them.
+QUERY = "query_proj"
+KEY = "key_proj"
+VALUE = "value_proj"
+ATTENTION_OUT = "attention_out_proj"
+MLP_GATE = "mlp_gate"
+MLP_UP = "mlp_up"
+MLP_DOWN = "mlp_down"
+MATMUL_OUTPUTS = (QUERY, KEY, VALUE, ATTENTION_OUT, MLP_GATE, MLP_UP, MLP_DOWN)
+
+_cp = jax.checkpoint_policies
+POLICIES: dict[str, Callable | None] = {
+    "full": _cp.nothing_saveable,  # keep only each block's input; recompute the block
+    # Megatron-style selective: keep projections, recompute norms, softmax and the
+    # attention score matrix (the O(S^2) part) and elementwise ops.
+    "selective": _cp.save_only_these_names(*MATMUL_OUTPUTS),
+    "dots_saveable": _cp.dots_saveable,
+    "dots_with_no_batch_dims_saveable": _cp.dots_with_no_batch_dims_saveable,
+    "everything_saveable": _cp.everything_saveable,
+    # Selective, but the kept activations wait in host memory between passes.
+    "offload_selective": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=MATMUL_OUTPUTS,
+        offload_src="device", offload_dst="pinned_host"),
+}
+NAMES = ("none", *POLICIES)
+
+
+def check(name: str) -> None:
+    if name not in NAMES:
+        raise ConfigError(f"unknown --remat policy {name!r}; use one of {', '.join(NAMES)}")
+
+
+def wrapper(name: str) -> Callable[[Callable], Callable]:
+    """Turns a block function into its checkpointed version under policy `name`."""
+    check(name)
+    if name == "none":
+        return lambda f: f
+    return lambda f: jax.checkpoint(f, policy=POLICIES[name], prevent_cse=False)

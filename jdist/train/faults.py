@@ -1,0 +1,179 @@
+"""Fault handling inside the training loop: preemption signals (agreed on by every process),
+the non-finite guard (`--on-nan skip|rollback|stop`), the debug NaN injection, and the exit
+statuses of `python -m jdist.train`."""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+from typing import Any, Self
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jdist.errors import (  # noqa: F401 - the exit statuses are part of this module's story
+    EXIT_CONFIG,
+    EXIT_CRASH,
+    EXIT_NONFINITE,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    require,
+)
+
+ON_NAN = ("skip", "rollback", "stop")
+MAX_ROLLBACKS = 8       # rollback gives up (like stop) after this many in one run
+
+
+class Preempted(Exception):
+    """Raised after the preemption checkpoint is safely written."""
+
+    def __init__(self, step: int, signame: str):
+        super().__init__(f"{signame} received: saved a checkpoint at step {step} and stopped; "
+                         "run the same command again (--resume auto) to continue")
+        self.step = step
+
+
+class NonFinite(Exception):
+    """A step's loss or gradient norm was not finite and the policy says stop."""
+
+
+class Rollback(Exception):
+    """Internal: restore the last good checkpoint and skip the batch of `step`."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+def check_flags(config) -> None:
+    """The fault-tolerance flags, checked with every other user input."""
+    require(config.on_nan in ON_NAN,
+            f"--on-nan {config.on_nan!r} is not a policy; use one of {', '.join(ON_NAN)}")
+    require(config.checkpoint_every >= 0,
+            f"--checkpoint-every {config.checkpoint_every} must be 0 (never) or positive")
+    require(config.keep >= 1, f"--keep {config.keep} must be at least 1")
+    require(config.inject_nan_at_step >= 0,
+            f"--inject-nan-at-step {config.inject_nan_at_step} must be 0 (off) or a step number")
+
+
+def is_finite(record: dict) -> bool:
+    return math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
+
+
+# ------------------------------------------------------------------- non-finite guard
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`--on-nan skip`: when the gradients are not all finite, the update is zero and the
+    optimizer state is left as it was. Same state structure as `inner`, so checkpoints
+    move freely between policies."""
+
+    def update(grads, state, params=None):
+        updates, new_state = inner.update(grads, state, params)
+        ok = jnp.isfinite(optax.tree.norm(grads))
+        updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+        return updates, new_state
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+def inject_nan(step_fn, plan, at_step: int):
+    """`--inject-nan-at-step N` (debug): step N (1-based, as in metrics.jsonl) runs its
+    forward and backward pass on NaN parameters, so its loss and gradients are non-finite.
+    The stored parameters are not poisoned (they stay as they were at that step); the
+    optimizer state goes wherever the optimizer's update puts it, and the `--on-nan` policy
+    decides what happens next."""
+    from jdist.sharding import replicated
+
+    def step(state, batch):
+        hit = state.step == at_step - 1
+        poisoned = jax.tree.map(lambda p: jnp.where(hit, jnp.nan, p), state.params)
+        new, metrics = step_fn(state._replace(params=poisoned), batch)
+        params = jax.tree.map(lambda n, o: jnp.where(hit, o, n), new.params, state.params)
+        return new._replace(params=params), metrics
+
+    return jax.jit(step, out_shardings=(plan.shardings, replicated(plan.mesh)),
+                   donate_argnums=0)
+
+
+def advance(state, plan):
+    """Skip a batch on the host (after a rollback): count the step, change nothing else."""
+    bump = jax.jit(lambda s: s + 1, out_shardings=plan.shardings.step)
+    return state._replace(step=bump(state.step))
+
+
+# -------------------------------------------------------------------------- preemption
+
+
+class StopSignal:
+    """SIGTERM/SIGINT set a flag; the loop finishes its step, saves and stops. With several
+    processes the flag is max-reduced over all of them, one step behind, so every process
+    stops after the same step even if only one was signalled. A second signal aborts."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, mesh):
+        self.received: str = ""
+        self._previous: dict = {}
+        self._mesh = mesh
+        self._pending = None  # the agreed flag of the previous step (multi-process)
+        self._agreed = False
+        if jax.process_count() > 1:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            self._sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+            self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:  # second signal: give up on the clean stop
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        if jax.process_index() == 0:
+            print(f"jdist: {self.received} received: finishing the current step and saving a "
+                  "checkpoint (send again to abort)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> Self:
+        for s in self.SIGNALS:
+            try:
+                self._previous[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread: no signal handling
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def poll(self) -> bool:
+        """Call once per step, on every process; True when all processes should stop now."""
+        if jax.process_count() == 1:
+            return bool(self.received)
+        agreed = self._pending is not None and bool(self._pending)  # waits for last step's
+        flag = np.int32(bool(self.received))
+        n = self._sharding.mesh.devices.size
+        flags = jax.make_array_from_callback((n,), self._sharding,
+                                             lambda idx: np.full((1,), flag, np.int32))
+        self._pending = self._reduce(flags)
+        if agreed and not self.received:
+            self.received = "SIGTERM (on another process)"
+        return agreed
+
+
+def truncate_metrics(path, last_step: int) -> None:
+    """Drop records after `last_step` from metrics.jsonl (they are about to be redone)."""
+    import json
+
+    if not path.exists():
+        return
+    lines = [x for x in path.read_text().splitlines()
+             if x.strip() and json.loads(x).get("step", 0) <= last_step]
+    path.write_text("".join(x + "\n" for x in lines))
+
+
+def tree_bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))

@@ -1,0 +1,83 @@
+"""What a run resumes from (`--resume auto|PATH|none`), whether that checkpoint belongs to
+this run's computation, and the metadata every checkpoint carries."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+
+from jdist import checkpoint as ckpt
+from jdist.errors import require
+
+# Flags that decide *what* is computed. A resumed run must keep them; everything else
+# (mesh, ZeRO stage, process count, remat, ...) only decides *how* and may change.
+RESULT_FLAGS = ("seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",
+                "clip_norm", "data", "data_dtype")
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def run_meta(config, model, mesh, step: int) -> dict:
+    """Saved with every checkpoint. Batches are a pure function of (seed, step), so the data
+    position is the step and the only RNG state is the seed."""
+    return {"step": step, "data_position": step, "rng": {"seed": config.seed},
+            "config": dataclasses.asdict(config), "model": dataclasses.asdict(model),
+            "mesh": dict(mesh.shape), "processes": jax.process_count(),
+            "jax": jax.__version__}
+
+
+def _plain(x):
+    return json.loads(json.dumps(x))
+
+
+def check_compatible(found: ckpt.Found, config, model) -> None:
+    saved_model, saved = found.meta.get("model", {}), found.meta.get("config", {})
+    for key, value in _plain(dataclasses.asdict(model)).items():
+        require(saved_model.get(key) == value,
+                f"--resume: checkpoint {found.path} is of a model with {key}={saved_model.get(key)}"
+                f" but this run's model has {key}={value}; pass the same --model and shape flags")
+    current = _plain(dataclasses.asdict(config))
+    for key in RESULT_FLAGS:
+        flag = "--" + key.replace("_", "-")
+        require(saved.get(key) == current[key],
+                f"--resume: checkpoint {found.path} was written with {flag} {saved.get(key)} but "
+                f"this run has {flag} {current[key]}; pass the same value (a resumed run may "
+                "change only the mesh, ZeRO stage, process count and other layout flags)")
+
+
+def find(config, model, run_dir: Path) -> ckpt.Found | None:
+    """The checkpoint to start from, or None for a fresh start. Raises ConfigError for an
+    unusable explicit PATH or a mismatched checkpoint; with `auto`, passes over (and moves
+    aside) unusable checkpoints, saying so. Runs on every process."""
+    root = checkpoint_root(run_dir)
+    if config.resume == "none":
+        existing = ckpt.step_dirs(root)
+        require(not existing,
+                f"--resume none, but {root} already holds checkpoints (up to step "
+                f"{existing[-1][0] if existing else 0}); pass --resume auto to continue that run "
+                "or choose a new --run-dir")
+        return None
+    if config.resume == "auto":
+        found = ckpt.latest_good(root)
+        if found is None:
+            return None
+        for path, why in found.skipped:
+            ckpt._say(f"{path} is not usable ({why}); falling back to an earlier checkpoint")
+        if found.step < 0:
+            ckpt._say(f"no usable checkpoint in {root}; starting from scratch")
+    else:
+        found = ckpt.resolve_explicit(config.resume)
+        newer = [s for s, p in ckpt.step_dirs(root) if s > found.step]
+        require(not newer,
+                f"--resume {config.resume}: this run's {root} already holds later checkpoints "
+                f"(up to step {newer[-1] if newer else 0}) that new saves would collide with; "
+                "choose a new --run-dir or --resume auto")
+    if found.step >= 0:
+        check_compatible(found, config, model)
+    ckpt.set_aside(found, root)
+    return found if found.step >= 0 else None

@@ -1,0 +1,146 @@
+"""Context parallelism over `sequence`: each attention strategy against dense attention,
+whole training runs against one device, and the collectives each strategy compiles to."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdist.equivalence import loss_rel_diff, param_abs_diff, train_steps
+from jdist.hlo import collective_counts, loop_bodies
+from jdist.mesh import build_mesh, parse_mesh
+from jdist.parallel.context import ALL_GATHER, RING, ULYSSES, ContextParallel
+from jdist.parallel.load_balance import balanced_order, ring_work
+from jdist.parallel.ring_attention import Ring, ring_attention
+from jdist.rules import DEFAULT_RULES
+from jdist.train import make_optimizer, make_plan, make_train_step
+from models import get_preset
+from models.layers import dot_product_attention
+
+ATTN_RTOL = 1e-5   # max |error| / max |reference|, outputs and gradients; observed <= ~6e-7
+LOSS_RTOL = 1e-5   # as tests/test_equivalence.py
+PARAM_ATOL = 2e-6
+TINY = get_preset("tiny")  # 8 heads, 4 kv heads: every test below is grouped-query attention
+
+
+def mesh_of(text: str):
+    spec = parse_mesh(text)
+    return build_mesh(spec, jax.devices()[: spec.n_devices()])
+
+
+def rel_err(x, ref) -> float:
+    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
+
+
+def qkv_and_cotangent(b=2, s=64, h=8, kv=4, d=16):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, s, h, d))
+    k = jax.random.normal(keys[1], (b, s, kv, d))
+    v = jax.random.normal(keys[2], (b, s, kv, d))
+    return (q, k, v), jax.random.normal(keys[3], (b, s, h, d))
+
+
+def value_and_grads(attention, qkv, cotangent):
+    """Output and d(sum(out * cotangent))/d(q, k, v), compiled."""
+    def f(q, k, v):
+        out = attention(q, k, v)
+        return jnp.sum(out * cotangent), out
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(*qkv)
+    return out, grads
+
+
+def assert_matches_dense(attention, causal: bool) -> None:
+    qkv, cotangent = qkv_and_cotangent()
+    ref_out, ref_grads = value_and_grads(
+        lambda q, k, v: dot_product_attention(q, k, v, causal), qkv, cotangent)
+    out, grads = value_and_grads(attention, qkv, cotangent)
+    errors = [rel_err(out, ref_out)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+    assert max(errors) <= ATTN_RTOL, errors
+
+
+@pytest.mark.parametrize("mesh, strategy, causal", [
+    ("sp=8", RING, True),
+    ("sp=8", RING, False),
+    ("sp=4,tp=2", RING, True),
+    ("sp=8", ALL_GATHER, True),
+    ("sp=2,tp=2,dp=2", ALL_GATHER, False),
+    ("sp=8", ULYSSES, True),        # 4 kv heads < 8 devices: kv heads are repeated
+    ("sp=2,tp=2,dp=2", ULYSSES, False),
+])
+def test_attention_matches_dense(mesh, strategy, causal):
+    cp = ContextParallel(mesh_of(mesh), DEFAULT_RULES, strategy)
+
+    def attention(q, k, v):  # tokens go into the layout's order and come back out of it
+        return cp.restore(cp.attention(cp.reorder(q), cp.reorder(k), cp.reorder(v), causal))
+
+    assert_matches_dense(attention, causal)
+
+
+def test_unbalanced_ring_matches_dense():
+    # The contiguous layout (no reorder) is what the benchmark compares balancing against.
+    cp = ContextParallel(mesh_of("sp=8"), DEFAULT_RULES, RING)
+    ring = Ring(cp.axes, cp.size, causal=True, balanced=False)
+    assert_matches_dense(lambda q, k, v: ring_attention(
+        q, k, v, mesh=cp.mesh, q_spec=cp.q_spec, kv_spec=cp.kv_spec, ring=ring), causal=True)
+
+
+def test_balanced_order_pairs_early_and_late_chunks():
+    order = balanced_order(16, 4)  # 8 chunks of 2; device j holds chunks j and 7 - j
+    assert sorted(order) == list(range(16))
+    assert order.reshape(4, 4).tolist() == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11],
+                                            [6, 7, 8, 9]]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_balancing_evens_out_causal_work(n):
+    contiguous, balanced = ring_work(n, balanced=False), ring_work(n, balanced=True)
+    assert max(contiguous) / min(contiguous) == n  # the last device does n times the first's
+    assert max(balanced) == min(balanced)
+    # ... and skipping fully masked blocks does about half the work of no mask at all.
+    assert sum(balanced) < 0.6 * sum(ring_work(n, balanced=True, causal=False))
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    return train_steps(TINY, "dp=1", corpus.train)
+
+
+@pytest.mark.parametrize("mesh, strategy", [
+    ("sp=2", RING), ("sp=4", RING), ("sp=8", RING),
+    ("sp=2", ALL_GATHER), ("sp=4", ALL_GATHER), ("sp=8", ALL_GATHER),
+    ("sp=2", ULYSSES), ("sp=4", ULYSSES), ("sp=8", ULYSSES),
+    ("dp=2,sp=2,tp=2", RING),
+])
+def test_training_matches_single_device(corpus, reference, mesh, strategy):
+    run = train_steps(TINY, mesh_of(mesh), corpus.train, cp_strategy=strategy)
+    assert loss_rel_diff(run, reference) <= LOSS_RTOL, (run.losses, reference.losses)
+    assert param_abs_diff(run, reference) <= PARAM_ATOL
+    assert run.losses[-1] < run.losses[0] - 0.5
+
+
+def train_step_hlo(strategy: str) -> str:
+    tx, _ = make_optimizer(1e-3, 10, 1)
+    plan = make_plan(TINY, mesh_of("sp=8"), DEFAULT_RULES, tx, cp_strategy=strategy)
+    tokens = jax.ShapeDtypeStruct((8, 64), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    return make_train_step(plan).lower(plan.abstract, batch).compile().as_text()
+
+
+@pytest.mark.parametrize("strategy, present, absent", [
+    (RING, "collective-permute", ("all-gather", "all-to-all")),
+    (ALL_GATHER, "all-gather", ("collective-permute", "all-to-all")),
+    (ULYSSES, "all-to-all", ("collective-permute", "all-gather")),
+])
+def test_strategy_collectives_inside_the_layer_loop(strategy, present, absent):
+    # With only `sequence` sharded, attention is the one thing in a layer that communicates.
+    counts = [collective_counts(body) for body in loop_bodies(train_step_hlo(strategy))]
+    assert any(c[present] >= 1 for c in counts), counts
+    assert all(c[op] == 0 for c in counts for op in absent), counts
+
+
+def test_positions_follow_the_reordered_tokens():
+    cp = ContextParallel(mesh_of("sp=4"), DEFAULT_RULES, RING)
+    tokens = jnp.arange(2 * 16).reshape(2, 16)
+    moved = np.asarray(cp.reorder(tokens))
+    assert (moved[0] == cp.positions(16)).all() and (moved[1] == cp.positions(16) + 16).all()
+    assert (np.asarray(cp.restore(cp.reorder(tokens))) == np.asarray(tokens)).all()
