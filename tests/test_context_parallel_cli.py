@@ -12,7 +12,7 @@ BAD = [
      "--seq-len 40 does not split into 2 x sequence=8 equal chunks"),
     (["--mesh", "sp=8", "--cp-strategy", "ulysses", "--n-heads", "4", "--n-kv-heads", "4"],
      "--cp-strategy ulysses splits each device's 4 attention heads over sequence=8"),
-    (["--mesh", "sp=2,tp=4", "--cp-strategy", "ulysses"],  # 8 heads / tp=4 = 2 per device
+    (["--mesh", "sp=4,tp=2", "--cp-strategy", "ulysses", "--n-heads", "4", "--n-kv-heads", "2"],
      "change --n-heads to a multiple of 8 or use --cp-strategy ring"),
     (["--mesh", "sp=2", "--cp-strategy", "zigzag"],
      "unknown context-parallel strategy 'zigzag'; use --cp-strategy ring, all_gather, ulysses"),

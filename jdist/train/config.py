@@ -107,9 +107,10 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message}; see --help")
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    parser = _Parser(prog="python -m jdist.train",
-                     description="Train a Llama-style model on any device mesh.")
+def make_parser(prog: str = "python -m jdist.train",
+                description: str = "Train a Llama-style model on any device mesh."):
+    """One flag per TrainConfig field; usage errors raise ConfigError (one line, exit 2)."""
+    parser = _Parser(prog=prog, description=description)
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = field.type.split(" |")[0]
@@ -121,5 +122,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             parser.add_argument(flag, type={"int": int, "float": float, "str": str}[kind],
                                 default=field.default, help=HELP.get(field.name),
                                 choices=CHOICES.get(field.name))
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
     return TrainConfig(**vars(args))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jdist import axes as ax
 from jdist import checkpoint as ckpt
-from jdist import data, remat
+from jdist import data, memory, remat
 from jdist.distributed import is_main_process
 from jdist.errors import require
 from jdist.mesh import MeshSpec, build_mesh, parse_mesh
@@ -64,27 +64,19 @@ def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
             f"{config.grad_accum * ways} or change --grad-accum")
 
 
-def prepare(config: TrainConfig) -> Setup:
-    """Every check a user's input can fail happens here, before anything is compiled."""
-    require(config.steps >= 1, f"--steps {config.steps} must be at least 1")
-    require(config.batch_size >= 1, f"--batch-size {config.batch_size} must be at least 1")
-    require(config.seq_len >= 2, f"--seq-len {config.seq_len} must be at least 2")
-    faults.check_flags(config)
+def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
+    """Model, mesh, rules, optimizer and layout from the flags: everything except data.
+    All shape checks happen here, before anything is compiled (also used by jdist.memory)."""
     model = get_preset(config.model, **config.model_overrides())
     spec = parse_mesh(config.mesh)
     rules = rules_for(config)
     mesh = build_mesh(spec, mesh_devices(spec, config.cpu_devices or 8))
-    require(not (model.shape_only and jax.default_backend() == "cpu"),
-            f"model preset {config.model!r} is shape-only on CPU (too large to allocate); "
-            "train 'tiny' or 'small' here")
     check_model_fits(model, mesh, rules)
     check_divisible((config.batch_size, config.seq_len), (ax.BATCH, ax.LENGTH), mesh, rules,
                     "global batch")
     check_micro_batches(config, mesh, rules)
     remat.check(config.remat)
     check_context_parallel(model.n_heads, config.seq_len, mesh, rules, config.cp_strategy)
-    corpus = data.load_corpus(config.data or None, config.seq_len, config.data_dtype)
-    data.check_vocab(corpus, model.vocab_size)
     tx, schedule = make_optimizer(config.lr, config.steps, config.warmup, config.weight_decay,
                                   config.clip_norm)
     if config.on_nan == "skip":
@@ -92,12 +84,31 @@ def prepare(config: TrainConfig) -> Setup:
     plan = make_plan(model, mesh, rules, tx, zero=config.zero,
                      offload_optimizer=config.offload == "optimizer",
                      cp_strategy=config.cp_strategy)
+    return model, plan, schedule
+
+
+def prepare(config: TrainConfig) -> Setup:
+    """Every check a user's input can fail happens here, before anything is compiled."""
+    require(config.steps >= 1, f"--steps {config.steps} must be at least 1")
+    require(config.batch_size >= 1, f"--batch-size {config.batch_size} must be at least 1")
+    require(config.seq_len >= 2, f"--seq-len {config.seq_len} must be at least 2")
+    faults.check_flags(config)
+    model, plan, schedule = plan_for(config)
+    require(not (model.shape_only and jax.default_backend() == "cpu"),
+            f"model preset {config.model!r} is shape-only on CPU (too large to allocate); "
+            "train 'tiny' or 'small' here, or plan it with --dry-run")
+    corpus = data.load_corpus(config.data or None, config.seq_len, config.data_dtype)
+    data.check_vocab(corpus, model.vocab_size)
     return Setup(config, model, corpus, plan, schedule)
 
 
 def train(config: TrainConfig) -> list[dict]:
     """Run training; returns the metrics of every step (also written to metrics.jsonl)."""
+    if config.dry_run:
+        memory.dry_run(config)
+        return []
     setup = prepare(config)
+    memory.check_fits(config, setup.plan)
     plan, corpus, dtype = setup.plan, setup.corpus, DTYPES[config.compute_dtype]
     main = is_main_process()
     run_dir = Path(config.run_dir or report.default_run_dir())

@@ -1,0 +1,278 @@
+"""Per-device memory: an analytical plan, and what the compiler actually allocates.
+
+The plan makes mixed-precision Adam's accounting explicit, per device:
+  parameters   float32 master weights, sharded as the ZeRO stage says (+ a bf16 compute copy
+               when --compute-dtype bfloat16)
+  gradients    float32, replicated over data until ZeRO-2 shards them
+  optimizer    two float32 Adam moments, sharded over data from ZeRO-1 (on the host with
+               --offload optimizer)
+  activations  what the backward pass keeps, by --remat policy, for one micro-batch, plus
+               transient full gradients before their reduce-scatter (ZeRO-2/3)
+
+`python -m jdist.memory --model 7b --mesh fsdp=8 --zero 3 [--measure] [--json]` prints it;
+`--measure` compiles the real step ahead of time on abstract inputs (nothing allocated)
+and reads `compiled.memory_analysis()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+
+COMPONENTS = ("params", "grads", "optimizer", "activations")
+
+
+@dataclasses.dataclass
+class Breakdown:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def state(self) -> int:
+        """Parameters + gradients + optimizer state: what ZeRO shards."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations
+
+    def as_dict(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def zero_textbook(params: float, grads: float, optimizer: float, n: int, stage: int) -> float:
+    """Per-device state under ZeRO `stage` with `n` data-parallel devices (the ZeRO paper's
+    accounting): each stage divides one more component by n."""
+    return (params / (n if stage >= 3 else 1) + grads / (n if stage >= 2 else 1)
+            + optimizer / (n if stage >= 1 else 1))
+
+
+def _shard_bytes(abstract, shardings, itemsize: int | None = None) -> int:
+    import jax
+
+    leaves = jax.tree.leaves(abstract)
+    shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    return sum(math.prod(s.shard_shape(x.shape)) * (itemsize or x.dtype.itemsize)
+               for x, s in zip(leaves, shs))
+
+
+def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
+                     remat: str) -> int:
+    """Bytes the backward pass needs from the forward, per device, for one micro-batch."""
+    from jdist import axes as ax
+
+    m, cfg = plan.mesh.shape, plan.model
+    tp = m[ax.TENSOR]
+    b = max(1, micro_batch // (m[ax.DATA] * m[ax.FSDP]))
+    s = seq_len // m[ax.SEQUENCE]
+    d, f, hd = cfg.d_model, cfg.d_ff // tp, cfg.dim_per_head
+    heads, kv = cfg.n_heads // tp, max(1, cfg.n_kv_heads // tp)
+    tokens = b * s
+    residual = tokens * d * compute_bytes                           # a block's input
+    matmuls = tokens * ((heads + 2 * kv) * hd + d + 3 * f + d) * compute_bytes
+    elementwise = tokens * (2 * d + heads * hd + f) * compute_bytes  # norms, context, silu
+    scores = b * heads * s * seq_len * 4 * 2                        # float32 scores + probs
+    per_layer = {"none": matmuls + elementwise + scores + residual,
+                 "everything_saveable": matmuls + elementwise + scores + residual,
+                 "full": residual,
+                 "selective": residual + matmuls,
+                 "dots_saveable": residual + matmuls + b * heads * s * seq_len * compute_bytes,
+                 "dots_with_no_batch_dims_saveable": residual + matmuls,
+                 "offload_selective": residual}.get(remat, residual + matmuls)
+    recompute = 0 if remat in ("none", "everything_saveable") else \
+        matmuls + elementwise + scores  # one block rematerialised at a time
+    logits = tokens * (cfg.vocab_size // tp) * 4 * 2                # float32 logits + grad
+    return cfg.n_layers * per_layer + recompute + logits
+
+
+def predict(plan, micro_batch: int, seq_len: int, compute_dtype: str = "float32",
+            remat: str = "none") -> Breakdown:
+    """The analytical plan, from shapes and shardings alone (nothing compiled)."""
+    compute_bytes = 2 if compute_dtype == "bfloat16" else 4
+    params = _shard_bytes(plan.abstract.params, plan.shardings.params)
+    if compute_bytes == 2:
+        params += _shard_bytes(plan.abstract.params, plan.shardings.params, itemsize=2)
+    grads = _shard_bytes(plan.abstract.params, plan.grad_shardings)
+    optimizer = 0 if plan.offload else _shard_bytes(plan.abstract.opt_state,
+                                                    plan.shardings.opt_state)
+    # Each replica's gradients exist in full (over data) until they are reduce-scattered.
+    unreduced = _shard_bytes(plan.abstract.params, plan.base_params) if grads < \
+        _shard_bytes(plan.abstract.params, plan.base_params) else 0
+    return Breakdown(params, grads, optimizer, unreduced +
+                     activation_bytes(plan, micro_batch, seq_len, compute_bytes, remat))
+
+
+def measure(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
+            grad_accum: int = 1, remat: str = "none") -> Breakdown:
+    """The compiler's per-device bytes for the real training step, compiled ahead of time
+    on abstract inputs. Parameters and optimizer state are the step's arguments (split by
+    the compiled input layout); gradients are the output of the compiled gradient
+    computation; activations are the step's temporaries minus those gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from jdist.train.grads import accumulated_grads
+    from jdist.train.step import loss_fn, make_train_step
+
+    dtype = jnp.bfloat16 if compute_dtype == "bfloat16" else jnp.float32
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    batch_sh = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
+    step = make_train_step(plan, None, dtype, grad_accum, remat)
+    stats = step.lower(plan.abstract, batch).compile().memory_analysis()
+
+    from jdist import remat as remat_policies
+
+    block = remat_policies.wrapper(remat)
+
+    def grads_only(params, batch):
+        loss = lambda p_, p, b: loss_fn(p_, p, b, dtype, block)  # noqa: E731
+        return accumulated_grads(plan, loss, params, batch, grad_accum)[1]
+
+    grads_fn = jax.jit(grads_only, in_shardings=(plan.shardings.params, batch_sh),
+                       out_shardings=plan.grad_shardings)
+    grads = grads_fn.lower(plan.abstract.params, batch).compile().memory_analysis()
+
+    arguments = stats.argument_size_in_bytes + stats.host_argument_size_in_bytes
+    batch_bytes = _shard_bytes(batch, batch_sh)
+    params = _shard_bytes(plan.abstract.params, plan.shardings.params)
+    optimizer = arguments - params - batch_bytes - 4  # the int32 step counter
+    if plan.offload:
+        optimizer = 0  # between steps it lives in host memory
+    return Breakdown(params, grads.output_size_in_bytes, optimizer,
+                     max(0, stats.temp_size_in_bytes - grads.output_size_in_bytes))
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:10.3f} GiB" if n >= 2**26 else f"{n / 2**20:10.3f} MiB"
+
+
+def table(predicted: Breakdown, measured: Breakdown | None = None) -> str:
+    rows = [f"{'per device':12} {'predicted':>14}" + (f" {'measured':>14} {'ratio':>7}"
+                                                       if measured else "")]
+    for key in (*COMPONENTS, "total"):
+        p = predicted.as_dict()[key]
+        line = f"{key:12} {gib(p):>14}"
+        if measured:
+            m = measured.as_dict()[key]
+            line += f" {gib(m):>14} {m / p if p else float('nan'):7.3f}"
+        rows.append(line)
+    return "\n".join(rows)
+
+
+def suggest(config, budget: int) -> str:
+    """The first of a few standard changes whose predicted total fits in `budget` bytes."""
+    from jdist.train.loop import plan_for
+
+    candidates = []
+    for zero in range(config.zero + 1, 4):
+        candidates.append((f"--zero {zero}", {"zero": zero}))
+    if config.remat in ("none", "everything_saveable"):
+        candidates += [("--remat selective", {"remat": "selective"}),
+                       ("--remat full", {"remat": "full"})]
+    candidates += [(f"--zero 3 --remat full --grad-accum {config.grad_accum * k}",
+                    {"zero": 3, "remat": "full", "grad_accum": config.grad_accum * k})
+                   for k in (2, 4, 8)]
+    for flags, change in candidates:
+        trial = dataclasses.replace(config, **change)
+        try:
+            _, plan, _ = plan_for(trial)
+        except Exception:  # e.g. the batch no longer splits: not a suggestion
+            continue
+        need = predict(plan, trial.batch_size // trial.grad_accum, trial.seq_len,
+                       trial.compute_dtype, trial.remat).total
+        if need <= budget:
+            return f"{flags} (predicted {need / 2**30:.2f} GiB)"
+    return "more fsdp or tensor parallelism (a larger mesh), or a smaller model"
+
+
+def device_budget(config) -> int | None:
+    """Per-device memory limit: --device-memory-gb, else what the accelerator reports."""
+    import jax
+
+    if config.device_memory_gb:
+        return int(config.device_memory_gb * 2**30)
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def plan_breakdown(config, plan) -> Breakdown:
+    return predict(plan, config.batch_size // config.grad_accum, config.seq_len,
+                   config.compute_dtype, config.remat)
+
+
+def check_fits(config, plan) -> None:
+    """Refuse, in one line, a configuration whose plan exceeds the device's memory."""
+    from jdist.errors import ConfigError
+
+    budget = device_budget(config)
+    need = plan_breakdown(config, plan).total
+    if budget and need > budget:
+        raise ConfigError(
+            f"the plan needs {need / 2**30:.2f} GiB per device but a device has "
+            f"{budget / 2**30:.2f} GiB; try {suggest(config, budget)}")
+
+
+def dry_run(config) -> None:
+    """`--dry-run`: compile the step ahead of time, print the plan beside the compiler's
+    numbers, check it fits, and return without allocating anything."""
+    from jdist.train.loop import plan_for
+    from jdist.train.report import layout_table
+
+    _, plan, _ = plan_for(config)
+    print(layout_table(plan), flush=True)
+    measured = measure(plan, config.batch_size, config.seq_len, config.compute_dtype,
+                       config.grad_accum, config.remat)
+    print(table(plan_breakdown(config, plan), measured), flush=True)
+    check_fits(config, plan)
+    print("dry run: the plan fits; nothing was allocated", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jdist.errors import ConfigError
+    from jdist.train.__main__ import configure_devices
+    from jdist.train.config import make_parser
+
+    parser = make_parser("python -m jdist.memory",
+                         "Per-device memory plan of a training configuration.")
+    parser.add_argument("--measure", action="store_true",
+                        help="also compile the step ahead of time and read the compiler's bytes")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    try:
+        args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+        do_measure, as_json = args.pop("measure"), args.pop("json")
+        from jdist.mesh import parse_mesh
+        from jdist.train.config import TrainConfig
+
+        config = TrainConfig(**args)
+        configure_devices(config.cpu_devices or parse_mesh(config.mesh).n_devices(8))
+        from jdist.train.loop import plan_for
+
+        _, plan, _ = plan_for(config)
+    except ConfigError as e:
+        print(f"jdist: error: {e}", file=sys.stderr)
+        return 2
+    micro = config.batch_size // config.grad_accum
+    predicted = predict(plan, micro, config.seq_len, config.compute_dtype, config.remat)
+    measured = measure(plan, config.batch_size, config.seq_len, config.compute_dtype,
+                       config.grad_accum, config.remat) if do_measure else None
+    if as_json:
+        out = {"model": config.model, "mesh": dict(plan.mesh.shape), "zero": config.zero,
+               "predicted": predicted.as_dict()}
+        if measured:
+            out["measured"] = measured.as_dict()
+        print(json.dumps(out))
+    else:
+        print(f"model {config.model}, mesh {config.mesh}, zero {config.zero}, "
+              f"micro-batch {micro} x {config.seq_len}, remat {config.remat}, "
+              f"{config.compute_dtype}")
+        print(table(predicted, measured))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

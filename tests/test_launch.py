@@ -1,0 +1,102 @@
+"""`python -m jdist.launch`: 2 local processes x 4 CPU devices (jax.distributed, gloo).
+Checkpoints move between process counts; a dead process takes the group down quickly;
+--max-restarts resumes the group from its newest checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jdist import checkpoint as ckpt
+from jdist.train.config import TrainConfig
+from jdist.train.loop import train
+
+ARGS = ["--model", "tiny", "--mesh", "dp=2,fsdp=4", "--steps", "8", "--batch-size", "16",
+        "--seq-len", "32", "--warmup", "2", "--eval-every", "0", "--log-every", "1",
+        "--checkpoint-every", "4"]
+
+
+def launch(*extra, max_restarts: int = 0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jdist.launch", "--nproc", "2",
+                             "--max-restarts", str(max_restarts), "--", *ARGS, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def pid_of(lines: list[str], i: int) -> int:
+    return int(next(x for x in lines if f"started process {i} (pid" in x).split("pid ")[1][:-2])
+
+
+def read_until(proc, text: str, lines: list[str]) -> None:
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            return
+    raise AssertionError(f"never saw {text!r}:\n" + "".join(lines))
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").open())}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One process, 8 devices: the reference losses and a checkpoint at step 4."""
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    train(TrainConfig(model="tiny", mesh="dp=2,fsdp=4", steps=8, batch_size=16, seq_len=32,
+                      warmup=2, eval_every=0, checkpoint_every=4, run_dir=str(run_dir)))
+    return run_dir, losses(run_dir)
+
+
+def close(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-5 * abs(b[k]) for k in a)
+
+
+def test_killed_process_stops_the_group(tmp_path):
+    proc = launch("--run-dir", str(tmp_path / "run"))
+    lines: list[str] = []
+    try:
+        read_until(proc, "step 1/8", lines)  # both are training, in each other's collectives
+        start = time.monotonic()
+        os.kill(pid_of(lines, 1), signal.SIGKILL)
+        lines += proc.communicate(timeout=60)[0].splitlines(keepends=True)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, "".join(lines)
+    assert time.monotonic() - start < 60
+    assert any("process 1 exited with status -9; stopping the group" in x for x in lines)
+
+
+def test_restart_resumes_two_process_checkpoint_and_it_moves_to_one(tmp_path, single):
+    run_dir = tmp_path / "run"
+    proc = launch("--run-dir", str(run_dir), max_restarts=1)
+    lines: list[str] = []
+    try:
+        read_until(proc, "checkpoint: saved step 4", lines)
+        os.kill(pid_of(lines, 1), signal.SIGKILL)
+        lines += proc.communicate(timeout=300)[0].splitlines(keepends=True)
+    finally:
+        proc.kill()
+    out = "".join(lines)
+    assert proc.returncode == 0, out
+    assert "restart 1/1" in out and "restored step" in out and "all processes finished" in out
+    assert close(losses(run_dir), single[1])
+    # The 2-process checkpoint at step 4 restores in one process on the same mesh.
+    history = train(TrainConfig(model="tiny", mesh="dp=2,fsdp=4", steps=8, batch_size=16,
+                                seq_len=32, warmup=2, eval_every=0, run_dir=str(tmp_path / "one"),
+                                resume=str(run_dir / "checkpoints" / "4")))
+    assert close({r["step"]: r["loss"] for r in history}, {s: single[1][s] for s in (5, 6, 7, 8)})
+
+
+def test_one_process_checkpoint_restores_in_two(tmp_path, single):
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "jdist.launch", "--nproc", "2", "--", *ARGS,
+                           "--run-dir", str(run_dir),
+                           "--resume", str(single[0] / "checkpoints" / "4")],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert close(losses(run_dir), {s: single[1][s] for s in (5, 6, 7, 8)})
+    assert ckpt.validate(run_dir / "checkpoints" / "8") is None

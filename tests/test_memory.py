@@ -1,0 +1,65 @@
+"""The memory planner: the ZeRO paper's accounting, agreement with the compiler, the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jdist.memory import measure, predict, zero_textbook
+from jdist.mesh import build_mesh
+from jdist.rules import DEFAULT_RULES
+from jdist.train import make_optimizer, make_plan
+from models import get_preset
+
+TINY = get_preset("tiny")
+
+
+def plan(mesh: str, zero: int):
+    tx, _ = make_optimizer(1e-3, 10, 1)
+    return make_plan(TINY, build_mesh(mesh), DEFAULT_RULES, tx, zero=zero)
+
+
+def test_textbook_example():
+    # 4 devices; parameters, gradients, optimizer state of 16, 16, 32 GB.
+    assert [zero_textbook(16, 16, 32, 4, s) for s in range(4)] == [64, 40, 28, 16]
+
+
+def test_planner_follows_the_textbook_on_a_real_model():
+    base = predict(plan("dp=4,tp=2", 0), 16, 32)
+    for stage in (1, 2, 3):
+        got = predict(plan("dp=4,tp=2", stage), 16, 32).state
+        want = zero_textbook(base.params, base.grads, base.optimizer, 4, stage)
+        assert abs(got - want) / want < 0.01  # only tiny counters stay replicated
+
+
+@pytest.mark.parametrize("mesh, zero", [("dp=8", 3), ("dp=2,fsdp=2,tp=2", 2)])
+def test_prediction_matches_the_compiler(mesh, zero):
+    p = plan(mesh, zero)
+    predicted, measured = predict(p, 16, 32), measure(p, 16, 32)
+    for key in ("params", "grads", "optimizer"):
+        a, b = getattr(predicted, key), getattr(measured, key)
+        assert abs(a - b) <= 0.05 * b, (key, a, b)
+
+
+def run(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], check=False,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_memory_cli_json():
+    result = run("jdist.memory", "--model", "tiny", "--mesh", "dp=4", "--zero", "1",
+                 "--batch-size", "8", "--seq-len", "32", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert set(out["predicted"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert out["predicted"]["optimizer"] * 3 < out["predicted"]["params"] * 2
+
+
+def test_dry_run_refuses_what_does_not_fit_and_suggests_a_fix():
+    result = run("jdist.train", "--model", "small", "--mesh", "dp=4", "--batch-size", "8",
+                 "--seq-len", "64", "--dry-run", "--device-memory-gb", "0.03")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "try --zero" in lines[0], lines
+    assert "predicted" in result.stdout and "measured" in result.stdout

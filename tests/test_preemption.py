@@ -1,0 +1,79 @@
+"""Real signals to a real `python -m jdist.train`: SIGTERM saves and exits 75; SIGKILL at a
+random step, then `--resume auto`, ends exactly where the uninterrupted run ends."""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from jdist import checkpoint as ckpt
+from jdist.train.config import TrainConfig
+from jdist.train.loop import train
+
+ARGS = ["--model", "tiny", "--mesh", "dp=2,fsdp=2,tp=2", "--batch-size", "8", "--seq-len", "32",
+        "--warmup", "2", "--eval-every", "0", "--log-every", "1"]
+
+
+def start(run_dir, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jdist.train", *ARGS, *extra,
+                             "--run-dir", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(proc: subprocess.Popen, step: int) -> list[str]:
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if f" step {step}/" in line:
+            return seen
+    raise AssertionError(f"run ended before step {step}: {''.join(seen)}")
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_saves_the_current_step_and_exits_75(tmp_path):
+    proc = start(tmp_path / "run", "--steps", "500")
+    try:
+        wait_for_step(proc, 3)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 75, err
+    finally:
+        proc.kill()
+    assert "SIGTERM received" in err and "saved a checkpoint at step" in err
+    (step, path), = ckpt.step_dirs(tmp_path / "run" / "checkpoints")
+    assert ckpt.validate(path) is None and 3 <= step < 500
+    assert metrics(tmp_path / "run")[-1]["step"] == step  # the step it was on when stopped
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    config = TrainConfig(model="tiny", mesh="dp=2,fsdp=2,tp=2", batch_size=8, seq_len=32,
+                         warmup=2, eval_every=0, steps=12,
+                         run_dir=str(tmp_path_factory.mktemp("ref") / "run"))
+    return train(config)[-1]["loss"]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sigkill_then_resume_auto_finishes_identically(tmp_path, reference, seed):
+    kill_at = random.Random(seed).randint(2, 10)
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--steps", "12", "--checkpoint-every", "3")
+    try:
+        wait_for_step(proc, kill_at)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    again = subprocess.run([sys.executable, "-m", "jdist.train", *ARGS, "--steps", "12",
+                            "--checkpoint-every", "3", "--run-dir", str(run_dir)],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0, again.stderr
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 13)), kill_at
+    assert records[-1]["loss"] == reference  # bitwise: same mesh, same batches
