@@ -130,7 +130,7 @@ def measure(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
     block = remat_policies.wrapper(remat)
 
     def grads_only(params, batch):
-        loss = lambda p_, p, b: loss_fn(p_, p, b, dtype, block)  # noqa: E731
+        loss = lambda p_, p, b: loss_fn(p_, p, b, dtype, block)
         return accumulated_grads(plan, loss, params, batch, grad_accum)[1]
 
     grads_fn = jax.jit(grads_only, in_shardings=(plan.shardings.params, batch_sh),
@@ -166,6 +166,7 @@ def table(predicted: Breakdown, measured: Breakdown | None = None) -> str:
 
 def suggest(config, budget: int) -> str:
     """The first of a few standard changes whose predicted total fits in `budget` bytes."""
+    from jdist.errors import ConfigError
     from jdist.train.loop import plan_for
 
     candidates = []
@@ -181,7 +182,7 @@ def suggest(config, budget: int) -> str:
         trial = dataclasses.replace(config, **change)
         try:
             _, plan, _ = plan_for(trial)
-        except Exception:  # e.g. the batch no longer splits: not a suggestion
+        except ConfigError:  # e.g. the batch no longer splits: not a suggestion
             continue
         need = predict(plan, trial.batch_size // trial.grad_accum, trial.seq_len,
                        trial.compute_dtype, trial.remat).total

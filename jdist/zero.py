@@ -70,10 +70,10 @@ def reduce_over_data(per_replica: dict, base: dict, reduced: dict, mesh) -> dict
     def one(g, base_sh: NamedSharding, out_sh: NamedSharding):
         in_spec = PartitionSpec(ax.DATA, *base_sh.spec)
         if out_sh.spec == base_sh.spec:
-            body = lambda x: jax.lax.psum(x[0], ax.DATA) / n  # noqa: E731
+            body = lambda x: jax.lax.psum(x[0], ax.DATA) / n
         else:
             dim = next(i for i, e in enumerate(out_sh.spec) if ax.DATA in _parts(e))
-            body = lambda x: jax.lax.psum_scatter(  # noqa: E731
+            body = lambda x: jax.lax.psum_scatter(
                 x[0], ax.DATA, scatter_dimension=dim, tiled=True) / n
         return jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_sh.spec)(g)
 

@@ -63,7 +63,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     abstract_params = nnx.to_pure_dict(abstract_vars)
     base = sh.param_shardings(abstract_params, names, mesh, rules)
     sharded = zero_shardings(abstract_params, base, names, mesh)
-    pick = lambda stage: sharded if zero >= stage else base  # noqa: E731
+    pick = lambda stage: sharded if zero >= stage else base
     opt_device = sh.optimizer_shardings(tx, abstract_params, pick(OPTIMIZER), mesh)
     opt_rest = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_device) \
         if offload_optimizer else opt_device
