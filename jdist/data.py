@@ -72,8 +72,9 @@ def load_tokens(path: str | None, bin_dtype: str = "uint16") -> tuple[np.ndarray
     if path in (None, "", BUILTIN):
         return encode(builtin_text()), "python stdlib source (builtin)"
     p = Path(path)
-    require(p.exists(), f"data path {path!r} does not exist; pass a text file, a directory of "
-                        "text files, or a .bin of token ids (or omit --data for the builtin corpus)")
+    require(p.exists(), f"data path {path!r} does not exist; pass a text file, a directory "
+                        "of text files, or a .bin of token ids (or omit --data for the builtin "
+                        "corpus)")
     if p.is_dir():
         files = _text_files(p)
         require(bool(files), f"data directory {path!r} has no text files; add .txt files or "

@@ -34,8 +34,9 @@ class MeshSpec:
         fill = [axis for axis, s in sizes.items() if s == FILL]
         if fill:
             require(n_devices % known == 0,
-                    f"mesh {self} cannot fill {n_devices} devices: the named axes already use "
-                    f"{known}, which does not divide {n_devices}; change the sizes or --cpu-devices")
+                    f"mesh {self} cannot fill {n_devices} devices: the named axes already "
+                    f"use {known}, which does not divide {n_devices}; change the sizes or "
+                    "--cpu-devices")
             sizes[fill[0]] = n_devices // known
         require(math.prod(sizes.values()) == n_devices,
                 f"mesh {self} needs {math.prod(sizes.values())} devices but {n_devices} are "

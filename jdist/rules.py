@@ -132,10 +132,12 @@ def load_rules(path: str | Path, base: Rules = DEFAULT_RULES) -> Rules:
     try:
         table = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"rules file {str(path)!r} is not valid TOML ({e}); fix the file") from None
+        raise ConfigError(
+            f"rules file {str(path)!r} is not valid TOML ({e}); fix the file") from None
     rules = table.get("rules")
     require(isinstance(rules, dict),
-            f"rules file {str(path)!r} has no [rules] table; add one, e.g. [rules] embed = [\"fsdp\"]")
+            f"rules file {str(path)!r} has no [rules] table; add one, e.g. "
+            '[rules] embed = ["fsdp"]')
     for logical, candidates in rules.items():
         require(isinstance(candidates, list),
                 f"rule {logical!r} in {str(path)!r} must be a list of mesh axes, e.g. [\"tensor\"]")

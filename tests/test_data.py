@@ -71,7 +71,8 @@ def test_each_process_reads_only_its_rows(corpus, monkeypatch):
     # make_array_from_callback asks only for addressable rows; count the rows materialised.
     seen = []
     original = data.batch_rows
-    monkeypatch.setattr(data, "batch_rows", lambda t, s, n: seen.append(len(s)) or original(t, s, n))
+    monkeypatch.setattr(data, "batch_rows",
+                        lambda t, s, n: seen.append(len(s)) or original(t, s, n))
     sharding = NamedSharding(build_mesh("dp=8"), P("data"))
     data.global_batch(corpus.train, 0, 0, 16, 32, sharding)
     assert sum(seen) == 16 and max(seen) == 2  # eight devices, two rows each, read once

@@ -1,0 +1,125 @@
+"""Context parallelism: what each attention strategy costs one device, read off the compiler.
+
+    python benchmarks/context_parallel.py [--seq-lens 1024,2048,4096,8192,16384] [--json]
+
+For the attention core of one layer (forward + backward; batch 1, 8 heads, 4 kv heads,
+head dim 64, float32, causal) on 8 simulated devices:
+  1. per-device compiled temp bytes (`memory_analysis`) of no CP (one device holds the
+     whole sequence), all_gather, ulysses and ring, and the collective bytes each moves per
+     layer (HLO, loop bodies counted per iteration), for each sequence length;
+  2. ring vs all_gather temp bytes as the ring grows (N = 2, 4, 8) at the longest length;
+  3. per-device causal work of the ring (score tiles it computes, by the kernel's own
+     schedule) with contiguous sharding and with chunk-pair load balancing.
+Targets: ring memory ~1/N at fixed S; balanced max/min work <= 1.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jdist.hlo import executed_collective_bytes
+from jdist.mesh import build_mesh
+from jdist.parallel.context import ALL_GATHER, RING, ULYSSES, ContextParallel
+from jdist.parallel.load_balance import ring_work
+from jdist.rules import DEFAULT_RULES
+from models.layers import dot_product_attention
+
+NO_CP = "no_cp"
+MiB = 2 ** 20
+
+
+def attention_fn(strategy: str, n: int):
+    """(q, k, v, dout) -> (dq, dk, dv), jitted, and the shardings of q and k/v."""
+    if strategy == NO_CP:
+        mesh = build_mesh("dp=1", jax.devices()[:1])
+        attend = dot_product_attention
+        q_sh = kv_sh = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    else:
+        mesh = build_mesh(f"sp={n}", jax.devices()[:n])
+        cp = ContextParallel(mesh, DEFAULT_RULES, strategy)
+        attend = cp.attention
+        q_sh, kv_sh = NamedSharding(mesh, cp.q_spec), NamedSharding(mesh, cp.kv_spec)
+
+    def fwd_bwd(q, k, v, dout):
+        _, vjp = jax.vjp(attend, q, k, v)
+        return vjp(dout)
+    return jax.jit(fwd_bwd), q_sh, kv_sh
+
+
+def measure(strategy: str, n: int, seq_len: int, heads: int, kv_heads: int, head_dim: int):
+    """Per-device temp bytes and per-layer collective bytes of one compiled fwd+bwd."""
+    fn, q_sh, kv_sh = attention_fn(strategy, n)
+    q = jax.ShapeDtypeStruct((1, seq_len, heads, head_dim), jnp.float32, sharding=q_sh)
+    kv = jax.ShapeDtypeStruct((1, seq_len, kv_heads, head_dim), jnp.float32, sharding=kv_sh)
+    compiled = fn.lower(q, kv, kv, q).compile()
+    comm = executed_collective_bytes(compiled.as_text())
+    return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "collective_bytes": {op: b for op, b in comm.items() if b}}
+
+
+def imbalance(work: list[int]) -> float:
+    return max(work) / min(work)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", default="1024,2048,4096,8192,16384")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    shape = (args.heads, args.kv_heads, args.head_dim)
+    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    strategies = (NO_CP, ALL_GATHER, ULYSSES, RING)
+    by_length = [{"seq_len": s, **{st: measure(st, 8, s, *shape) for st in strategies}}
+                 for s in seq_lens]
+    longest = seq_lens[-1]
+    by_devices = [{"devices": n, **{st: measure(st, n, longest, *shape)
+                                    for st in (ALL_GATHER, RING)}} for n in (2, 4, 8)]
+    work = [{"devices": n, "contiguous": ring_work(n, balanced=False),
+             "balanced": ring_work(n, balanced=True)} for n in (2, 4, 8)]
+    result = {"shape": {"batch": 1, "heads": args.heads, "kv_heads": args.kv_heads,
+                        "head_dim": args.head_dim, "dtype": "float32", "causal": True},
+              "by_seq_len_8_devices": by_length, "by_devices": by_devices,
+              "ring_work_tiles": work, "targets": {"balanced_imbalance_max": 1.1}}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print_tables(by_length, by_devices, work, strategies, longest)
+
+
+def print_tables(by_length, by_devices, work, strategies, longest) -> None:
+    def comm(m) -> str:
+        return f"{sum(m['collective_bytes'].values()) / MiB:8.1f}"
+
+    print("attention fwd+bwd per device, 8 devices: compiled temp MiB | collective MiB/layer")
+    print(f"{'seq':>6} " + " ".join(f"{s:>10}" for s in strategies) + " | "
+          + " ".join(f"{s:>10}" for s in strategies[1:]))
+    for row in by_length:
+        temps = " ".join(f"{row[s]['temp_bytes'] / MiB:10.1f}" for s in strategies)
+        comms = " ".join(f"{comm(row[s]):>10}" for s in strategies[1:])
+        print(f"{row['seq_len']:>6} {temps} | {comms}")
+    print(f"\nscaling with devices at seq {longest}: temp MiB per device")
+    print(f"{'N':>3} {'all_gather':>11} {'ring':>9} {'ring x N':>9}")
+    for row in by_devices:
+        ring = row[RING]["temp_bytes"] / MiB
+        print(f"{row['devices']:>3} {row[ALL_GATHER]['temp_bytes'] / MiB:11.1f} {ring:9.1f} "
+              f"{ring * row['devices']:9.1f}")
+    print("\nring causal work per device (score tiles), max/min")
+    for row in work:
+        print(f"N={row['devices']}: contiguous {row['contiguous']} -> "
+              f"{imbalance(row['contiguous']):.2f}; balanced {row['balanced']} -> "
+              f"{imbalance(row['balanced']):.2f}")
+
+
+if __name__ == "__main__":
+    main()
