@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist import data
-from jdist.mesh import build_mesh
+from jdist.mesh import build_mesh, parse_mesh
+from jdist.parallel.pipeline import PipelineConfig, with_pipeline
 from jdist.rules import DEFAULT_RULES, Rules
 from jdist.train.optim import make_optimizer
 from jdist.train.state import init_state, make_plan
@@ -25,19 +26,22 @@ from models import ModelConfig
 class RunResult:
     losses: np.ndarray      # [steps]
     params: dict            # final parameters as numpy arrays
+    hlo: str = ""           # the compiled step (jdist.hlo reads its collectives)
 
 
 def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEFAULT_RULES,
                 steps: int = 10, batch_size: int = 16, seq_len: int = 32, seed: int = 0,
                 lr: float = 3e-3, compute_dtype=jnp.float32, zero: int = 0,
                 grad_accum: int = 1, remat: str = "none", offload: bool = False,
-                cp_strategy: str = "ring") -> RunResult:
-    """Train `steps` steps of `model` on `mesh` (a Mesh or a mesh string)."""
+                cp_strategy: str = "ring", pipeline: PipelineConfig | None = None) -> RunResult:
+    """Train `steps` steps of `model` on `mesh` (a Mesh or a mesh string); `pipeline`
+    (schedule, micro-batches) applies when the mesh has stages."""
     if isinstance(mesh, str):
-        mesh = build_mesh(mesh, single_device() if mesh in ("", "dp=1") else None)
+        mesh = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
     tx, schedule = make_optimizer(lr, steps, warmup=2)
     plan = make_plan(model, mesh, rules, tx, zero=zero, offload_optimizer=offload,
                      cp_strategy=cp_strategy)
+    plan = with_pipeline(plan, pipeline)
     state = init_state(plan, seed)
     step = make_train_step(plan, schedule, compute_dtype, grad_accum, remat)
     losses = []
@@ -45,7 +49,9 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
         batch = data.global_batch(tokens, seed, i, batch_size, seq_len, plan.batch_sharding)
         state, metrics = step(state, batch)
         losses.append(metrics["loss"])
-    return RunResult(np.array([float(x) for x in losses]), jax.tree.map(np.asarray, state.params))
+    hlo = step.lower(state, batch).compile().as_text()  # the executable just run, from cache
+    return RunResult(np.array([float(x) for x in losses]), jax.tree.map(np.asarray, state.params),
+                     hlo)
 
 
 def single_device() -> list:

@@ -50,3 +50,35 @@ def loop_bodies(hlo_text: str) -> list[str]:
     """Texts of the bodies of every while loop (`lax.scan` over layers compiles to one)."""
     names = re.findall(r"body=%?([\w.\-]+)", hlo_text)
     return [computation(hlo_text, name) for name in dict.fromkeys(names)]
+
+
+def executed_collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Like `collective_bytes`, but a while-loop body counts once per iteration (XLA's
+    `known_trip_count`; once if unknown), nested loops multiplying: the bytes a run moves."""
+    texts = _computations(hlo_text)
+    times = dict.fromkeys(texts, 1)
+    for name in reversed(list(texts)):  # XLA prints callees first: walk callers first
+        for line in texts[name].splitlines():
+            loop = re.search(r" while\(.*?body=%?([\w.\-]+)", line)
+            if loop and loop.group(1) in times:
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                times[loop.group(1)] = times[name] * (int(trips.group(1)) if trips else 1)
+    out = dict.fromkeys(COLLECTIVES, 0)
+    for name, text in texts.items():
+        for op, n in collective_bytes(text).items():
+            out[op] += times[name] * n
+    return out
+
+
+def _computations(hlo_text: str) -> dict[str, str]:
+    """{name: text} of every computation in HLO module text, in printed order."""
+    out, name, lines = {}, None, []
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header and name is None:
+            name, lines = header.group(1), [line]
+        elif name is not None:
+            lines.append(line)
+            if line.startswith("}"):
+                out[name], name = "\n".join(lines), None
+    return out

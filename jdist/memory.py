@@ -106,8 +106,22 @@ def predict(plan, micro_batch: int, seq_len: int, compute_dtype: str = "float32"
                      activation_bytes(plan, micro_batch, seq_len, compute_bytes, remat))
 
 
+def compile_step(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
+                 grad_accum: int = 1, remat: str = "none"):
+    """The training step compiled ahead of time on abstract inputs (nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jdist.train.step import make_train_step
+
+    dtype = jnp.bfloat16 if compute_dtype == "bfloat16" else jnp.float32
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    step = make_train_step(plan, None, dtype, grad_accum, remat)
+    return step.lower(plan.abstract, {"inputs": tokens, "targets": tokens}).compile()
+
+
 def measure(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
-            grad_accum: int = 1, remat: str = "none") -> Breakdown:
+            grad_accum: int = 1, remat: str = "none", compiled=None) -> Breakdown:
     """The compiler's per-device bytes for the real training step, compiled ahead of time
     on abstract inputs. Parameters and optimizer state are the step's arguments (split by
     the compiled input layout); gradients are the output of the compiled gradient
@@ -116,22 +130,23 @@ def measure(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
     import jax.numpy as jnp
 
     from jdist.train.grads import accumulated_grads
-    from jdist.train.step import loss_fn, make_train_step
+    from jdist.train.step import loss_and_metrics
 
     dtype = jnp.bfloat16 if compute_dtype == "bfloat16" else jnp.float32
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
     batch_sh = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
-    step = make_train_step(plan, None, dtype, grad_accum, remat)
-    stats = step.lower(plan.abstract, batch).compile().memory_analysis()
+    compiled = compiled or compile_step(plan, batch_size, seq_len, compute_dtype, grad_accum,
+                                        remat)
+    stats = compiled.memory_analysis()
 
     from jdist import remat as remat_policies
 
     block = remat_policies.wrapper(remat)
 
     def grads_only(params, batch):
-        loss = lambda p_, p, b: loss_fn(p_, p, b, dtype, block)
-        return accumulated_grads(plan, loss, params, batch, grad_accum)[1]
+        loss = lambda p_, p, b: loss_and_metrics(p_, p, b, dtype, block)
+        return accumulated_grads(plan, loss, params, batch, grad_accum)[2]
 
     grads_fn = jax.jit(grads_only, in_shardings=(plan.shardings.params, batch_sh),
                        out_shardings=plan.grad_shardings)

@@ -31,10 +31,13 @@ DEFAULT_RULES: Rules = (
     (ax.VOCAB, ax.TENSOR),
     (ax.EXPERTS, ax.EXPERT),
     # Batch over every replica-like axis; parameters' model dimension over fsdp (ZeRO-3).
-    (ax.BATCH, (ax.DATA, ax.FSDP)),
+    # The expert axis is data parallel for everything but the experts themselves.
+    (ax.BATCH, (ax.DATA, ax.FSDP, ax.EXPERT)),
     (ax.EMBED, ax.FSDP),
     # Sequence positions over the context-parallel axis.
     (ax.LENGTH, ax.SEQUENCE),
+    # The stacked blocks over pipeline stages: stage s holds a contiguous run of layers.
+    (ax.LAYERS, ax.STAGE),
 )
 
 
@@ -157,6 +160,11 @@ def activation_sharding(mesh, rules: Rules) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active():
+    """(mesh, rules) of the enclosing `activation_sharding`, or None outside a step."""
+    return _ACTIVE.get()
 
 
 def constrain(x, names: Sequence[str | None]):

@@ -20,6 +20,7 @@ DIM_FLAGS = {
     ax.HEADS: "--n-heads", ax.KV_HEADS: "--n-kv-heads", ax.MLP: "--d-ff",
     ax.VOCAB: "--vocab-size", ax.EMBED: "--d-model", ax.NORM: "--d-model",
     ax.LAYERS: "--n-layers", ax.BATCH: "--batch-size", ax.LENGTH: "--seq-len",
+    ax.EXPERTS: "--n-experts",
 }
 
 
@@ -57,8 +58,9 @@ def check_model_fits(model, mesh, rules: Rules) -> None:
     thinks about them (heads before kv heads), before any parameter is looked at."""
     for name, size in ((ax.HEADS, model.n_heads), (ax.KV_HEADS, model.n_kv_heads),
                        (ax.MLP, model.d_ff), (ax.VOCAB, model.vocab_size),
-                       (ax.EMBED, model.d_model)):
-        check_divisible((size,), (name,), mesh, rules, "model")
+                       (ax.EMBED, model.d_model), (ax.EXPERTS, model.n_experts)):
+        if size:
+            check_divisible((size,), (name,), mesh, rules, "model")
 
 
 def param_shardings(abstract_params: dict, names: dict, mesh, rules: Rules) -> dict:

@@ -30,6 +30,7 @@ from jdist.axes import (
 )
 from jdist.rules import constrain
 from models.config import ModelConfig
+from models.moe import MoE
 from models.layers import RMSNorm, apply_rotary, attention, param, rotary_tables
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
@@ -80,11 +81,14 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if cfg.n_experts else SwiGLU(cfg, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict]:
+        """Returns the new residual stream and the MoE balance statistics ({} if dense)."""
         x = constrain(x + self.attn(self.attn_norm(x), cos, sin), RESIDUAL)
-        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+        out = self.mlp(self.mlp_norm(x))
+        out, stats = out if isinstance(out, tuple) else (out, {})
+        return constrain(x + out, RESIDUAL), stats
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -108,27 +112,46 @@ class Llama(nnx.Module):
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
     def __call__(self, tokens: jax.Array, *, remat_block: Callable = lambda f: f,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, with_aux: bool = False):
         """tokens [batch, length] int32 -> logits [batch, length, vocab].
 
         `remat_block` wraps the per-layer function (see `jdist.remat.wrapper`). `positions`
         [length] are the tokens' positions in the text (default 0..length-1); a step that
-        stores tokens out of order (causal load balancing) passes them."""
-        cfg = self.config
+        stores tokens out of order (causal load balancing) passes them. With `with_aux`,
+        returns (logits, MoE balance statistics of every layer)."""
+        x, stats = self.run_blocks(self.embed_tokens(tokens), remat_block, positions)
+        logits = self.logits(x)
+        if with_aux:
+            return logits, stats  # each statistic stacked over layers
+        return logits
+
+    # The three pieces of __call__, also run separately by pipeline stages
+    # (jdist.parallel.pipeline), so a stage computes exactly what the whole model does.
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [batch, length] -> residual stream [batch, length, embed]."""
         # Gathering rows of a vocab/fsdp-sharded table makes GSPMD replicate it clumsily
         # ("involuntary full rematerialization"); all-gather it explicitly instead.
         table = constrain(self.embed[...], (None, ACT_EMBED))
-        x = constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
-        positions = jnp.arange(tokens.shape[1]) if positions is None else positions
+        return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+
+    def run_blocks(self, x: jax.Array, remat_block: Callable = lambda f: f,
+                   positions: jax.Array | None = None):
+        """The stacked blocks (however many `self.blocks` holds) -> (x, stats per layer)."""
+        cfg = self.config
+        positions = jnp.arange(x.shape[1]) if positions is None else positions
         cos, sin = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta)
         graphdef, layers = nnx.split(self.blocks)
 
         def layer(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, cos, sin), None
+            return nnx.merge(graphdef, layer_state)(x, cos, sin)
 
-        x, _ = jax.lax.scan(remat_block(layer), x, layers)
+        return jax.lax.scan(remat_block(layer), x, layers)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and output head: [batch, length, embed] -> [batch, length, vocab]."""
         x = self.final_norm(x)
-        if cfg.tie_embeddings:
+        if self.config.tie_embeddings:
             logits = jnp.einsum("bse,ve->bsv", x, self.embed[...])
         else:
             logits = jnp.einsum("bse,ev->bsv", x, self.head[...])

@@ -73,10 +73,9 @@ def test_elastic_resume_both_ways(ref, tmp_path):
         assert abs(loss - full[step]) <= 1e-5 * abs(full[step]), (step, loss, full[step])
 
 
-def test_elastic_resume_onto_hsdp(ref, tmp_path):
-    # The issue asks for dp=2,zero=3; --zero is not a flag yet, so HSDP dp=2,fsdp=4 stands in.
+def test_elastic_resume_onto_zero3(ref, tmp_path):
     run_dir, full = ref
-    hsdp = losses(train(config(tmp_path / "h", mesh="dp=2,fsdp=4", steps=20,
+    hsdp = losses(train(config(tmp_path / "h", mesh="dp=2", zero=3, steps=20,
                                resume=str(run_dir / "checkpoints" / "15"))))
     assert sorted(hsdp) == list(range(16, 21))
     for step, loss in hsdp.items():

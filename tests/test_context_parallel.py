@@ -13,7 +13,6 @@ from jdist.parallel.context import ALL_GATHER, RING, ULYSSES, ContextParallel
 from jdist.parallel.load_balance import balanced_order, ring_work
 from jdist.parallel.ring_attention import Ring, ring_attention
 from jdist.rules import DEFAULT_RULES
-from jdist.train import make_optimizer, make_plan, make_train_step
 from models import get_preset
 from models.layers import dot_product_attention
 
@@ -76,12 +75,20 @@ def test_attention_matches_dense(mesh, strategy, causal):
     assert_matches_dense(attention, causal)
 
 
-def test_unbalanced_ring_matches_dense():
-    # The contiguous layout (no reorder) is what the benchmark compares balancing against.
+@pytest.mark.parametrize("balanced, tile", [(False, 4), (True, 2)])
+def test_ring_with_key_tiles_matches_dense(balanced, tile):
+    # Chunks of 8 (contiguous) or 4 (balanced) positions taken in tiles of 4 or 2 keys: the
+    # path long sequences take. The contiguous layout is the benchmark's unbalanced baseline.
     cp = ContextParallel(mesh_of("sp=8"), DEFAULT_RULES, RING)
-    ring = Ring(cp.axes, cp.size, causal=True, balanced=False)
-    assert_matches_dense(lambda q, k, v: ring_attention(
-        q, k, v, mesh=cp.mesh, q_spec=cp.q_spec, kv_spec=cp.kv_spec, ring=ring), causal=True)
+    ring = Ring(cp.axes, cp.size, causal=True, balanced=balanced, tile=tile)
+
+    def attention(q, k, v):
+        moved = [cp.reorder(x) if balanced else x for x in (q, k, v)]
+        out = ring_attention(*moved, mesh=cp.mesh, q_spec=cp.q_spec, kv_spec=cp.kv_spec,
+                             ring=ring)
+        return cp.restore(out) if balanced else out
+
+    assert_matches_dense(attention, causal=True)
 
 
 def test_balanced_order_pairs_early_and_late_chunks():
@@ -117,24 +124,22 @@ def test_training_matches_single_device(corpus, reference, mesh, strategy):
     assert loss_rel_diff(run, reference) <= LOSS_RTOL, (run.losses, reference.losses)
     assert param_abs_diff(run, reference) <= PARAM_ATOL
     assert run.losses[-1] < run.losses[0] - 0.5
+    if mesh == "sp=8":  # the HLO test rides on this run's compiled step (compiles are slow)
+        assert_layer_collectives(run.hlo, strategy)
 
 
-def train_step_hlo(strategy: str) -> str:
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    plan = make_plan(TINY, mesh_of("sp=8"), DEFAULT_RULES, tx, cp_strategy=strategy)
-    tokens = jax.ShapeDtypeStruct((8, 64), jnp.int32)
-    batch = {"inputs": tokens, "targets": tokens}
-    return make_train_step(plan).lower(plan.abstract, batch).compile().as_text()
+LAYER_COLLECTIVES = {  # strategy: (what its layers must run, what they must not)
+    RING: ("collective-permute", ("all-gather", "all-to-all")),
+    ALL_GATHER: ("all-gather", ("collective-permute", "all-to-all")),
+    ULYSSES: ("all-to-all", ("collective-permute", "all-gather")),
+}
 
 
-@pytest.mark.parametrize("strategy, present, absent", [
-    (RING, "collective-permute", ("all-gather", "all-to-all")),
-    (ALL_GATHER, "all-gather", ("collective-permute", "all-to-all")),
-    (ULYSSES, "all-to-all", ("collective-permute", "all-gather")),
-])
-def test_strategy_collectives_inside_the_layer_loop(strategy, present, absent):
-    # With only `sequence` sharded, attention is the one thing in a layer that communicates.
-    counts = [collective_counts(body) for body in loop_bodies(train_step_hlo(strategy))]
+def assert_layer_collectives(hlo: str, strategy: str) -> None:
+    """With only `sequence` sharded, attention is the one thing in a layer that communicates,
+    so the layer loops (forward and backward) show exactly the strategy's collective."""
+    present, absent = LAYER_COLLECTIVES[strategy]
+    counts = [collective_counts(body) for body in loop_bodies(hlo)]
     assert any(c[present] >= 1 for c in counts), counts
     assert all(c[op] == 0 for c in counts for op in absent), counts
 

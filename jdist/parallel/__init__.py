@@ -1,8 +1,9 @@
 """Explicit `jax.shard_map` kernels: the few computations GSPMD cannot shard well by itself.
 
-`context` chooses a context-parallel attention strategy for a training step; `ring_attention`,
-`all_gather_attention` and `ulysses_attention` are the strategies; `blockwise` holds the
-attention arithmetic they share; `load_balance` reorders tokens so causal work is even.
+Context parallelism over `sequence`: `context` chooses the attention strategy of a training
+step; `ring_attention`, `all_gather_attention` and `ulysses_attention` are the strategies;
+`blockwise` holds the attention arithmetic they share; `load_balance` reorders tokens so
+causal work is even.
 """
 
 # `check_vma` of every kernel's shard_map. Off: the training step runs the kernels under

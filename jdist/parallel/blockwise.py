@@ -18,6 +18,9 @@ import jax.numpy as jnp
 
 # A masked score. Finite, so exp(MASKED - max) is exactly 0 and an all-masked row is never NaN.
 MASKED = float(jnp.finfo(jnp.float32).min)
+# Keys per score block in the tiled functions: bounds a live score block to [queries, 512]
+# (memory linear in the local sequence) while keeping each matmul large.
+KEY_TILE = 512
 
 
 class Acc(NamedTuple):
@@ -72,6 +75,24 @@ def attend(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array |
     return Acc(out, new_max, acc.norm * rescale + p.sum(axis=-1))
 
 
+def attend_tiled(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, diagonal: bool,
+                 tile: int = KEY_TILE) -> Acc:
+    """`attend` over key tiles of at most `tile` positions, so only an [s, tile] score block
+    is ever live. `diagonal`: q and k cover the same positions; mask causally."""
+    s, t = q.shape[1], k.shape[1]
+    tile = _divisor_at_most(t, tile)
+
+    def body(acc, xs):
+        k_tile, v_tile, start = xs
+        mask = causal_mask(jnp.arange(s), start + jnp.arange(tile)) if diagonal else None
+        return attend(acc, q, k_tile, v_tile, mask), None
+
+    if tile == t:
+        return body(acc, (k, v, 0))[0]
+    acc, _ = jax.lax.scan(body, acc, (_tiles(k, tile), _tiles(v, tile), jnp.arange(0, t, tile)))
+    return acc
+
+
 def finish(acc: Acc) -> tuple[jax.Array, jax.Array]:
     """(normalised output [b, s, kv, g, d] float32, log-sum-exp [b, kv, g, s])."""
     return acc.out / _to_rows(acc.norm), acc.max + jnp.log(acc.norm)
@@ -96,10 +117,45 @@ def block_grads(q, k, v, dout, lse, delta, mask) -> tuple[jax.Array, jax.Array, 
     return dq, dk, dv
 
 
+def grads_tiled(q, k, v, dout, lse, delta, diagonal: bool,
+                tile: int = KEY_TILE) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`block_grads` over key tiles of at most `tile` positions (see `attend_tiled`)."""
+    s, t = q.shape[1], k.shape[1]
+    tile = _divisor_at_most(t, tile)
+
+    def body(dq, xs):
+        k_tile, v_tile, start = xs
+        mask = causal_mask(jnp.arange(s), start + jnp.arange(tile)) if diagonal else None
+        dq_tile, dk, dv = block_grads(q, k_tile, v_tile, dout, lse, delta, mask)
+        return dq + dq_tile, (dk, dv)
+
+    if tile == t:
+        dq, (dk, dv) = body(0.0, (k, v, 0))
+        return dq, dk, dv
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(q.shape, jnp.float32),
+                                (_tiles(k, tile), _tiles(v, tile), jnp.arange(0, t, tile)))
+    return dq, _untile(dk), _untile(dv)
+
+
 def row_delta(out: jax.Array, dout: jax.Array) -> jax.Array:
     """sum_d dout * out per query row, [b, kv, g, s]: the softmax-backward correction."""
     d = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
     return jnp.transpose(d, (0, 2, 3, 1))
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _tiles(x: jax.Array, tile: int) -> jax.Array:
+    """[b, t, ...] -> [t/tile, b, tile, ...], tiles leading for `lax.scan`."""
+    b, t = x.shape[:2]
+    return jnp.swapaxes(x.reshape(b, t // tile, tile, *x.shape[2:]), 0, 1)
+
+
+def _untile(x: jax.Array) -> jax.Array:
+    n, b, tile = x.shape[:3]
+    return jnp.swapaxes(x, 0, 1).reshape(b, n * tile, *x.shape[3:])
 
 
 def _to_rows(stat: jax.Array) -> jax.Array:

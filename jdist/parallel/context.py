@@ -80,6 +80,7 @@ class ContextParallel:
 
     def positions(self, seq_len: int) -> np.ndarray:
         """Original position of each token slot along the length dimension."""
+        self._check_chunks(seq_len)
         return balanced_order(seq_len, self.size) if self.balanced else np.arange(seq_len)
 
     def reorder(self, x: jax.Array, axis: int = 1) -> jax.Array:
@@ -94,9 +95,35 @@ class ContextParallel:
             return x
         return jnp.take(x, np.argsort(self.positions(x.shape[axis])), axis=axis)
 
+    def check(self, n_heads: int, seq_len: int) -> None:
+        """Shapes this layout cannot split: a one-line ConfigError naming the fix."""
+        if self.size == 1:
+            return
+        n, seq = self.size, "x".join(self.axes)
+        q_spec, kv_spec = self.q_spec, self.kv_spec
+        require(q_spec[:3] == kv_spec[:3],
+                f"context parallelism needs keys/values sharded like queries, but the rules "
+                f"give heads {q_spec[2]} and kv_heads {kv_spec[2]}; give both the same rules")
+        self._check_chunks(seq_len)
+        if self.strategy == ULYSSES:
+            tp = math.prod(self.mesh.shape[a] for a in _mesh_axes(q_spec[2]))
+            local = n_heads // tp
+            require(local % n == 0,
+                    f"--cp-strategy ulysses splits each device's {local} attention heads over "
+                    f"{seq}={n}, which does not divide them; change --n-heads to a multiple "
+                    f"of {n * tp} or use --cp-strategy ring")
+
+    def _check_chunks(self, seq_len: int) -> None:
+        n = self.size
+        require(not self.balanced or seq_len % (2 * n) == 0,
+                f"--seq-len {seq_len} does not split into 2 x {'x'.join(self.axes)}={n} equal "
+                f"chunks, as load-balanced causal ring attention needs; change --seq-len to a "
+                f"multiple of {2 * n} or use --cp-strategy all_gather")
+
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array,
                   causal: bool = True) -> jax.Array:
         """q [b, S, h, d], k/v [b, S, kv, d], already in this layout's token order."""
+        self.check(q.shape[2], q.shape[1])  # the same errors for Python callers as for the CLI
         common = {"mesh": self.mesh, "q_spec": self.q_spec, "kv_spec": self.kv_spec}
         if self.strategy == RING:
             ring = Ring(self.axes, self.size, causal, self.balanced)
@@ -127,23 +154,4 @@ def current() -> ContextParallel | None:
 def check_context_parallel(n_heads: int, seq_len: int, mesh, rules: Rules,
                            strategy: str) -> None:
     """User errors of a context-parallel run, in one line each, before anything compiles."""
-    cp = ContextParallel(mesh, rules, strategy)
-    if cp.size == 1:
-        return
-    n, seq = cp.size, "x".join(cp.axes)
-    q_spec, kv_spec = cp.q_spec, cp.kv_spec
-    require(q_spec[:2] == kv_spec[:2] and q_spec[2] == kv_spec[2],
-            f"context parallelism needs keys/values sharded like queries, but the rules give "
-            f"heads {q_spec[2]} and kv_heads {kv_spec[2]}; give kv_heads the same rules")
-    if cp.balanced:
-        require(seq_len % (2 * n) == 0,
-                f"--seq-len {seq_len} does not split into 2 x {seq}={n} equal chunks, as "
-                f"load-balanced causal ring attention needs; change --seq-len to a multiple "
-                f"of {2 * n} or use --cp-strategy all_gather")
-    if strategy == ULYSSES:
-        tp = math.prod(mesh.shape[a] for a in _mesh_axes(q_spec[2]))
-        local = n_heads // tp
-        require(local % n == 0,
-                f"--cp-strategy ulysses splits each device's {local} attention heads over "
-                f"{seq}={n}, which does not divide them; change --n-heads to a multiple of "
-                f"{n * tp} or use --cp-strategy ring")
+    ContextParallel(mesh, rules, strategy).check(n_heads, seq_len)

@@ -10,7 +10,8 @@ memory stays O(S/N) in forward and backward alike.
 
 Causal masking works on chunks (see `load_balance`): a block whose keys all follow its
 queries is skipped with `lax.switch`, a block on the diagonal gets the triangular mask,
-every other block is computed unmasked.
+every other block is computed unmasked. Within a block, keys are taken in tiles
+(`blockwise.KEY_TILE`), so scores never exceed [S/2N, tile] per head.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Ring:
     n: int                    # devices in the ring
     causal: bool
     balanced: bool            # two chunks per device (j, 2N-1-j) instead of one
+    tile: int = bw.KEY_TILE   # keys per score block inside a chunk pair
 
     @property
     def n_chunks(self) -> int:
@@ -66,26 +68,27 @@ class Ring:
 
 
 def _dispatch(ring: Ring, kind, block: Callable, acc, *args):
-    """Run `block(acc, *args, mask)` as the chunk pair's kind says (skip / full / diagonal)."""
+    """Run `block(acc, *args, diagonal)` as the chunk pair's kind says: skip it, compute it
+    unmasked, or compute it with the causal mask of a chunk against itself."""
     if not ring.causal:
-        return block(acc, *args, None)
-    size = args[0].shape[1]
-    diag = bw.causal_mask(jnp.arange(size), jnp.arange(size))
+        return block(acc, *args, False)
     return lax.switch(kind, (lambda acc, *_: acc,
-                             lambda acc, *a: block(acc, *a, None),
-                             lambda acc, *a: block(acc, *a, diag)), acc, *args)
+                             lambda acc, *a: block(acc, *a, False),
+                             lambda acc, *a: block(acc, *a, True)), acc, *args)
 
 
 def _forward(ring: Ring, q, k, v):
     """Local blocks q [b, L, h, d], k/v [b, L, kv, d] -> (out [b, L, h, d], lse [b, L, h])."""
     q_chunks = ring.split(bw.group_heads(q, k.shape[2]))
 
+    attend = partial(bw.attend_tiled, tile=ring.tile)
+
     def compute(step, kv, accs):
         kinds = ring.kinds(step)
         accs = list(accs)
         for a, qc in enumerate(q_chunks):
             for b, (kc, vc) in enumerate(zip(ring.split(kv[0]), ring.split(kv[1]))):
-                accs[a] = _dispatch(ring, kinds[a][b], bw.attend, accs[a], qc, kc, vc)
+                accs[a] = _dispatch(ring, kinds[a][b], attend, accs[a], qc, kc, vc)
         return kv, tuple(accs)
 
     _, accs = ring.run(compute, (k, v), tuple(bw.empty(qc) for qc in q_chunks))
@@ -105,8 +108,8 @@ def _backward(ring: Ring, q, k, v, out, lse, dout):
     delta_chunks = jnp.split(bw.row_delta(bw.group_heads(out, n_kv), dout_g), ring.n_chunks,
                              axis=-1)
 
-    def block(acc, qc, kc, vc, doc, lsec, deltac, mask):
-        dq, dk, dv = bw.block_grads(qc, kc, vc, doc, lsec, deltac, mask)
+    def block(acc, qc, kc, vc, doc, lsec, deltac, diagonal):
+        dq, dk, dv = bw.grads_tiled(qc, kc, vc, doc, lsec, deltac, diagonal, ring.tile)
         return acc[0] + dq, acc[1] + dk, acc[2] + dv
 
     def compute(step, travelling, dqs):

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from jdist.errors import ConfigError
+from jdist.parallel.schedule import SCHEDULES
 
 
 @dataclasses.dataclass
@@ -29,6 +30,11 @@ class TrainConfig:
     rules: str = ""
     sequence_parallel: bool = False
     cp_strategy: str = "ring"
+    # Pipeline parallelism over the stage axis (see jdist.parallel.pipeline).
+    microbatches: int = 0  # 0: one per stage
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_show_schedule: bool = False
     # Memory (see jdist.zero, jdist.remat, jdist.memory).
     zero: int = 0
     grad_accum: int = 1
@@ -47,6 +53,12 @@ class TrainConfig:
     d_ff: int | None = None
     vocab_size: int | None = None
     tie_embeddings: bool | None = None
+    n_experts: int | None = None
+    top_k: int | None = None
+    moe_routing: str | None = None
+    capacity_factor: float | None = None
+    aux_loss_weight: float | None = None
+    z_loss_weight: float | None = None
     # Multi-process (see jdist.distributed); empty: single process or taken from the environment.
     coordinator: str = ""
     num_processes: int = 0
@@ -60,7 +72,8 @@ class TrainConfig:
 
     def model_overrides(self) -> dict:
         keys = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
-                "tie_embeddings")
+                "tie_embeddings", "n_experts", "top_k", "moe_routing", "capacity_factor",
+                "aux_loss_weight", "z_loss_weight")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -76,6 +89,12 @@ HELP = {
     "sequence_parallel": "shard activations' sequence dim over tensor between TP regions",
     "cp_strategy": "attention when the mesh has sp>1: ring (K/V pass around, load-balanced), "
                    "all_gather (gather K/V), or ulysses (all-to-all to heads)",
+    "microbatches": "micro-batches per step that stream through the pipeline stages "
+                    "(default: one per stage)",
+    "pp_schedule": "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b "
+                   "(activations of about pp micro-batches alive), interleaved (virtual stages)",
+    "pp_virtual_stages": "layer chunks per stage for --pp-schedule interleaved",
+    "pp_show_schedule": "print the pipeline schedule (stage x tick grid, bubble) and exit",
     "zero": "ZeRO stage over the data axis: 0 DDP, 1 +optimizer state sharded, "
             "2 +gradients (reduce-scatter), 3 +parameters",
     "grad_accum": "micro-batches per optimizer step (one compiled step, scanned)",
@@ -84,6 +103,12 @@ HELP = {
     "offload": "none, or optimizer: optimizer state lives in pinned host memory between steps",
     "dry_run": "compile the step, print the memory plan and exit",
     "device_memory_gb": "per-device memory budget for the fit check (default: the device's)",
+    "n_experts": "experts per MoE layer (0: dense MLP); presets moe-tiny, moe-small, 8x7b",
+    "top_k": "experts per token (1 or 2 typical)",
+    "moe_routing": "dropless (nothing dropped) or capacity (overflow tokens skip the MLP)",
+    "capacity_factor": "capacity routing: each expert takes factor x tokens x k / E tokens",
+    "aux_loss_weight": "weight of the Switch load-balancing loss",
+    "z_loss_weight": "weight of the router z-loss",
     "data": "text file, directory of text files, or .bin of token ids (default: builtin corpus)",
     "data_dtype": "token dtype of a .bin file: uint16 or uint32",
     "cpu_devices": "CPU devices to simulate when the mesh has a -1 axis (default 8)",
@@ -99,7 +124,7 @@ HELP = {
 
 
 CHOICES = {"compute_dtype": ["float32", "bfloat16"], "zero": [0, 1, 2, 3],
-           "offload": ["none", "optimizer"]}
+           "offload": ["none", "optimizer"], "pp_schedule": list(SCHEDULES)}
 
 
 class _Parser(argparse.ArgumentParser):

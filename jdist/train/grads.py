@@ -36,23 +36,27 @@ def micro_batches(tree, n: int):
 
 
 def replica_grads(plan: Plan, loss: Callable, params: dict, batch: dict):
-    """Per-replica (loss, gradients), each with a leading `data` dimension."""
+    """Per-replica ((loss, metrics), gradients), each with a leading `data` dimension.
+    `loss(plan, params, batch) -> (scalar, metrics)`; inside it, `plan.replica_axis` names
+    the replicas for the few quantities that need a cross-replica sum (MoE balancing)."""
     n = plan.mesh.shape[ax.DATA]
-    inner = dataclasses.replace(plan, rules=without_axis(plan.rules, ax.DATA))
-    grad_fn = jax.value_and_grad(lambda p, b: loss(inner, p, b))
-    return jax.vmap(grad_fn, in_axes=(None, 0), spmd_axis_name=ax.DATA)(
+    inner = dataclasses.replace(plan, rules=without_axis(plan.rules, ax.DATA),
+                                replica_axis=ax.DATA)
+    grad_fn = jax.value_and_grad(lambda p, b: loss(inner, p, b), has_aux=True)
+    return jax.vmap(grad_fn, in_axes=(None, 0), axis_name=ax.DATA, spmd_axis_name=ax.DATA)(
         params, split_leading(batch, n))
 
 
 def reduced_grads(plan: Plan, loss: Callable, params: dict, batch: dict):
-    """Mean loss and gradients of `batch`, laid out as `plan.grad_shardings`."""
-    losses, grads = replica_grads(plan, loss, params, batch)
-    return losses.mean(), reduce_over_data(grads, plan.base_params, plan.grad_shardings, plan.mesh)
+    """Mean loss, mean metrics and gradients of `batch`, laid out as `plan.grad_shardings`."""
+    (losses, metrics), grads = replica_grads(plan, loss, params, batch)
+    grads = reduce_over_data(grads, plan.base_params, plan.grad_shardings, plan.mesh)
+    return losses.mean(), jax.tree.map(lambda m: m.mean(0), metrics), grads
 
 
 def accumulated_grads(plan: Plan, loss: Callable, params: dict, batch: dict, grad_accum: int):
-    """Mean loss and gradients over `grad_accum` micro-batches: the same numbers as one
-    big batch, with one micro-batch of activations alive at a time."""
+    """(mean loss, mean metrics, gradients) over `grad_accum` micro-batches: the same
+    numbers as one big batch, with one micro-batch of activations alive at a time."""
     if grad_accum == 1:
         return reduced_grads(plan, loss, params, batch)
 
@@ -61,9 +65,10 @@ def accumulated_grads(plan: Plan, loss: Callable, params: dict, batch: dict, gra
 
     def body(carry, micro):
         loss_sum, grad_sum = carry
-        micro_loss, grads = reduced_grads(plan, loss, params, micro)
-        return (loss_sum + micro_loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+        micro_loss, metrics, grads = reduced_grads(plan, loss, params, micro)
+        return (loss_sum + micro_loss, jax.tree.map(jnp.add, grad_sum, grads)), metrics
 
     start = (jnp.zeros((), jnp.float32), jax.tree.map(zeros, params, plan.grad_shardings))
-    (loss_sum, grad_sum), _ = jax.lax.scan(body, start, micro_batches(batch, grad_accum))
-    return loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
+    (loss_sum, grad_sum), metrics = jax.lax.scan(body, start, micro_batches(batch, grad_accum))
+    return (loss_sum / grad_accum, jax.tree.map(lambda m: m.mean(0), metrics),
+            jax.tree.map(lambda g: g / grad_accum, grad_sum))

@@ -20,7 +20,8 @@ from jdist.distributed import is_main_process
 from jdist.errors import require
 from jdist.mesh import MeshSpec, build_mesh, parse_mesh
 from jdist.parallel.context import check_context_parallel
-from jdist.rules import DEFAULT_RULES, Rules, load_rules, with_sequence_parallel
+from jdist.parallel.pipeline import pipeline_for, show_schedule, with_pipeline
+from jdist.rules import DEFAULT_RULES, Rules, load_rules, resolve, with_sequence_parallel
 from jdist.sharding import check_divisible, check_model_fits
 from jdist.train import faults, report, resume
 from jdist.train.config import TrainConfig
@@ -57,10 +58,12 @@ def rules_for(config: TrainConfig) -> Rules:
 def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
     """Each micro-batch must still split evenly over the batch-sharding axes."""
     require(config.grad_accum >= 1, f"--grad-accum {config.grad_accum} must be at least 1")
-    ways = math.prod(mesh.shape[a] for a in (ax.DATA, ax.FSDP))
+    part = resolve((ax.BATCH,), rules, mesh)[0]
+    batch_axes = () if part is None else (part,) if isinstance(part, str) else part
+    ways = math.prod(mesh.shape[a] for a in batch_axes)
     require(config.batch_size % (config.grad_accum * ways) == 0,
             f"--batch-size {config.batch_size} cannot be split into {config.grad_accum} "
-            f"micro-batches over data x fsdp = {ways} devices; use a multiple of "
+            f"micro-batches over {'x'.join(batch_axes)} = {ways} devices; use a multiple of "
             f"{config.grad_accum * ways} or change --grad-accum")
 
 
@@ -75,8 +78,12 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     check_divisible((config.batch_size, config.seq_len), (ax.BATCH, ax.LENGTH), mesh, rules,
                     "global batch")
     check_micro_batches(config, mesh, rules)
+    require(not (model.n_experts and config.sequence_parallel and mesh.shape[ax.TENSOR] > 1),
+            "--sequence-parallel with tensor parallelism is not supported for MoE models; "
+            "drop --sequence-parallel or tp")
     remat.check(config.remat)
     check_context_parallel(model.n_heads, config.seq_len, mesh, rules, config.cp_strategy)
+    pipeline = pipeline_for(config, model, mesh)
     tx, schedule = make_optimizer(config.lr, config.steps, config.warmup, config.weight_decay,
                                   config.clip_norm)
     if config.on_nan == "skip":
@@ -84,7 +91,7 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     plan = make_plan(model, mesh, rules, tx, zero=config.zero,
                      offload_optimizer=config.offload == "optimizer",
                      cp_strategy=config.cp_strategy)
-    return model, plan, schedule
+    return model, with_pipeline(plan, pipeline), schedule
 
 
 def prepare(config: TrainConfig) -> Setup:
@@ -104,6 +111,9 @@ def prepare(config: TrainConfig) -> Setup:
 
 def train(config: TrainConfig) -> list[dict]:
     """Run training; returns the metrics of every step (also written to metrics.jsonl)."""
+    if config.pp_show_schedule:
+        print(show_schedule(plan_for(config)[1]), flush=True)
+        return []
     if config.dry_run:
         memory.dry_run(config)
         return []

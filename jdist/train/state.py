@@ -43,6 +43,8 @@ class Plan:
     grad_shardings: Any = None     # reduced gradients (sharded over data from ZeRO-2)
     opt_device_shardings: Any = None  # optimizer state while it is being updated
     cp_strategy: str = "ring"      # attention over a sharded sequence (see jdist.parallel)
+    replica_axis: str | None = None  # set while tracing one data replica (jdist.train.grads)
+    pipeline: Any = None  # PipelineConfig when the mesh has stages (jdist.parallel.pipeline)
 
     @property
     def offload(self) -> bool:

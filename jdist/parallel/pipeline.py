@@ -1,0 +1,243 @@
+"""Pipeline parallelism over the `stage` axis: an explicit `jax.shard_map` that runs a static
+schedule table (`jdist.parallel.schedule`) tick by tick.
+
+Layout. The stacked blocks are split over `stage` by the rule `layers -> stage`; with V
+virtual stages (interleaved) the layer order is permuted on entry so that stage s holds
+chunks s, s+P, s+2P, ... Embedding, final norm and head are replicated over `stage`: the
+first chunk embeds its micro-batch's tokens, the last one computes the loss, so the loss is
+the model's own. Their gradients (zero on the stages that do not use them) are summed over
+`stage` once per step; block gradients never leave their stage.
+
+Execution. The kernel is manual over `stage` and `data` (each data replica runs its own
+pipeline; `fsdp`, `tensor` stay automatic, so GSPMD shards each stage's work as usual). At
+each tick a stage runs one operation from the table - nothing, a forward, or a backward of
+one micro-batch on one chunk - and then two `ppermute`s pass the forward output to the next
+stage and the input cotangent to the previous one. A backward recomputes its chunk's
+forward from the stashed chunk input (`jax.vjp` per micro-batch, as GPipe does) so a stage
+holds only the inputs of its in-flight micro-batches: all M of them under gpipe, about P
+under 1f1b. Per-replica gradients then go through the same ZeRO reduction as without
+pipelining (`jdist.zero.reduce_over_data`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jdist import axes as ax
+from jdist.errors import require
+from jdist.parallel import schedule as sched
+from jdist.rules import activation_sharding, without_axis
+from jdist.zero import reduce_over_data
+
+if TYPE_CHECKING:
+    from jdist.train.state import Plan
+
+BLOCKS = "blocks"  # the stacked-layer subtree of the parameters (models.Llama.blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str = sched.ONE_F_ONE_B
+    microbatches: int = 0  # 0: one per stage
+    virtual: int = 1       # layer chunks per stage (interleaved)
+
+    def table(self, stages: int) -> sched.Schedule:
+        return sched.build(self.schedule, stages, self.microbatches or stages, self.virtual)
+
+
+def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
+                   grad_accum: int = 1) -> None:
+    """User errors of a pipelined run, one line each, before anything compiles."""
+    stages = mesh.shape[ax.STAGE]
+    micro = config.microbatches or stages
+    sched.check(config.schedule, stages, micro, config.virtual, model.n_layers)
+    require(grad_accum == 1, f"--grad-accum {grad_accum} with pp={stages}: the pipeline "
+                             "already accumulates over --microbatches; use that instead")
+    for axis, what in ((ax.SEQUENCE, "context parallelism"), (ax.EXPERT, "expert parallelism")):
+        require(mesh.shape[axis] == 1, f"pipeline stages do not compose with {what} yet; "
+                                       f"drop {axis} from --mesh or use pp=1")
+    require(not getattr(model, "n_experts", 0),
+            "pipeline stages do not run MoE blocks yet; use pp=1 for an MoE model")
+    ways = mesh.shape[ax.DATA] * mesh.shape[ax.FSDP]
+    require(batch_size % (ways * micro) == 0,
+            f"--batch-size {batch_size} cannot be split into {micro} micro-batches on each of "
+            f"data x fsdp = {ways} replicas; use a multiple of {ways * micro}")
+
+
+def pipeline_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32,
+                   remat_block=lambda f: f):
+    """(mean loss, metrics, gradients laid out as `plan.grad_shardings`), like
+    `jdist.train.grads.accumulated_grads`, computed by the pipeline schedule."""
+    losses, grads = replica_grads(plan, params, batch, compute_dtype, remat_block)
+    grads = reduce_over_data(grads, plan.base_params, plan.grad_shardings, plan.mesh)
+    return losses.mean(), {}, grads
+
+
+def replica_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32,
+                  remat_block=lambda f: f):
+    """Per-data-replica (losses [n_data], gradients with a leading data dimension)."""
+    mesh, config = plan.mesh, plan.pipeline
+    stages = mesh.shape[ax.STAGE]
+    table = config.table(stages)
+    blocks = params[BLOCKS]
+    shared = {k: v for k, v in params.items() if k != BLOCKS}
+    order = layer_order(plan.model.n_layers, stages, config.virtual)
+    blocks = _permute(blocks, order, 0)
+    program = functools.partial(_program, plan=plan, table=table, compute_dtype=compute_dtype,
+                                remat_block=remat_block)
+    on_stage = lambda tree, *lead: jax.tree.map(lambda _: PartitionSpec(*lead, ax.STAGE), tree)
+    replicated = lambda tree, *lead: jax.tree.map(lambda _: PartitionSpec(*lead), tree)
+    batch_spec = PartitionSpec(ax.DATA)
+    run = jax.shard_map(
+        program, mesh=mesh,
+        in_specs=(on_stage(blocks), replicated(shared), batch_spec, batch_spec),
+        out_specs=(batch_spec, (on_stage(blocks, ax.DATA), replicated(shared, ax.DATA))),
+        axis_names=frozenset({ax.STAGE, ax.DATA}),
+        # Every value inside is per device and every collective is written out: autodiff
+        # happens per micro-batch inside the kernel, never through it.
+        check_vma=False)
+    losses, (d_blocks, d_shared) = run(blocks, shared, batch["inputs"], batch["targets"])
+    d_blocks = _permute(d_blocks, np.argsort(order), 1)
+    return losses, {**d_shared, BLOCKS: d_blocks}
+
+
+def layer_order(n_layers: int, stages: int, virtual: int) -> np.ndarray:
+    """Stored layer index at each position of the stage-sharded stack: position-major on
+    stage, then virtual chunk, so stage s's contiguous shard holds chunks s, s+P, ...
+    (the identity for V = 1)."""
+    k = n_layers // (stages * virtual)
+    return np.array([(v * stages + s) * k + j
+                     for s in range(stages) for v in range(virtual) for j in range(k)])
+
+
+def _permute(tree, order: np.ndarray, axis: int):
+    """Reorder the layer axis; the identity (V = 1) must not even look like a gather, or
+    GSPMD all-gathers the stage-sharded stack."""
+    if np.array_equal(order, np.arange(len(order))):
+        return tree
+    return jax.tree.map(lambda x: jnp.take(x, order, axis=axis), tree)
+
+
+def _columns(table: sched.Schedule) -> np.ndarray:
+    """The schedule as int32 [ticks, 7, stages]: kind, micro-batch, chunk and the slots."""
+    kind = [[op.kind if op else sched.IDLE for op in row] for row in table.grid]
+    micro = [[op.micro if op else 0 for op in row] for row in table.grid]
+    chunk = [[op.chunk if op else 0 for op in row] for row in table.grid]
+    return np.stack([np.array(x, np.int32) for x in (
+        kind, micro, chunk, table.in_slot, table.grad_slot, table.recv_fwd, table.recv_bwd)],
+        axis=1)
+
+
+def _program(blocks, shared, inputs, targets, *, plan: Plan, table: sched.Schedule,
+             compute_dtype, remat_block):
+    """One (stage, data replica)'s share of the step: run every tick of `table`."""
+    stages, virtual, micro = table.stages, table.virtual, table.micro
+    last_chunk = stages * virtual - 1
+    stage = jax.lax.axis_index(ax.STAGE)
+    chunks = jax.tree.map(lambda b: b.reshape(virtual, -1, *b.shape[1:]), blocks)
+    tokens, labels = _split(inputs, micro), _split(targets, micro)
+    act = jnp.zeros((*tokens.shape[1:], plan.model.d_model), compute_dtype)
+    zero = jnp.zeros((), jnp.float32)
+    inner_rules = without_axis(without_axis(plan.rules, ax.DATA), ax.STAGE)
+    cyclic = virtual > 1  # the last stage's chunk v feeds the first stage's chunk v+1
+    to_next = [(i, (i + 1) % stages) for i in range(stages if cyclic else stages - 1)]
+    to_prev = [(j, i) for i, j in to_next]
+
+    def chunk_fn(block, shared_, x_in, tok, tgt, first, last):
+        """Chunk forward: (output activation, loss of the micro-batch if last else 0)."""
+        cast = lambda t: jax.tree.map(lambda p: p.astype(compute_dtype), t)
+        model = nnx.merge(plan.graphdef, {**cast(shared_), BLOCKS: cast(block)})
+        x = jax.lax.cond(first, lambda: model.embed_tokens(tok), lambda: x_in)
+        y, _ = model.run_blocks(x, remat_block)
+        loss = jax.lax.cond(last, lambda: optax.softmax_cross_entropy_with_integer_labels(
+            model.logits(y).astype(jnp.float32), tgt).mean(), lambda: zero)
+        return y, loss
+
+    def tick(carry, row):
+        stash, grads_in, acc, loss_sum = carry
+        kind, m, v, in_slot, grad_slot, recv_fwd, recv_bwd = (row[i][stage] for i in range(7))
+        c = v * stages + stage
+        first, last = c == 0, c == last_chunk
+        block = jax.tree.map(lambda b: b[v], chunks)
+        x_in = stash[jnp.maximum(in_slot, 0)]
+        f = lambda blk, sh, x: chunk_fn(blk, sh, x, tokens[m], labels[m], first, last)
+
+        def idle():
+            return act, act, acc, zero
+
+        def forward():
+            y, loss = f(block, shared, x_in)
+            return y, act, acc, loss
+
+        def backward():  # recompute the chunk, then pull back this micro-batch's cotangent
+            _, pullback = jax.vjp(f, block, shared, x_in)
+            cot_y = jnp.where(last, act, grads_in[jnp.maximum(grad_slot, 0)])
+            d_block, d_shared, d_x = pullback((cot_y, jnp.where(last, 1.0 / micro, 0.0)))
+            d_chunks = jax.tree.map(lambda a, g: a.at[v].add(g), acc[0], d_block)
+            return act, d_x, (d_chunks, jax.tree.map(jnp.add, acc[1], d_shared)), zero
+
+        y, d_x, acc, loss = jax.lax.switch(kind, (idle, forward, backward))
+        stash = _store(stash, recv_fwd, jax.lax.ppermute(y, ax.STAGE, to_next))
+        grads_in = _store(grads_in, recv_bwd, jax.lax.ppermute(d_x, ax.STAGE, to_prev))
+        return (stash, grads_in, acc, loss_sum + loss), None
+
+    f32_zeros = lambda t: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), t)
+    start = (jnp.zeros((table.n_slots, *act.shape), compute_dtype),
+             jnp.zeros((table.n_grad_slots, *act.shape), compute_dtype),
+             (f32_zeros(chunks), f32_zeros(shared)), zero)
+    with activation_sharding(plan.mesh, inner_rules):
+        (_, _, (d_chunks, d_shared), loss_sum), _ = jax.lax.scan(
+            tick, start, jnp.asarray(_columns(table)))
+    # Only the last stage saw losses; only the first (embedding) and last (head) stages
+    # have shared gradients: one sum over stage makes both whole and replicated.
+    loss, d_shared = jax.lax.psum((loss_sum / micro, d_shared), ax.STAGE)
+    d_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), d_chunks)
+    lead = lambda t: jax.tree.map(lambda g: g[None], t)
+    return loss[None], (lead(d_blocks), lead(d_shared))
+
+
+def _split(x: jax.Array, n: int) -> jax.Array:
+    """[B, ...] -> [n, B/n, ...] taking every n-th row (rows stay on their fsdp shard)."""
+    return x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """buffer[slot] = value, or unchanged when slot < 0 (nothing arrived)."""
+    i = jnp.maximum(slot, 0)
+    return jax.lax.dynamic_update_index_in_dim(
+        buffer, jnp.where(slot >= 0, value, buffer[i]), i, 0)
+
+
+def with_pipeline(plan: Plan, config: PipelineConfig | None) -> Plan:
+    """The plan, pipelined when its mesh has more than one stage."""
+    if config is None or plan.mesh.shape[ax.STAGE] == 1:
+        return plan
+    return dataclasses.replace(plan, pipeline=config)
+
+
+
+def pipeline_for(flags, model, mesh) -> PipelineConfig | None:
+    """The pipeline a run's flags ask for (`--microbatches`, `--pp-schedule`,
+    `--pp-virtual-stages`), checked; None when the mesh has one stage."""
+    config = PipelineConfig(flags.pp_schedule, flags.microbatches, flags.pp_virtual_stages)
+    if mesh.shape[ax.STAGE] == 1:
+        require(config.microbatches == 0 and config.virtual == 1 and not flags.pp_show_schedule,
+                "--microbatches, --pp-virtual-stages and --pp-show-schedule pipeline the "
+                "model over stages; add pp=P to --mesh")
+        return None
+    check_pipeline(config, model, mesh, flags.batch_size, flags.grad_accum)
+    return config
+
+
+def show_schedule(plan: Plan) -> str:
+    """The executed schedule of a pipelined plan as a printable stage x tick grid."""
+    return plan.pipeline.table(plan.mesh.shape[ax.STAGE]).render()

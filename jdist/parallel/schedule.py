@@ -1,0 +1,249 @@
+"""Pipeline schedules as static tables: which micro-batch each stage runs forward or backward
+at each tick, and where every activation waits in between. Pure Python (no JAX).
+
+A schedule is built in two steps. `op_orders` lists, per stage, the order in which the stage
+wants to run its forward (F) and backward (B) operations; that order is what distinguishes
+GPipe, 1F1B and interleaved. `simulate` then plays the orders against the data dependencies
+(F of chunk c needs F of chunk c-1, B of chunk c needs B of chunk c+1), one operation per
+stage per tick, a result reaching the neighbour at the end of its tick. The resulting grid is
+what the `jax.shard_map` kernel in `jdist.parallel.pipeline` executes, so the bubble printed
+by `--pp-show-schedule` and measured by `benchmarks/pipeline.py` is the executed one.
+
+Layers are cut into C = P x V chunks; chunk c lives on stage c % P as its virtual chunk
+c // P (V = 1: chunk c is stage c).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jdist.errors import require
+
+GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+IDLE, FWD, BWD = 0, 1, 2  # operation kinds, as the kernel's `lax.switch` indexes them
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: int   # FWD or BWD
+    micro: int  # micro-batch
+    chunk: int  # virtual chunk on its stage (global chunk = chunk * P + stage)
+
+
+def check(schedule: str, stages: int, micro: int, virtual: int, n_layers: int) -> None:
+    """User errors of a pipeline configuration, one line each."""
+    require(schedule in SCHEDULES,
+            f"unknown pipeline schedule {schedule!r}; use --pp-schedule {'|'.join(SCHEDULES)}")
+    require(micro >= 1, f"--microbatches {micro} must be at least 1")
+    require(virtual >= 1, f"--pp-virtual-stages {virtual} must be at least 1")
+    if schedule == INTERLEAVED:
+        require(virtual >= 2, "--pp-schedule interleaved needs --pp-virtual-stages V >= 2 "
+                              "(V layer chunks per stage)")
+        require(micro % stages == 0,
+                f"--pp-schedule interleaved runs micro-batches in groups of pp={stages}; "
+                f"change --microbatches {micro} to a multiple of {stages}")
+    else:
+        require(virtual == 1, f"--pp-virtual-stages {virtual} needs --pp-schedule interleaved; "
+                              "drop it or switch schedule")
+    if schedule == ONE_F_ONE_B:
+        require(micro >= stages,
+                f"--pp-schedule 1f1b needs at least pp={stages} micro-batches to fill the "
+                f"pipeline, got --microbatches {micro}; raise it or use gpipe")
+    chunks = stages * virtual
+    parts = f"pp={stages} x {virtual} virtual stages = {chunks}" if virtual > 1 else f"pp={stages}"
+    require(n_layers % chunks == 0,
+            f"{n_layers} layers do not split into {parts} equal chunks; change --n-layers to a "
+            f"multiple of {chunks}")
+
+
+def op_orders(schedule: str, stages: int, micro: int, virtual: int = 1) -> list[list[Op]]:
+    """Per stage, the order in which it runs its operations."""
+    if schedule == GPIPE:  # all forwards, then all backwards
+        return [[Op(FWD, m, 0) for m in range(micro)] + [Op(BWD, m, 0) for m in range(micro)]
+                for _ in range(stages)]
+    if schedule == ONE_F_ONE_B:
+        # Stage s starts P-s-1 micro-batches ahead, then alternates: a micro-batch's
+        # activations are freed by its backward before the next-but-P forward starts.
+        return [_one_f_one_b([Op(FWD, m, 0) for m in range(micro)],
+                             [Op(BWD, m, 0) for m in range(micro)], min(stages - s - 1, micro))
+                for s in range(stages)]
+    # Interleaved (Megatron-LM): groups of P micro-batches sweep chunk 0, 1, ..., V-1 forward
+    # and V-1, ..., 0 backward; the longer warm-up keeps every chunk's input ready in time.
+    per_group = stages * virtual
+
+    def nth(k: int, backward: bool) -> Op:
+        v = (k % per_group) // stages
+        m = (k // per_group) * stages + k % stages
+        return Op(BWD, m, virtual - 1 - v) if backward else Op(FWD, m, v)
+
+    total = micro * virtual
+    return [_one_f_one_b([nth(k, False) for k in range(total)],
+                         [nth(k, True) for k in range(total)],
+                         min(2 * (stages - s - 1) + (virtual - 1) * stages, total))
+            for s in range(stages)]
+
+
+def _one_f_one_b(forwards: list[Op], backwards: list[Op], warmup: int) -> list[Op]:
+    order = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards):
+        order += [f, b]
+    return order + backwards[len(forwards) - warmup:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The executed grid plus the buffer slots the kernel uses, all indexed [tick][stage].
+
+    `in_slot`: stash slot holding the chunk input an op reads (-1: the first chunk reads
+    tokens). `grad_slot`: slot of the output cotangent a backward reads (-1: the last chunk
+    starts from the loss). `recv_fwd`/`recv_bwd`: slot where the activation / cotangent
+    arriving at the end of the tick is stored (-1: nothing arrives)."""
+
+    name: str
+    stages: int
+    micro: int
+    virtual: int
+    grid: tuple[tuple[Op | None, ...], ...]
+    in_slot: tuple[tuple[int, ...], ...]
+    grad_slot: tuple[tuple[int, ...], ...]
+    recv_fwd: tuple[tuple[int, ...], ...]
+    recv_bwd: tuple[tuple[int, ...], ...]
+    n_slots: int       # stashed chunk inputs per stage: the activation memory of the schedule
+    n_grad_slots: int  # cotangents waiting for their backward
+
+    @property
+    def ticks(self) -> int:
+        return len(self.grid)
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def bubble_fraction(self) -> float:
+        """Idle stage-ticks over all stage-ticks of the executed grid."""
+        idle = sum(op is None for row in self.grid for op in row)
+        return idle / (self.ticks * self.stages)
+
+    def expected_bubble(self) -> float:
+        """(P-1)/(V*M+P-1): GPipe's and 1F1B's (V=1) formula and its interleaved counterpart."""
+        return (self.stages - 1) / (self.virtual * self.micro + self.stages - 1)
+
+    def render(self) -> str:
+        """A stage x tick grid: `F3` forward of micro-batch 3 (`F3.1` on virtual chunk 1),
+        `B3` backward, `.` idle."""
+        def cell(op: Op | None) -> str:
+            if op is None:
+                return "."
+            text = ("F" if op.kind == FWD else "B") + str(op.micro)
+            return f"{text}.{op.chunk}" if self.virtual > 1 else text
+
+        cells = [[cell(self.grid[t][s]) for t in range(self.ticks)] for s in range(self.stages)]
+        width = max(len(c) for row in cells for c in row)
+        head = (f"{self.name} schedule: pp={self.stages}, {self.micro} micro-batches"
+                + (f", {self.virtual} virtual stages" if self.virtual > 1 else "")
+                + f"; {self.ticks} ticks, bubble {self.bubble_fraction():.3f} "
+                f"(formula {self.expected_bubble():.3f}); stashed activations per stage: "
+                f"{self.n_slots}")
+        rows = [f"stage {s:>2} | " + " ".join(c.rjust(width) for c in cells[s])
+                for s in range(self.stages)]
+        return "\n".join([head, *rows])
+
+
+def build(schedule: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
+    """The executed schedule: play each stage's order against the data dependencies."""
+    check(schedule, stages, micro, virtual, stages * virtual)
+    grid = simulate(op_orders(schedule, stages, micro, virtual), stages, virtual)
+    return _with_slots(schedule, stages, micro, virtual, grid)
+
+
+def simulate(orders: list[list[Op]], stages: int, virtual: int) -> list[list[Op | None]]:
+    """Greedy in-order execution: each tick, each stage runs the next op of its order if its
+    inputs arrived in an earlier tick, else idles."""
+    last = stages * virtual - 1
+    done: dict[tuple[int, int, int], int] = {}  # (kind, micro, global chunk) -> tick
+    pos = [0] * stages
+    grid: list[list[Op | None]] = []
+    while any(pos[s] < len(orders[s]) for s in range(stages)):
+        t = len(grid)
+        require(t <= 4 * sum(map(len, orders)) + stages, "pipeline schedule deadlocked")
+        row: list[Op | None] = []
+        for s in range(stages):
+            op = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
+            if op is not None:
+                c = op.chunk * stages + s
+                needs = [(FWD, op.micro, c - 1)] if op.kind == FWD and c > 0 else []
+                if op.kind == BWD:
+                    needs = [(FWD, op.micro, c)] + ([(BWD, op.micro, c + 1)] if c < last else [])
+                if not all(done.get(n, t) < t for n in needs):
+                    op = None
+            row.append(op)
+        for s, op in enumerate(row):
+            if op is not None:
+                done[(op.kind, op.micro, op.chunk * stages + s)] = t
+                pos[s] += 1
+        grid.append(row)
+    return grid
+
+
+def _with_slots(name: str, stages: int, micro: int, virtual: int,
+                grid: list[list[Op | None]]) -> Schedule:
+    """Assign buffer slots: a chunk input is stashed from its arrival until its backward ran,
+    a cotangent from its arrival until its backward ran (a slot freed in a tick can take
+    what arrives at the end of that tick)."""
+    last = stages * virtual - 1
+    ticks = len(grid)
+    shape = lambda: [[-1] * stages for _ in range(ticks)]
+    in_slot, grad_slot, recv_fwd, recv_bwd = shape(), shape(), shape(), shape()
+    stash = [_Slots() for _ in range(stages)]
+    grads = [_Slots() for _ in range(stages)]
+    for t, row in enumerate(grid):
+        for s, op in enumerate(row):  # reads first: backwards free their slots
+            if op is None:
+                continue
+            c = op.chunk * stages + s
+            if c > 0:
+                in_slot[t][s] = stash[s].find((op.micro, c))
+            if op.kind == BWD:
+                if c > 0:
+                    stash[s].free((op.micro, c))
+                if c < last:
+                    grad_slot[t][s] = grads[s].pop((op.micro, c))
+        for s, op in enumerate(row):  # then what this tick sends lands on the neighbour
+            if op is None:
+                continue
+            c = op.chunk * stages + s
+            if op.kind == FWD and c < last:
+                dst = (c + 1) % stages
+                recv_fwd[t][dst] = stash[dst].take((op.micro, c + 1))
+            if op.kind == BWD and c > 0:
+                dst = (c - 1) % stages
+                recv_bwd[t][dst] = grads[dst].take((op.micro, c - 1))
+    freeze = lambda table: tuple(tuple(r) for r in table)
+    return Schedule(name, stages, micro, virtual, freeze(grid), freeze(in_slot),
+                    freeze(grad_slot), freeze(recv_fwd), freeze(recv_bwd),
+                    max(1, max(s.high for s in stash)), max(1, max(g.high for g in grads)))
+
+
+class _Slots:
+    """Lowest-free-index slot allocator that remembers its high-water mark."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, int], int] = {}
+        self.high = 0
+
+    def take(self, key: tuple[int, int]) -> int:
+        used = set(self.held.values())
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        self.held[key] = slot
+        self.high = max(self.high, slot + 1)
+        return slot
+
+    def find(self, key: tuple[int, int]) -> int:
+        return self.held[key]
+
+    def free(self, key: tuple[int, int]) -> None:
+        del self.held[key]
+
+    def pop(self, key: tuple[int, int]) -> int:
+        return self.held.pop(key)
