@@ -30,8 +30,8 @@ from jdist.axes import (
 )
 from jdist.rules import constrain
 from models.config import ModelConfig
-from models.moe import MoE
 from models.layers import RMSNorm, apply_rotary, attention, param, rotary_tables
+from models.moe import MoE
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
 _named = checkpoint_name
