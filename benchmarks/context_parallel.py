@@ -87,6 +87,8 @@ def main() -> None:
                                     for st in (ALL_GATHER, RING)}} for n in (2, 4, 8)]
     work = [{"devices": n, "contiguous": ring_work(n, balanced=False),
              "balanced": ring_work(n, balanced=True)} for n in (2, 4, 8)]
+    for row in work:
+        row["imbalance"] = {k: imbalance(row[k]) for k in ("contiguous", "balanced")}
     result = {"shape": {"batch": 1, "heads": args.heads, "kv_heads": args.kv_heads,
                         "head_dim": args.head_dim, "dtype": "float32", "causal": True},
               "by_seq_len_8_devices": by_length, "by_devices": by_devices,
@@ -117,8 +119,8 @@ def print_tables(by_length, by_devices, work, strategies, longest) -> None:
     print("\nring causal work per device (score tiles), max/min")
     for row in work:
         print(f"N={row['devices']}: contiguous {row['contiguous']} -> "
-              f"{imbalance(row['contiguous']):.2f}; balanced {row['balanced']} -> "
-              f"{imbalance(row['balanced']):.2f}")
+              f"{row['imbalance']['contiguous']:.2f}; balanced {row['balanced']} -> "
+              f"{row['imbalance']['balanced']:.2f}")
 
 
 if __name__ == "__main__":

@@ -259,7 +259,8 @@ class Checkpointer:
             path = self.root / str(step)
             total = write_manifest(path, step)
             _say(f"saved step {step} to {path} ({_mib(total)}) in "
-                 f"{time.perf_counter() - start:.2f}s (training blocked {self.last_blocked_s:.2f}s)")
+                 f"{time.perf_counter() - start:.2f}s "
+                 f"(training blocked {self.last_blocked_s:.2f}s)")
             self._prune()
         except Exception as e:  # noqa: BLE001 - a failed save must not kill training
             print(f"checkpoint: saving step {step} failed: {type(e).__name__}: {e}",

@@ -212,7 +212,7 @@ def device_budget(config) -> int | None:
 
     if config.device_memory_gb:
         return int(config.device_memory_gb * 2**30)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
 
 

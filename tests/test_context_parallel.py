@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jdist.equivalence import loss_rel_diff, param_abs_diff, train_steps
-from jdist.hlo import collective_counts, loop_bodies
+from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
 from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel.context import ALL_GATHER, RING, ULYSSES, ContextParallel
 from jdist.parallel.load_balance import balanced_order, ring_work
@@ -89,6 +89,20 @@ def test_ring_with_key_tiles_matches_dense(balanced, tile):
         return cp.restore(out) if balanced else out
 
     assert_matches_dense(attention, causal=True)
+
+
+def test_ring_moves_each_kv_block_once_per_step_and_gradients_home():
+    # Forward: K and V shift N-1 times. Backward: K, V and their gradients shift N-1 times,
+    # then the gradients once more to their owners. Nothing else communicates.
+    cp = ContextParallel(mesh_of("sp=8"), DEFAULT_RULES, RING)
+    qkv, cotangent = qkv_and_cotangent()
+    fwd_bwd = jax.jit(lambda q, k, v, dout: jax.vjp(cp.attention, q, k, v)[1](dout))
+    hlo = fwd_bwd.lower(*qkv, cotangent).compile().as_text()
+    n, (b, s, kv, d) = 8, qkv[1].shape
+    block = b * (s // n) * kv * d * 4  # one device's K (or V) block, float32
+    moved = executed_collective_bytes(hlo)
+    assert moved["collective-permute"] == (2 * (n - 1) + 4 * (n - 1) + 2) * block
+    assert sum(moved.values()) == moved["collective-permute"]
 
 
 def test_balanced_order_pairs_early_and_late_chunks():

@@ -80,7 +80,6 @@ def _dispatch(ring: Ring, kind, block: Callable, acc, *args):
 def _forward(ring: Ring, q, k, v):
     """Local blocks q [b, L, h, d], k/v [b, L, kv, d] -> (out [b, L, h, d], lse [b, L, h])."""
     q_chunks = ring.split(bw.group_heads(q, k.shape[2]))
-
     attend = partial(bw.attend_tiled, tile=ring.tile)
 
     def compute(step, kv, accs):
@@ -125,7 +124,7 @@ def _backward(ring: Ring, q, k, v, out, lse, dout):
         travelling = (kc_all, vc_all, jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
         return travelling, tuple(dqs)
 
-    zeros_kv = jnp.zeros(k.shape, jnp.float32)
+    zeros_kv = jnp.zeros(k.shape, jnp.float32)  # gradients travel in float32: sums of N parts
     dq_init = tuple(jnp.zeros(qc.shape, jnp.float32) for qc in q_chunks)
     (_, _, dk, dv), dqs = ring.run(compute, (k, v, zeros_kv, zeros_kv), dq_init)
     dk, dv = ring.shift((dk, dv))  # after N steps each gradient sits one device short of home

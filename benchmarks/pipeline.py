@@ -1,0 +1,77 @@
+"""Pipeline schedules: the bubble fraction of the executed schedule next to its formula, and
+peak per-device temporary bytes of the compiled step, for gpipe, 1f1b and interleaved.
+
+    python benchmarks/pipeline.py [--stages 2 4] [--factors 1 2 4 8] [--micro-batch 4]
+                                  [--seq-len 128] [--n-layers 8] [--json]
+
+The micro-batch size is fixed, so M micro-batches make a global batch of M x micro-batch:
+the activations of one micro-batch cost the same in every row, and what changes with M is
+how many of them a schedule keeps alive. Target: bubble = (P-1)/(V*M+P-1) exactly; 1f1b's
+temp bytes flat in M, gpipe's growing linearly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from jdist.mesh import build_mesh
+from jdist.parallel.pipeline import PipelineConfig, with_pipeline
+from jdist.rules import DEFAULT_RULES
+from jdist.train import make_optimizer, make_plan, make_train_step
+from models import get_preset
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+
+
+def measure(model, stages: int, micro: int, schedule: str, virtual: int, micro_batch: int,
+            seq_len: int) -> dict:
+    """Compile one pipelined step ahead of time (nothing is allocated) and read its table."""
+    tx, _ = make_optimizer(1e-3, 10, 1)
+    mesh = build_mesh(f"pp={stages}", jax.devices()[:stages])
+    config = PipelineConfig(schedule, micro, virtual)
+    plan = with_pipeline(make_plan(model, mesh, DEFAULT_RULES, tx), config)
+    tokens = jax.ShapeDtypeStruct((micro * micro_batch, seq_len), jnp.int32)
+    compiled = make_train_step(plan).lower(
+        plan.abstract, {"inputs": tokens, "targets": tokens}).compile()
+    table = config.table(stages)
+    return {"schedule": schedule, "stages": stages, "micro": micro, "virtual": virtual,
+            "ticks": table.ticks, "bubble": table.bubble_fraction(),
+            "bubble_formula": table.expected_bubble(), "stashed": table.n_slots,
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8],
+                        help="micro-batch counts as multiples of the stage count")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--n-layers", type=int, default=8)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    model = get_preset("tiny", n_layers=args.n_layers)
+    rows = [measure(model, p, f * p, name, v, args.micro_batch, args.seq_len)
+            for p in args.stages for f in args.factors for name, v in SCHEDULES]
+    if args.json:
+        print(json.dumps({"micro_batch": args.micro_batch, "seq_len": args.seq_len,
+                          "n_layers": args.n_layers, "rows": rows}))
+        return
+    print(f"tiny ({args.n_layers} layers), micro-batch {args.micro_batch} x {args.seq_len} "
+          "tokens, float32; temp = compiled peak per-device temporaries")
+    print(f"{'P':>2} {'M':>3} {'schedule':14} {'ticks':>5} {'bubble':>7} {'formula':>7} "
+          f"{'stashed':>7} {'temp MiB':>9}")
+    for r in rows:
+        name = r["schedule"] + (f" V={r['virtual']}" if r["virtual"] > 1 else "")
+        print(f"{r['stages']:>2} {r['micro']:>3} {name:14} {r['ticks']:>5} {r['bubble']:7.4f} "
+              f"{r['bubble_formula']:7.4f} {r['stashed']:>7} {r['temp_bytes'] / 2**20:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
