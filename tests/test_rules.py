@@ -28,7 +28,8 @@ def test_unknown_names_are_replicated():
 
 def test_multi_axis_candidate_and_trivial_axes_dropped():
     mesh = build_mesh("dp=8")
-    assert resolve((ax.BATCH, ax.LENGTH), DEFAULT_RULES) == P(("data", "fsdp"), "sequence")
+    assert resolve((ax.BATCH, ax.LENGTH), DEFAULT_RULES) == P(("data", "fsdp", "expert"),
+                                                              "sequence")
     assert resolve((ax.BATCH, ax.LENGTH), DEFAULT_RULES, mesh) == P("data", None)
 
 
