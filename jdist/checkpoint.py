@@ -286,6 +286,12 @@ class Checkpointer:
         if self._manager is not None:
             self._manager.wait_until_finished()
         self._join_finisher()
+        if jax.process_count() > 1:
+            # Only process 0 writes the manifest; without this barrier another process could
+            # validate (and reject) the newest checkpoint before the manifest exists.
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jdist checkpoint: manifest written")
 
     def close(self) -> None:
         """Wait, then release the manager; the next save creates a fresh one (which re-reads

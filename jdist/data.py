@@ -9,6 +9,7 @@ own devices hold.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import sysconfig
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def load_tokens(path: str | None, bin_dtype: str = "uint16") -> tuple[np.ndarray
         require(p.stat().st_size % itemsize == 0,
                 f"{path!r} has {p.stat().st_size} bytes, not a whole number of {bin_dtype} "
                 "tokens; check --data-dtype or re-export the file")
+        require(p.stat().st_size > 0, f"{path!r} is empty; point --data at a file of token ids")
         return np.memmap(p, dtype=bin_dtype, mode="r"), f"{path} ({bin_dtype} token ids)"
     return encode(p.read_bytes()), str(path)
 
@@ -145,6 +147,22 @@ def global_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_
             shape, sharding, lambda index: rows(index)[:, shift: shift + seq_len][:, index[1]])
 
     return {"inputs": make(0), "targets": make(1)}
+
+
+def fingerprint(corpus: Corpus, full_limit: int = 1 << 28) -> str:
+    """A digest of the token stream, so a resumed run can tell it is training on the same
+    data (the builtin corpus is whatever stdlib this Python has). Streams larger than
+    `full_limit` bytes are sampled: length, both ends, and an even stride through them."""
+    h = hashlib.sha256()
+    for part in (corpus.train, corpus.val):
+        h.update(f"{part.dtype}:{len(part)};".encode())
+        if part.nbytes <= full_limit:
+            h.update(np.ascontiguousarray(part).tobytes())
+        else:
+            step = max(1, len(part) // (1 << 20))
+            h.update(np.ascontiguousarray(part[::step]).tobytes())
+            h.update(np.ascontiguousarray(part[-(1 << 20):]).tobytes())
+    return h.hexdigest()[:16]
 
 
 def check_vocab(corpus: Corpus, vocab_size: int) -> None:

@@ -33,7 +33,12 @@ def logical_names(state: nnx.State) -> dict:
     def names(v: nnx.Variable) -> tuple:
         meta = v.get_metadata()
         found = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
-        return tuple(found) if found else (None,) * len(v.shape)
+        if not found and len(v.shape):
+            # Silently replicating every parameter would be far worse than stopping: this
+            # happens if flax renames its sharding metadata key again.
+            raise RuntimeError(f"parameter of shape {v.shape} has no logical axis names in its "
+                               f"metadata ({sorted(meta)}); jdist reads 'out_sharding'")
+        return tuple(found) if found else ()
     return nnx.to_pure_dict(jax.tree.map(names, state, is_leaf=_is_variable))
 
 

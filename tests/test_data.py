@@ -77,3 +77,12 @@ def test_each_process_reads_only_its_rows(corpus, monkeypatch):
     data.global_batch(corpus.train, 0, 0, 16, 32, sharding)
     assert sum(seen) == 16 and max(seen) == 2  # eight devices, two rows each, read once
     assert jax.process_count() == 1
+
+
+def test_fingerprint_tells_data_apart(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world " * 500)
+    a = data.load_corpus(str(tmp_path / "a.txt"), seq_len=16)
+    b = data.load_corpus(str(tmp_path / "a.txt"), seq_len=16)
+    (tmp_path / "a.txt").write_text("hello world " * 499 + "hello there ")
+    c = data.load_corpus(str(tmp_path / "a.txt"), seq_len=16)
+    assert data.fingerprint(a) == data.fingerprint(b) != data.fingerprint(c)

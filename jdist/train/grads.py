@@ -56,7 +56,8 @@ def reduced_grads(plan: Plan, loss: Callable, params: dict, batch: dict):
 
 def accumulated_grads(plan: Plan, loss: Callable, params: dict, batch: dict, grad_accum: int):
     """(mean loss, mean metrics, gradients) over `grad_accum` micro-batches: the same
-    numbers as one big batch, with one micro-batch of activations alive at a time."""
+    numbers as one big batch (MoE load fractions excepted: they are per micro-batch), with
+    one micro-batch of activations alive at a time."""
     if grad_accum == 1:
         return reduced_grads(plan, loss, params, batch)
 

@@ -99,6 +99,8 @@ def prepare(config: TrainConfig) -> Setup:
     require(config.steps >= 1, f"--steps {config.steps} must be at least 1")
     require(config.batch_size >= 1, f"--batch-size {config.batch_size} must be at least 1")
     require(config.seq_len >= 2, f"--seq-len {config.seq_len} must be at least 2")
+    require(config.eval_batches >= 1 or not config.eval_every,
+            f"--eval-batches {config.eval_batches} must be at least 1 (or pass --eval-every 0)")
     faults.check_flags(config)
     model, plan, schedule = plan_for(config)
     require(not (model.shape_only and jax.default_backend() == "cpu"),
@@ -122,7 +124,8 @@ def train(config: TrainConfig) -> list[dict]:
     plan, corpus, dtype = setup.plan, setup.corpus, DTYPES[config.compute_dtype]
     main = is_main_process()
     run_dir = Path(config.run_dir or report.default_run_dir())
-    found = resume.find(config, setup.model, run_dir)  # checked before anything is written
+    data_id = data.fingerprint(corpus)
+    found = resume.find(config, setup.model, run_dir, data_id)  # before anything is written
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         faults.truncate_metrics(run_dir / "metrics.jsonl", found.step if found else 0)
@@ -190,7 +193,8 @@ def train(config: TrainConfig) -> list[dict]:
                 "--on-nan skip or rollback")
 
     def save(step: int) -> None:
-        checkpoints.save(step, state, resume.run_meta(config, setup.model, plan.mesh, step))
+        checkpoints.save(step, state,
+                         resume.run_meta(config, setup.model, plan.mesh, step, data_id))
 
     def steps_from(i: int) -> None:
         # The loop proper. Saves only states whose metrics were checked (flushed) first.
@@ -231,7 +235,8 @@ def train(config: TrainConfig) -> list[dict]:
                                    "rollbacks; giving up (--on-nan rollback)")
         checkpoints.close()
         state = None
-        good = resume.find(dataclasses.replace(config, resume="auto"), setup.model, run_dir)
+        good = resume.find(dataclasses.replace(config, resume="auto"), setup.model, run_dir,
+                           data_id)
         state = start_state(plan, config.seed, good)
         first = good.step if good else 0
         skip_batches.add(bad_step - 1)

@@ -22,21 +22,26 @@ def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def run_meta(config, model, mesh, step: int) -> dict:
+def run_meta(config, model, mesh, step: int, data_fingerprint: str = "") -> dict:
     """Saved with every checkpoint. Batches are a pure function of (seed, step), so the data
     position is the step and the only RNG state is the seed."""
     return {"step": step, "data_position": step, "rng": {"seed": config.seed},
             "config": dataclasses.asdict(config), "model": dataclasses.asdict(model),
             "mesh": dict(mesh.shape), "processes": jax.process_count(),
-            "jax": jax.__version__}
+            "jax": jax.__version__, "data_fingerprint": data_fingerprint}
 
 
 def _plain(x):
     return json.loads(json.dumps(x))
 
 
-def check_compatible(found: ckpt.Found, config, model) -> None:
+def check_compatible(found: ckpt.Found, config, model, data_fingerprint: str = "") -> None:
     saved_model, saved = found.meta.get("model", {}), found.meta.get("config", {})
+    saved_data = found.meta.get("data_fingerprint", "")
+    require(not (saved_data and data_fingerprint and saved_data != data_fingerprint),
+            f"--resume: checkpoint {found.path} was trained on different data (fingerprint "
+            f"{saved_data}, now {data_fingerprint}: the --data contents or this Python's stdlib "
+            "changed); resume with the same data or start a new --run-dir")
     for key, value in _plain(dataclasses.asdict(model)).items():
         require(saved_model.get(key) == value,
                 f"--resume: checkpoint {found.path} is of a model with {key}={saved_model.get(key)}"
@@ -50,7 +55,7 @@ def check_compatible(found: ckpt.Found, config, model) -> None:
                 "change only the mesh, ZeRO stage, process count and other layout flags)")
 
 
-def find(config, model, run_dir: Path) -> ckpt.Found | None:
+def find(config, model, run_dir: Path, data_fingerprint: str = "") -> ckpt.Found | None:
     """The checkpoint to start from, or None for a fresh start. Raises ConfigError for an
     unusable explicit PATH or a mismatched checkpoint; with `auto`, passes over (and moves
     aside) unusable checkpoints, saying so. Runs on every process."""
@@ -78,6 +83,6 @@ def find(config, model, run_dir: Path) -> ckpt.Found | None:
                 f"(up to step {newer[-1] if newer else 0}) that new saves would collide with; "
                 "choose a new --run-dir or --resume auto")
     if found.step >= 0:
-        check_compatible(found, config, model)
+        check_compatible(found, config, model, data_fingerprint)
     ckpt.set_aside(found, root)
     return found if found.step >= 0 else None
