@@ -202,6 +202,9 @@ def train(config: TrainConfig) -> list[dict]:
         pending = None
         while i < config.steps:
             if i in skip_batches:  # replaying after a rollback: pass over the bad batch
+                if pending is not None:  # keep metrics in step order
+                    finish(*pending)
+                    pending = None
                 state = faults.advance(state, plan)
                 finish(i + 1, {"loss": float("nan"), "grad_norm": float("nan")},
                        passed_over=True)
