@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
+
+from jdist.sharding import per_device_bytes
 
 COMPONENTS = ("params", "grads", "optimizer", "activations")
 
@@ -49,15 +50,6 @@ def zero_textbook(params: float, grads: float, optimizer: float, n: int, stage: 
     accounting): each stage divides one more component by n."""
     return (params / (n if stage >= 3 else 1) + grads / (n if stage >= 2 else 1)
             + optimizer / (n if stage >= 1 else 1))
-
-
-def _shard_bytes(abstract, shardings, itemsize: int | None = None) -> int:
-    import jax
-
-    leaves = jax.tree.leaves(abstract)
-    shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    return sum(math.prod(s.shard_shape(x.shape)) * (itemsize or x.dtype.itemsize)
-               for x, s in zip(leaves, shs))
 
 
 def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
@@ -93,15 +85,15 @@ def predict(plan, micro_batch: int, seq_len: int, compute_dtype: str = "float32"
             remat: str = "none") -> Breakdown:
     """The analytical plan, from shapes and shardings alone (nothing compiled)."""
     compute_bytes = 2 if compute_dtype == "bfloat16" else 4
-    params = _shard_bytes(plan.abstract.params, plan.shardings.params)
+    params = per_device_bytes(plan.abstract.params, plan.shardings.params)
     if compute_bytes == 2:
-        params += _shard_bytes(plan.abstract.params, plan.shardings.params, itemsize=2)
-    grads = _shard_bytes(plan.abstract.params, plan.grad_shardings)
-    optimizer = 0 if plan.offload else _shard_bytes(plan.abstract.opt_state,
-                                                    plan.shardings.opt_state)
+        params += per_device_bytes(plan.abstract.params, plan.shardings.params, itemsize=2)
+    grads = per_device_bytes(plan.abstract.params, plan.grad_shardings)
+    optimizer = 0 if plan.offload else per_device_bytes(plan.abstract.opt_state,
+                                                        plan.shardings.opt_state)
     # Each replica's gradients exist in full (over data) until they are reduce-scattered.
-    unreduced = _shard_bytes(plan.abstract.params, plan.base_params) if grads < \
-        _shard_bytes(plan.abstract.params, plan.base_params) else 0
+    full_grads = per_device_bytes(plan.abstract.params, plan.base_params)
+    unreduced = full_grads if grads < full_grads else 0
     return Breakdown(params, grads, optimizer, unreduced +
                      activation_bytes(plan, micro_batch, seq_len, compute_bytes, remat))
 
@@ -153,8 +145,8 @@ def measure(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
     grads = grads_fn.lower(plan.abstract.params, batch).compile().memory_analysis()
 
     arguments = stats.argument_size_in_bytes + stats.host_argument_size_in_bytes
-    batch_bytes = _shard_bytes(batch, batch_sh)
-    params = _shard_bytes(plan.abstract.params, plan.shardings.params)
+    batch_bytes = per_device_bytes(batch, batch_sh)
+    params = per_device_bytes(plan.abstract.params, plan.shardings.params)
     optimizer = arguments - params - batch_bytes - 4  # the int32 step counter
     if plan.offload:
         optimizer = 0  # between steps it lives in host memory

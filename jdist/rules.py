@@ -41,7 +41,8 @@ DEFAULT_RULES: Rules = (
 )
 
 
-def _mesh_axes_of(candidate: Candidate) -> tuple[str, ...]:
+def mesh_axes_of(candidate: Candidate) -> tuple[str, ...]:
+    """The mesh axes of a rule candidate or PartitionSpec entry (None, a name, or a tuple)."""
     if candidate is None:
         return ()
     return (candidate,) if isinstance(candidate, str) else tuple(candidate)
@@ -55,7 +56,7 @@ def resolve(names: Sequence[str | None], rules: Rules = DEFAULT_RULES, mesh=None
     assigned = [False] * len(names)
     used: set[str] = set()
     for logical, candidate in rules:
-        mesh_axes = _mesh_axes_of(candidate)
+        mesh_axes = mesh_axes_of(candidate)
         for i, name in enumerate(names):
             if name != logical or assigned[i] or used.intersection(mesh_axes):
                 continue
@@ -67,7 +68,7 @@ def resolve(names: Sequence[str | None], rules: Rules = DEFAULT_RULES, mesh=None
 
 
 def _drop_trivial(candidate: Candidate, shape: Mapping[str, int]) -> Candidate:
-    kept = tuple(a for a in _mesh_axes_of(candidate) if shape[a] > 1)
+    kept = tuple(a for a in mesh_axes_of(candidate) if shape[a] > 1)
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
@@ -98,7 +99,7 @@ def with_sequence_parallel(rules: Rules) -> Rules:
     inserted = False
     for logical, candidate in rules:
         if logical == ax.LENGTH and not inserted:
-            out.append((ax.LENGTH, (*_mesh_axes_of(candidate), ax.TENSOR)))
+            out.append((ax.LENGTH, (*mesh_axes_of(candidate), ax.TENSOR)))
             inserted = True
         out.append((logical, candidate))
     if not inserted:
@@ -111,7 +112,7 @@ def without_axis(rules: Rules, mesh_axis: str) -> Rules:
     slice of that axis (e.g. per data replica), where the axis is already spent."""
     out = []
     for logical, candidate in rules:
-        kept = tuple(a for a in _mesh_axes_of(candidate) if a != mesh_axis)
+        kept = tuple(a for a in mesh_axes_of(candidate) if a != mesh_axis)
         out.append((logical, None if not kept else kept[0] if len(kept) == 1 else kept))
     return tuple(out)
 

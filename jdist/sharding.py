@@ -90,11 +90,13 @@ def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def per_device_bytes(abstract_tree: Any, shardings: Any) -> int:
-    """Bytes one device holds of `abstract_tree` laid out as `shardings`."""
+def per_device_bytes(abstract_tree: Any, shardings: Any, itemsize: int | None = None) -> int:
+    """Bytes one device holds of `abstract_tree` laid out as `shardings` (at `itemsize`
+    bytes per element instead of each leaf's own, if given)."""
     leaves = jax.tree.leaves(abstract_tree)
     sh = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(leaves, sh))
+    return sum(math.prod(s.shard_shape(x.shape)) * (itemsize or x.dtype.itemsize)
+               for x, s in zip(leaves, sh))
 
 
 def path_str(path) -> str:

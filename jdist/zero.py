@@ -13,13 +13,11 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import axes as ax
+from jdist.rules import mesh_axes_of
 
 STAGES = (0, 1, 2, 3)
 OPTIMIZER, GRADIENTS, PARAMETERS = 1, 2, 3  # the first stage that shards each component
 
-
-def _parts(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def zero_dim(shape: tuple[int, ...], spec: PartitionSpec, names: tuple, mesh) -> int | None:
@@ -27,12 +25,12 @@ def zero_dim(shape: tuple[int, ...], spec: PartitionSpec, names: tuple, mesh) ->
     divides evenly, else the largest dimension that does; None if no dimension can."""
     n = mesh.shape[ax.DATA]
     spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-    if n == 1 or ax.DATA in {a for entry in spec for a in _parts(entry)}:
+    if n == 1 or ax.DATA in {a for entry in spec for a in mesh_axes_of(entry)}:
         return None
 
     def splits(i: int) -> bool:
         ways = 1
-        for a in _parts(spec[i]):
+        for a in mesh_axes_of(spec[i]):
             ways *= mesh.shape[a]
         return shape[i] % (ways * n) == 0
 
@@ -48,7 +46,7 @@ def zero_spec(shape: tuple[int, ...], spec: PartitionSpec, names: tuple, mesh) -
     if dim is None:
         return spec
     entries = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
-    parts = _parts(entries[dim]) + (ax.DATA,)
+    parts = mesh_axes_of(entries[dim]) + (ax.DATA,)
     entries[dim] = parts[0] if len(parts) == 1 else parts
     return PartitionSpec(*entries)
 
@@ -72,7 +70,7 @@ def reduce_over_data(per_replica: dict, base: dict, reduced: dict, mesh) -> dict
         if out_sh.spec == base_sh.spec:
             body = lambda x: jax.lax.psum(x[0], ax.DATA) / n
         else:
-            dim = next(i for i, e in enumerate(out_sh.spec) if ax.DATA in _parts(e))
+            dim = next(i for i, e in enumerate(out_sh.spec) if ax.DATA in mesh_axes_of(e))
             body = lambda x: jax.lax.psum_scatter(
                 x[0], ax.DATA, scatter_dimension=dim, tiled=True) / n
         return jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_sh.spec)(g)

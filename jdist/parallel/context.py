@@ -30,7 +30,7 @@ from jdist.parallel.all_gather_attention import all_gather_attention
 from jdist.parallel.load_balance import balanced_order
 from jdist.parallel.ring_attention import Ring, ring_attention
 from jdist.parallel.ulysses_attention import ulysses_attention
-from jdist.rules import Rules, resolve
+from jdist.rules import Rules, mesh_axes_of, resolve
 
 RING, ALL_GATHER, ULYSSES = "ring", "all_gather", "ulysses"
 STRATEGIES = (RING, ALL_GATHER, ULYSSES)
@@ -38,9 +38,6 @@ STRATEGIES = (RING, ALL_GATHER, ULYSSES)
 Q_NAMES = (BATCH, LENGTH, HEADS, HEAD_DIM)
 KV_NAMES = (BATCH, LENGTH, KV_HEADS, HEAD_DIM)
 
-
-def _mesh_axes(part) -> tuple[str, ...]:
-    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +64,7 @@ class ContextParallel:
     @property
     def axes(self) -> tuple[str, ...]:
         """Mesh axes the sequence of the attention inputs is split over."""
-        return _mesh_axes(self.q_spec[1])
+        return mesh_axes_of(self.q_spec[1])
 
     @property
     def size(self) -> int:
@@ -106,7 +103,7 @@ class ContextParallel:
                 f"give heads {q_spec[2]} and kv_heads {kv_spec[2]}; give both the same rules")
         self._check_chunks(seq_len)
         if self.strategy == ULYSSES:
-            tp = math.prod(self.mesh.shape[a] for a in _mesh_axes(q_spec[2]))
+            tp = math.prod(self.mesh.shape[a] for a in mesh_axes_of(q_spec[2]))
             local = n_heads // tp
             require(local % n == 0,
                     f"--cp-strategy ulysses splits each device's {local} attention heads over "

@@ -26,13 +26,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jdist import axes as ax
-from jdist.rules import active, resolve
+from jdist.rules import active, mesh_axes_of, resolve
 
 DROPLESS, CAPACITY = "dropless", "capacity"
 
-
-def _axes(part) -> tuple[str, ...]:
-    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
 
 
 def route(x: jax.Array, router: jax.Array, cfg):
@@ -126,9 +123,9 @@ def moe_ffn(x: jax.Array, w: dict, cfg):
     mesh, rules = context
     x_spec = resolve(X_NAMES, rules, mesh)
     w_specs = {k: resolve(v, rules, mesh) for k, v in WEIGHT_NAMES.items()}
-    token_axes = _axes(x_spec[0]) + _axes(x_spec[1])
-    ep_axes = _axes(w_specs["w_gate"][0])
-    tp_axes = _axes(w_specs["w_gate"][2])
+    token_axes = mesh_axes_of(x_spec[0]) + mesh_axes_of(x_spec[1])
+    ep_axes = mesh_axes_of(w_specs["w_gate"][0])
+    tp_axes = mesh_axes_of(w_specs["w_gate"][2])
     n_ep = math.prod(mesh.shape[a] for a in ep_axes)
 
     def kernel(x, w):

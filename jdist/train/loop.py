@@ -21,7 +21,14 @@ from jdist.errors import require
 from jdist.mesh import MeshSpec, build_mesh, parse_mesh
 from jdist.parallel.context import check_context_parallel
 from jdist.parallel.pipeline import pipeline_for, show_schedule, with_pipeline
-from jdist.rules import DEFAULT_RULES, Rules, load_rules, resolve, with_sequence_parallel
+from jdist.rules import (
+    DEFAULT_RULES,
+    Rules,
+    load_rules,
+    mesh_axes_of,
+    resolve,
+    with_sequence_parallel,
+)
 from jdist.sharding import check_divisible, check_model_fits
 from jdist.train import faults, report, resume
 from jdist.train.config import TrainConfig
@@ -58,8 +65,7 @@ def rules_for(config: TrainConfig) -> Rules:
 def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
     """Each micro-batch must still split evenly over the batch-sharding axes."""
     require(config.grad_accum >= 1, f"--grad-accum {config.grad_accum} must be at least 1")
-    part = resolve((ax.BATCH,), rules, mesh)[0]
-    batch_axes = () if part is None else (part,) if isinstance(part, str) else part
+    batch_axes = mesh_axes_of(resolve((ax.BATCH,), rules, mesh)[0])
     ways = math.prod(mesh.shape[a] for a in batch_axes)
     require(config.batch_size % (config.grad_accum * ways) == 0,
             f"--batch-size {config.batch_size} cannot be split into {config.grad_accum} "
