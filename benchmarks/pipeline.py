@@ -7,7 +7,10 @@ peak per-device temporary bytes of the compiled step, for gpipe, 1f1b and interl
 The micro-batch size is fixed, so M micro-batches make a global batch of M x micro-batch:
 the activations of one micro-batch cost the same in every row, and what changes with M is
 how many of them a schedule keeps alive. Target: bubble = (P-1)/(V*M+P-1) exactly; 1f1b's
-temp bytes flat in M, gpipe's growing linearly.
+temp bytes flat in M, gpipe's growing linearly. The last columns read the compiled step's
+collectives (per device, loop bodies times their trip counts): activation/cotangent
+collective-permutes, and everything else (the embedding/head gradient sum over stage only:
+block parameters and gradients never leave their stage, interleaved included).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+from jdist.hlo import executed_collective_bytes
 from jdist.mesh import build_mesh
 from jdist.parallel.pipeline import PipelineConfig, with_pipeline
 from jdist.rules import DEFAULT_RULES
@@ -40,10 +44,13 @@ def measure(model, stages: int, micro: int, schedule: str, virtual: int, micro_b
     compiled = make_train_step(plan).lower(
         plan.abstract, {"inputs": tokens, "targets": tokens}).compile()
     table = config.table(stages)
+    moved = executed_collective_bytes(compiled.as_text())
+    permute = moved.pop("collective-permute")
     return {"schedule": schedule, "stages": stages, "micro": micro, "virtual": virtual,
             "ticks": table.ticks, "bubble": table.bubble_fraction(),
             "bubble_formula": table.expected_bubble(), "stashed": table.n_slots,
-            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "permute_bytes": permute, "other_collective_bytes": sum(moved.values())}
 
 
 def main() -> None:
@@ -66,11 +73,12 @@ def main() -> None:
     print(f"tiny ({args.n_layers} layers), micro-batch {args.micro_batch} x {args.seq_len} "
           "tokens, float32; temp = compiled peak per-device temporaries")
     print(f"{'P':>2} {'M':>3} {'schedule':14} {'ticks':>5} {'bubble':>7} {'formula':>7} "
-          f"{'stashed':>7} {'temp MiB':>9}")
+          f"{'stashed':>7} {'temp MiB':>9} {'permute MiB':>11} {'other MiB':>9}")
     for r in rows:
         name = r["schedule"] + (f" V={r['virtual']}" if r["virtual"] > 1 else "")
         print(f"{r['stages']:>2} {r['micro']:>3} {name:14} {r['ticks']:>5} {r['bubble']:7.4f} "
-              f"{r['bubble_formula']:7.4f} {r['stashed']:>7} {r['temp_bytes'] / 2**20:9.2f}")
+              f"{r['bubble_formula']:7.4f} {r['stashed']:>7} {r['temp_bytes'] / 2**20:9.2f} "
+              f"{r['permute_bytes'] / 2**20:11.2f} {r['other_collective_bytes'] / 2**20:9.2f}")
 
 
 if __name__ == "__main__":

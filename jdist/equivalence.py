@@ -14,6 +14,7 @@ import numpy as np
 
 from jdist import data
 from jdist.mesh import build_mesh, parse_mesh
+from jdist.parallel.layer_order import to_model_order
 from jdist.parallel.pipeline import PipelineConfig, with_pipeline
 from jdist.rules import DEFAULT_RULES, Rules
 from jdist.train.optim import make_optimizer
@@ -50,8 +51,8 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
         state, metrics = step(state, batch)
         losses.append(metrics["loss"])
     hlo = step.lower(state, batch).compile().as_text()  # the executable just run, from cache
-    return RunResult(np.array([float(x) for x in losses]), jax.tree.map(np.asarray, state.params),
-                     hlo)
+    params = to_model_order(plan, jax.tree.map(np.asarray, state.params))
+    return RunResult(np.array([float(x) for x in losses]), params, hlo)
 
 
 def single_device() -> list:

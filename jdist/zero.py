@@ -64,6 +64,9 @@ def reduce_over_data(per_replica: dict, base: dict, reduced: dict, mesh) -> dict
     reduce-scatter where `reduced` shards it (ZeRO-2/3), so each device receives only its
     slice and never holds the full reduced gradient."""
     n = mesh.shape[ax.DATA]
+    if n == 1:  # nothing to reduce: skip the trivial (one-device-group) all-reduce
+        return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g[0], s),
+                            per_replica, reduced)
 
     def one(g, base_sh: NamedSharding, out_sh: NamedSharding):
         in_spec = PartitionSpec(ax.DATA, *base_sh.spec)

@@ -168,3 +168,21 @@ def test_on_nan_stop_exits_3_without_saving_the_bad_state(tmp_path, capsys):
     assert len(err) == 1 and "step 3: loss nan" in err[0] and "--on-nan stop" in err[0]
     assert [s for s, _ in ckpt.step_dirs(run_dir / "checkpoints")] == [2]
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+
+
+def test_interleaved_layer_order_moves_both_ways(tmp_path):
+    """An interleaved pipeline stores the layer stack permuted (stage s holds chunks s, s+P);
+    its checkpoints record that order and resume onto a plain mesh and back."""
+    deep = {"n_layers": 4, "steps": 15, "checkpoint_every": 5}
+    interleaved = {"mesh": "pp=2", "pp_schedule": "interleaved", "pp_virtual_stages": 2,
+                   "microbatches": 4}
+    full = losses(train(config(tmp_path / "a", **deep, **interleaved)))
+    assert ckpt.read_meta(tmp_path / "a" / "checkpoints" / "5")["layer_order"] == [0, 2, 1, 3]
+    plain = losses(train(config(tmp_path / "b", **deep, mesh="dp=2",
+                                resume=str(tmp_path / "a" / "checkpoints" / "5"))))
+    assert ckpt.read_meta(tmp_path / "b" / "checkpoints" / "10")["layer_order"] == [0, 1, 2, 3]
+    back = losses(train(config(tmp_path / "c", **deep, **interleaved,
+                               resume=str(tmp_path / "b" / "checkpoints" / "10"))))
+    assert sorted(plain) == list(range(6, 16)) and sorted(back) == list(range(11, 16))
+    for step, loss in [*plain.items(), *back.items()]:
+        assert abs(loss - full[step]) <= 1e-5 * abs(full[step]), (step, loss, full[step])

@@ -2,21 +2,27 @@
 stage count trained against one device, the collectives that move activations, and the
 one-line errors."""
 
+import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from jdist.equivalence import loss_rel_diff, param_abs_diff, train_steps
 from jdist.errors import ConfigError
-from jdist.hlo import collective_counts, loop_bodies
+from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
 from jdist.parallel import schedule as sched
+from jdist.parallel.layer_order import layer_order, to_model_order, to_stored
 from jdist.parallel.pipeline import PipelineConfig
 from models import get_preset
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-6
 DEEP = get_preset("tiny", n_layers=8)  # 8 layers: pp=4 x 2 virtual stages still divides
 STEPS, BATCH = 10, 32  # BATCH divides data x micro-batches on every mesh below
+# Replicated over stage: embedding, head, final norm (vocab 256, d 64).
+SHARED_SHAPES = [(DEEP.vocab_size, DEEP.d_model)] * 2 + [(DEEP.d_model,)]
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -75,16 +81,33 @@ def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro
     assert run.losses[-1] < run.losses[0] - 0.5
 
 
-def test_activations_move_with_collective_permutes_only(corpus):
-    hlo = pipelined(corpus, "pp=4", "1f1b", 4).hlo
+@pytest.mark.parametrize("mesh, schedule", [("pp=4", "1f1b"), ("pp=2", "interleaved")])
+def test_activations_move_with_collective_permutes_only(corpus, mesh, schedule):
+    hlo = pipelined(corpus, mesh, schedule, 4).hlo
     counts = collective_counts(hlo)
     # The tick loop: one permute forward, one backward, nothing else crosses stages.
     ticks = [b for b in loop_bodies(hlo) if collective_counts(b)["collective-permute"]]
     assert len(ticks) == 1
     assert collective_counts(ticks[0]) == {**dict.fromkeys(counts, 0), "collective-permute": 2}
     assert counts["collective-permute"] == 2
-    # Outside it, only the sums of the loss and of the embedding/head gradients over stage.
+    # Outside it, only the sums of the loss and of the embedding/head gradients over stage:
+    # block parameters and their gradients never leave their stage (interleaved included,
+    # whose stack is stored in chunk order, see jdist.parallel.layer_order).
     assert counts["all-gather"] == counts["all-to-all"] == counts["reduce-scatter"] == 0
+    shared = sum(4 * math.prod(shape) for shape in SHARED_SHAPES)
+    assert shared <= executed_collective_bytes(hlo)["all-reduce"] <= shared + 1024
+
+
+def test_interleaved_storage_order_round_trips():
+    order = layer_order(8, 2, 2)  # 2 layers per chunk; stage 0 runs chunks 0, 2
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    stack = {"blocks": {"w": np.arange(8.0)[:, None]}, "embed": np.arange(8.0)}
+    plan = SimpleNamespace(model=DEEP, mesh=SimpleNamespace(shape={"stage": 2}),
+                           pipeline=PipelineConfig("interleaved", 4, 2))
+    stored = to_stored(plan, stack)
+    assert stored["blocks"]["w"][:, 0].tolist() == order.tolist()
+    assert stored["embed"].tolist() == stack["embed"].tolist()  # not a layer stack
+    assert to_model_order(plan, stored)["blocks"]["w"][:, 0].tolist() == list(range(8))
 
 
 @pytest.mark.parametrize("args, message", [

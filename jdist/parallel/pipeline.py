@@ -2,11 +2,12 @@
 schedule table (`jdist.parallel.schedule`) tick by tick.
 
 Layout. The stacked blocks are split over `stage` by the rule `layers -> stage`; with V
-virtual stages (interleaved) the layer order is permuted on entry so that stage s holds
-chunks s, s+P, s+2P, ... Embedding, final norm and head are replicated over `stage`: the
-first chunk embeds its micro-batch's tokens, the last one computes the loss, so the loss is
-the model's own. Their gradients (zero on the stages that do not use them) are summed over
-`stage` once per step; block gradients never leave their stage.
+virtual stages (interleaved) the stack is *stored* permuted (`jdist.parallel.layer_order`)
+so that stage s's shard is chunks s, s+P, s+2P, ... Embedding, final norm and head are
+replicated over `stage`: the first chunk embeds its micro-batch's tokens, the last one
+computes the loss, so the loss is the model's own. Their gradients (zero on the stages that
+do not use them) are summed over `stage` once per step; block gradients never leave their
+stage.
 
 Execution. The kernel is manual over `stage` and `data` (each data replica runs its own
 pipeline; `fsdp`, `tensor` stay automatic, so GSPMD shards each stage's work as usual). At
@@ -35,14 +36,12 @@ from jax.sharding import PartitionSpec
 from jdist import axes as ax
 from jdist.errors import require
 from jdist.parallel import schedule as sched
+from jdist.parallel.layer_order import BLOCKS
 from jdist.rules import activation_sharding, without_axis
 from jdist.zero import reduce_over_data
 
 if TYPE_CHECKING:
     from jdist.train.state import Plan
-
-BLOCKS = "blocks"  # the stacked-layer subtree of the parameters (models.Llama.blocks)
-
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
@@ -90,8 +89,6 @@ def replica_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float
     table = config.table(stages)
     blocks = params[BLOCKS]
     shared = {k: v for k, v in params.items() if k != BLOCKS}
-    order = layer_order(plan.model.n_layers, stages, config.virtual)
-    blocks = _permute(blocks, order, 0)
     program = functools.partial(_program, plan=plan, table=table, compute_dtype=compute_dtype,
                                 remat_block=remat_block)
     on_stage = lambda tree, *lead: jax.tree.map(lambda _: PartitionSpec(*lead, ax.STAGE), tree)
@@ -106,25 +103,7 @@ def replica_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float
         # happens per micro-batch inside the kernel, never through it.
         check_vma=False)
     losses, (d_blocks, d_shared) = run(blocks, shared, batch["inputs"], batch["targets"])
-    d_blocks = _permute(d_blocks, np.argsort(order), 1)
     return losses, {**d_shared, BLOCKS: d_blocks}
-
-
-def layer_order(n_layers: int, stages: int, virtual: int) -> np.ndarray:
-    """Stored layer index at each position of the stage-sharded stack: position-major on
-    stage, then virtual chunk, so stage s's contiguous shard holds chunks s, s+P, ...
-    (the identity for V = 1)."""
-    k = n_layers // (stages * virtual)
-    return np.array([(v * stages + s) * k + j
-                     for s in range(stages) for v in range(virtual) for j in range(k)])
-
-
-def _permute(tree, order: np.ndarray, axis: int):
-    """Reorder the layer axis; the identity (V = 1) must not even look like a gather, or
-    GSPMD all-gathers the stage-sharded stack."""
-    if np.array_equal(order, np.arange(len(order))):
-        return tree
-    return jax.tree.map(lambda x: jnp.take(x, order, axis=axis), tree)
 
 
 def _columns(table: sched.Schedule) -> np.ndarray:

@@ -20,6 +20,7 @@ from jdist.distributed import is_main_process
 from jdist.errors import require
 from jdist.mesh import MeshSpec, build_mesh, parse_mesh
 from jdist.parallel.context import check_context_parallel
+from jdist.parallel.layer_order import CHECKPOINT_KEY, order_of, restore_order
 from jdist.parallel.pipeline import pipeline_for, show_schedule, with_pipeline
 from jdist.rules import (
     DEFAULT_RULES,
@@ -200,7 +201,8 @@ def train(config: TrainConfig) -> list[dict]:
 
     def save(step: int) -> None:
         checkpoints.save(step, state,
-                         resume.run_meta(config, setup.model, plan.mesh, step, data_id))
+                         resume.run_meta(config, setup.model, plan.mesh, step, data_id,
+                                         order_of(plan)))
 
     def steps_from(i: int) -> None:
         # The loop proper. Saves only states whose metrics were checked (flushed) first.
@@ -276,8 +278,9 @@ def train(config: TrainConfig) -> list[dict]:
 
 
 def start_state(plan: Plan, seed: int, found: ckpt.Found | None) -> TrainState:
-    """The initial state, or the state restored from `found` laid out for this plan's mesh."""
+    """The initial state, or the state restored from `found` laid out for this plan's mesh
+    (and its stored layer order)."""
     if found is None:
         return init_state(plan, seed)
     tree, _ = ckpt.restore(found.path, plan.abstract, plan.shardings)
-    return TrainState(**tree)
+    return restore_order(plan, TrainState(**tree), found.meta.get(CHECKPOINT_KEY))

@@ -11,6 +11,7 @@ import jax
 
 from jdist import checkpoint as ckpt
 from jdist.errors import require
+from jdist.parallel.layer_order import CHECKPOINT_KEY
 
 # Flags that decide *what* is computed. A resumed run must keep them; everything else
 # (mesh, ZeRO stage, process count, remat, ...) only decides *how* and may change.
@@ -22,10 +23,15 @@ def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def run_meta(config, model, mesh, step: int, data_fingerprint: str = "") -> dict:
+def run_meta(config, model, mesh, step: int, data_fingerprint: str = "",
+             layer_order=None) -> dict:
     """Saved with every checkpoint. Batches are a pure function of (seed, step), so the data
-    position is the step and the only RNG state is the seed."""
-    return {"step": step, "data_position": step, "rng": {"seed": config.seed},
+    position is the step and the only RNG state is the seed. `layer_order` is how the
+    stacked blocks are stored (`jdist.parallel.layer_order`)."""
+    order = list(range(model.n_layers)) if layer_order is None else \
+        [int(i) for i in layer_order]
+    return {CHECKPOINT_KEY: order, "step": step, "data_position": step,
+            "rng": {"seed": config.seed},
             "config": dataclasses.asdict(config), "model": dataclasses.asdict(model),
             "mesh": dict(mesh.shape), "processes": jax.process_count(),
             "jax": jax.__version__, "data_fingerprint": data_fingerprint}

@@ -14,6 +14,7 @@ from flax import nnx
 from jdist import axes as ax
 from jdist import sharding as sh
 from jdist.errors import require
+from jdist.parallel.layer_order import to_stored
 from jdist.rules import Rules, resolve
 from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, STAGES, zero_shardings
 from models import Llama, ModelConfig
@@ -78,8 +79,9 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
 
 
 def init_state(plan: Plan, seed: int) -> TrainState:
-    """Initialise inside `jit` with output shardings: each device computes only its shards."""
+    """Initialise inside `jit` with output shardings: each device computes only its shards
+    (layers in the plan's stored order, see `jdist.parallel.layer_order`)."""
     def init() -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
+        params = to_stored(plan, nnx.to_pure_dict(nnx.state(build_model(plan.model, seed))))
         return TrainState(jnp.zeros((), jnp.int32), params, plan.tx.init(params))
     return jax.jit(init, out_shardings=plan.shardings)()

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jdist import remat
 from jdist.parallel.context import context_parallel
+from jdist.parallel.layer_order import to_model_order
 from jdist.parallel.moe import moe_losses
 from jdist.parallel.pipeline import pipeline_grads
 from jdist.rules import activation_sharding
@@ -89,7 +90,8 @@ def make_eval_step(plan: Plan, compute_dtype=jnp.float32):
     batch_sh = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
 
     def cross_entropy(params, batch):  # without MoE balancing terms
-        loss, metrics = loss_and_metrics(plan, params, batch, compute_dtype)
+        loss, metrics = loss_and_metrics(plan, to_model_order(plan, params), batch,
+                                         compute_dtype)
         return metrics.get("ce_loss", loss)
 
     return jax.jit(cross_entropy,

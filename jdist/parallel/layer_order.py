@@ -1,0 +1,83 @@
+"""Where each layer of the stacked blocks is *stored* when a pipeline interleaves.
+
+The rule `layers -> stage` gives each stage a contiguous run of the stack. An interleaved
+schedule (V virtual stages) runs chunks s, s+P, s+2P, ... on stage s, so a run that kept
+the model's order would move parameters to the stage that runs them, and gradients back,
+every step. Instead the stack is stored permuted (`layer_order`): stage s's contiguous
+shard *is* its chunks, and nothing but activations ever crosses stages.
+
+The stored order is part of the layout, like a sharding, and is converted at the edges:
+`init_state` stores, evaluation and comparisons read `to_model_order`, checkpoints record
+the order they were written in (`CHECKPOINT_KEY`) and `restore_order` converts on resume,
+so a checkpoint moves freely between interleaved and non-interleaved meshes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdist import axes as ax
+from jdist.errors import require
+
+BLOCKS = "blocks"  # the stacked-layer subtree of the parameters (models.Llama.blocks)
+CHECKPOINT_KEY = "layer_order"  # in checkpoint metadata: stored position -> model layer
+
+
+def layer_order(n_layers: int, stages: int, virtual: int) -> np.ndarray:
+    """Model layer index at each stored position: stage-major, then virtual chunk, so stage
+    s's contiguous shard holds chunks s, s+P, ... (the identity for V = 1)."""
+    k = n_layers // (stages * virtual)
+    return np.array([(v * stages + s) * k + j
+                     for s in range(stages) for v in range(virtual) for j in range(k)])
+
+
+def order_of(plan) -> np.ndarray:
+    """The stored layer order of a plan (the identity unless it interleaves)."""
+    n = plan.model.n_layers
+    if plan.pipeline is None or plan.pipeline.virtual == 1:
+        return np.arange(n)
+    return layer_order(n, plan.mesh.shape[ax.STAGE], plan.pipeline.virtual)
+
+
+def permute(tree, order: np.ndarray):
+    """Take `order` along the layer axis of every leaf under `blocks` (parameters, and the
+    optimizer moments that mirror them); other leaves are unchanged."""
+    order = np.asarray(order)
+    if np.array_equal(order, np.arange(len(order))):
+        return tree  # not even a gather: GSPMD would all-gather the stage-sharded stack
+
+    def leaf(path, x):
+        in_blocks = any(getattr(k, "key", None) == BLOCKS for k in path)
+        if not in_blocks or np.ndim(x) == 0 or x.shape[0] != len(order):
+            return x
+        return np.take(x, order, axis=0) if isinstance(x, np.ndarray) else \
+            jnp.take(x, order, axis=0)
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def to_stored(plan, tree):
+    """Model order -> the plan's stored order."""
+    return permute(tree, order_of(plan))
+
+
+def to_model_order(plan, tree):
+    """The plan's stored order -> model order."""
+    return permute(tree, np.argsort(order_of(plan)))
+
+
+def restore_order(plan, state, saved_order) -> object:
+    """A state restored from a checkpoint stored in `saved_order` (None: model order),
+    re-laid out in the plan's order, in place on the plan's shardings."""
+    n = plan.model.n_layers
+    saved = np.arange(n) if saved_order is None else np.asarray(saved_order)
+    require(sorted(saved.tolist()) == list(range(n)),
+            f"checkpoint metadata {CHECKPOINT_KEY} {saved.tolist()} is not an order of "
+            f"{n} layers; the checkpoint's metadata was edited - restore an intact checkpoint")
+    change = np.argsort(saved)[order_of(plan)]
+    if np.array_equal(change, np.arange(len(change))):
+        return state
+    return jax.jit(lambda s: permute(s, change), out_shardings=plan.shardings,
+                   donate_argnums=0)(state)
