@@ -7,15 +7,22 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 
+from jdist import data
 from jdist.equivalence import loss_rel_diff, param_abs_diff, train_steps
 from jdist.errors import ConfigError
 from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
+from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel import schedule as sched
 from jdist.parallel.layer_order import layer_order, to_model_order, to_stored
-from jdist.parallel.pipeline import PipelineConfig
+from jdist.parallel.pipeline import PipelineConfig, with_pipeline
+from jdist.rules import DEFAULT_RULES
+from jdist.train.optim import make_optimizer
+from jdist.train.state import init_state, make_plan
+from jdist.train.step import make_eval_step
 from models import get_preset
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-6
@@ -96,6 +103,38 @@ def test_activations_move_with_collective_permutes_only(corpus, mesh, schedule):
     assert counts["all-gather"] == counts["all-to-all"] == counts["reduce-scatter"] == 0
     shared = sum(4 * math.prod(shape) for shape in SHARED_SHAPES)
     assert shared <= executed_collective_bytes(hlo)["all-reduce"] <= shared + 1024
+
+
+def evaluate(corpus, mesh: str, pipeline: PipelineConfig | None = None):
+    """(eval loss of the initial parameters, collective counts of the compiled eval step)."""
+    tx, _ = make_optimizer(1e-3, 10, 1)
+    mesh = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
+    plan = with_pipeline(make_plan(DEEP, mesh, DEFAULT_RULES, tx), pipeline)
+    params = init_state(plan, 0).params
+    batch = data.global_batch(corpus.val, 0, 0, BATCH, 32, plan.batch_sharding,
+                              data.VAL_STREAM)
+    step = make_eval_step(plan).lower(params, batch).compile()
+    return float(step(params, batch)), collective_counts(step.as_text())
+
+
+@pytest.mark.parametrize("mesh, schedule, micro", [("pp=2", "interleaved", 4),
+                                                   ("dp=2,pp=2,tp=2", "1f1b", 2)])
+def test_evaluation_runs_forward_through_the_stages(corpus, mesh, schedule, micro):
+    """Evaluation is a forward-only pass of the schedule: the same loss as one device, and
+    no stage ever gathers another stage's blocks."""
+    want, _ = evaluate(corpus, "dp=1")
+    got, counts = evaluate(corpus, mesh, PipelineConfig(schedule, micro, 1 + (
+        schedule == "interleaved")))
+    assert abs(got - want) <= LOSS_RTOL * want
+    assert counts["collective-permute"] == 1  # forward activations only
+    if "tp" not in mesh:
+        assert counts["all-gather"] == 0
+
+
+def test_forward_only_schedule_keeps_one_input_per_stage():
+    table = sched.build("1f1b", 4, 16, forward_only=True)
+    assert table.n_slots == 1 and table.ticks == 16 + 3
+    assert all(op is None or op.kind == sched.FWD for row in table.grid for op in row)
 
 
 def test_interleaved_storage_order_round_trips():

@@ -49,8 +49,9 @@ class PipelineConfig:
     microbatches: int = 0  # 0: one per stage
     virtual: int = 1       # layer chunks per stage (interleaved)
 
-    def table(self, stages: int) -> sched.Schedule:
-        return sched.build(self.schedule, stages, self.microbatches or stages, self.virtual)
+    def table(self, stages: int, forward_only: bool = False) -> sched.Schedule:
+        return sched.build(self.schedule, stages, self.microbatches or stages, self.virtual,
+                           forward_only)
 
 
 def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
@@ -84,26 +85,39 @@ def pipeline_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.floa
 def replica_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32,
                   remat_block=lambda f: f):
     """Per-data-replica (losses [n_data], gradients with a leading data dimension)."""
+    losses, (d_blocks, d_shared) = _run(plan, params, batch, compute_dtype, remat_block)
+    return losses, {**d_shared, BLOCKS: d_blocks}
+
+
+def pipeline_loss(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32):
+    """Mean loss of a forward-only pass of the schedule (evaluation): every stage runs only
+    the blocks it stores, so a model that needs stages to fit is never gathered."""
+    return _run(plan, params, batch, compute_dtype, train=False).mean()
+
+
+def _run(plan: Plan, params: dict, batch: dict, compute_dtype, remat_block=lambda f: f,
+         train: bool = True):
+    """The kernel over every (stage, data replica): losses [n_data] and, when training,
+    per-replica (block, shared) gradients."""
     mesh, config = plan.mesh, plan.pipeline
-    stages = mesh.shape[ax.STAGE]
-    table = config.table(stages)
+    table = config.table(mesh.shape[ax.STAGE], forward_only=not train)
     blocks = params[BLOCKS]
     shared = {k: v for k, v in params.items() if k != BLOCKS}
     program = functools.partial(_program, plan=plan, table=table, compute_dtype=compute_dtype,
-                                remat_block=remat_block)
+                                remat_block=remat_block, train=train)
     on_stage = lambda tree, *lead: jax.tree.map(lambda _: PartitionSpec(*lead, ax.STAGE), tree)
     replicated = lambda tree, *lead: jax.tree.map(lambda _: PartitionSpec(*lead), tree)
     batch_spec = PartitionSpec(ax.DATA)
+    grad_specs = (on_stage(blocks, ax.DATA), replicated(shared, ax.DATA))
     run = jax.shard_map(
         program, mesh=mesh,
         in_specs=(on_stage(blocks), replicated(shared), batch_spec, batch_spec),
-        out_specs=(batch_spec, (on_stage(blocks, ax.DATA), replicated(shared, ax.DATA))),
+        out_specs=(batch_spec, grad_specs) if train else batch_spec,
         axis_names=frozenset({ax.STAGE, ax.DATA}),
         # Every value inside is per device and every collective is written out: autodiff
         # happens per micro-batch inside the kernel, never through it.
         check_vma=False)
-    losses, (d_blocks, d_shared) = run(blocks, shared, batch["inputs"], batch["targets"])
-    return losses, {**d_shared, BLOCKS: d_blocks}
+    return run(blocks, shared, batch["inputs"], batch["targets"])
 
 
 def _columns(table: sched.Schedule) -> np.ndarray:
@@ -117,7 +131,7 @@ def _columns(table: sched.Schedule) -> np.ndarray:
 
 
 def _program(blocks, shared, inputs, targets, *, plan: Plan, table: sched.Schedule,
-             compute_dtype, remat_block):
+             compute_dtype, remat_block, train: bool):
     """One (stage, data replica)'s share of the step: run every tick of `table`."""
     stages, virtual, micro = table.stages, table.virtual, table.micro
     last_chunk = stages * virtual - 1
@@ -164,20 +178,24 @@ def _program(blocks, shared, inputs, targets, *, plan: Plan, table: sched.Schedu
             d_chunks = jax.tree.map(lambda a, g: a.at[v].add(g), acc[0], d_block)
             return act, d_x, (d_chunks, jax.tree.map(jnp.add, acc[1], d_shared)), zero
 
-        y, d_x, acc, loss = jax.lax.switch(kind, (idle, forward, backward))
+        ops = (idle, forward, backward) if train else (idle, forward)
+        y, d_x, acc, loss = jax.lax.switch(kind, ops)
         stash = _store(stash, recv_fwd, jax.lax.ppermute(y, ax.STAGE, to_next))
-        grads_in = _store(grads_in, recv_bwd, jax.lax.ppermute(d_x, ax.STAGE, to_prev))
+        if train:
+            grads_in = _store(grads_in, recv_bwd, jax.lax.ppermute(d_x, ax.STAGE, to_prev))
         return (stash, grads_in, acc, loss_sum + loss), None
 
     f32_zeros = lambda t: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), t)
     start = (jnp.zeros((table.n_slots, *act.shape), compute_dtype),
-             jnp.zeros((table.n_grad_slots, *act.shape), compute_dtype),
-             (f32_zeros(chunks), f32_zeros(shared)), zero)
+             jnp.zeros((table.n_grad_slots, *act.shape), compute_dtype) if train else (),
+             (f32_zeros(chunks), f32_zeros(shared)) if train else (), zero)
     with activation_sharding(plan.mesh, inner_rules):
-        (_, _, (d_chunks, d_shared), loss_sum), _ = jax.lax.scan(
-            tick, start, jnp.asarray(_columns(table)))
-    # Only the last stage saw losses; only the first (embedding) and last (head) stages
-    # have shared gradients: one sum over stage makes both whole and replicated.
+        (_, _, acc, loss_sum), _ = jax.lax.scan(tick, start, jnp.asarray(_columns(table)))
+    if not train:  # only the last stage saw losses
+        return jax.lax.psum(loss_sum / micro, ax.STAGE)[None]
+    # Only the first (embedding) and last (head) stages have shared gradients: one sum over
+    # stage makes them whole and replicated, with the loss.
+    d_chunks, d_shared = acc
     loss, d_shared = jax.lax.psum((loss_sum / micro, d_shared), ax.STAGE)
     d_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), d_chunks)
     lead = lambda t: jax.tree.map(lambda g: g[None], t)

@@ -150,10 +150,16 @@ class Schedule:
         return "\n".join([head, *rows])
 
 
-def build(schedule: str, stages: int, micro: int, virtual: int = 1) -> Schedule:
-    """The executed schedule: play each stage's order against the data dependencies."""
+def build(schedule: str, stages: int, micro: int, virtual: int = 1,
+          forward_only: bool = False) -> Schedule:
+    """The executed schedule: play each stage's order against the data dependencies.
+    `forward_only` (evaluation) keeps the forwards, in the same order, and frees each stashed
+    input as soon as its forward has read it."""
     check(schedule, stages, micro, virtual, stages * virtual)
-    grid = simulate(op_orders(schedule, stages, micro, virtual), stages, virtual)
+    orders = op_orders(schedule, stages, micro, virtual)
+    if forward_only:
+        orders = [[op for op in order if op.kind == FWD] for order in orders]
+    grid = simulate(orders, stages, virtual)
     return _with_slots(schedule, stages, micro, virtual, grid)
 
 
@@ -190,9 +196,11 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
                 grid: list[list[Op | None]]) -> Schedule:
     """Assign buffer slots: a chunk input is stashed from its arrival until its backward ran,
     a cotangent from its arrival until its backward ran (a slot freed in a tick can take
-    what arrives at the end of that tick)."""
+    what arrives at the end of that tick). Without backwards (evaluation) an input is freed
+    by its forward."""
     last = stages * virtual - 1
     ticks = len(grid)
+    backwards = any(op is not None and op.kind == BWD for row in grid for op in row)
     shape = lambda: [[-1] * stages for _ in range(ticks)]
     in_slot, grad_slot, recv_fwd, recv_bwd = shape(), shape(), shape(), shape()
     stash = [_Slots() for _ in range(stages)]
@@ -204,9 +212,9 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
             c = op.chunk * stages + s
             if c > 0:
                 in_slot[t][s] = stash[s].find((op.micro, c))
+            if c > 0 and (op.kind == BWD or not backwards):  # its last reader ran
+                stash[s].free((op.micro, c))
             if op.kind == BWD:
-                if c > 0:
-                    stash[s].free((op.micro, c))
                 if c < last:
                     grad_slot[t][s] = grads[s].pop((op.micro, c))
         for s, op in enumerate(row):  # then what this tick sends lands on the neighbour

@@ -13,9 +13,8 @@ from flax import nnx
 
 from jdist import remat
 from jdist.parallel.context import context_parallel
-from jdist.parallel.layer_order import to_model_order
 from jdist.parallel.moe import moe_losses
-from jdist.parallel.pipeline import pipeline_grads
+from jdist.parallel.pipeline import pipeline_grads, pipeline_loss
 from jdist.rules import activation_sharding
 from jdist.sharding import replicated
 from jdist.train.grads import accumulated_grads
@@ -90,8 +89,9 @@ def make_eval_step(plan: Plan, compute_dtype=jnp.float32):
     batch_sh = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
 
     def cross_entropy(params, batch):  # without MoE balancing terms
-        loss, metrics = loss_and_metrics(plan, to_model_order(plan, params), batch,
-                                         compute_dtype)
+        if plan.pipeline is not None:  # each stage runs only the blocks it stores
+            return pipeline_loss(plan, params, batch, compute_dtype)
+        loss, metrics = loss_and_metrics(plan, params, batch, compute_dtype)
         return metrics.get("ce_loss", loss)
 
     return jax.jit(cross_entropy,
