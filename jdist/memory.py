@@ -7,7 +7,8 @@ The plan makes mixed-precision Adam's accounting explicit, per device:
   optimizer    two float32 Adam moments, sharded over data from ZeRO-1 (on the host with
                --offload optimizer)
   activations  what the backward pass keeps, by --remat policy, for one micro-batch, plus
-               transient full gradients before their reduce-scatter (ZeRO-2/3)
+               transient full gradients before their reduce-scatter (ZeRO-2/3); pipelined,
+               the schedule's stashed chunk inputs and one chunk's recomputation
 
 `python -m jdist.memory --model 7b --mesh fsdp=8 --zero 3 [--measure] [--json]` prints it;
 `--measure` compiles the real step ahead of time on abstract inputs (nothing allocated)
@@ -54,11 +55,18 @@ def zero_textbook(params: float, grads: float, optimizer: float, n: int, stage: 
 
 def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
                      remat: str) -> int:
-    """Bytes the backward pass needs from the forward, per device, for one micro-batch."""
+    """Bytes the backward pass needs from the forward, per device, for one micro-batch.
+    Pipelined, a stage holds its schedule's stashed chunk inputs and cotangents (one
+    pipeline micro-batch each) and recomputes one chunk of layers at a time."""
     from jdist import axes as ax
 
     m, cfg = plan.mesh.shape, plan.model
     tp = m[ax.TENSOR]
+    layers, stashed = cfg.n_layers, 0
+    if plan.pipeline is not None:
+        table = plan.pipeline.table(m[ax.STAGE])
+        micro_batch, layers = micro_batch // table.micro, cfg.n_layers // table.chunks
+        stashed = table.n_slots + table.n_grad_slots
     b = max(1, micro_batch // (m[ax.DATA] * m[ax.FSDP]))
     s = seq_len // m[ax.SEQUENCE]
     d, f, hd = cfg.d_model, cfg.d_ff // tp, cfg.dim_per_head
@@ -78,7 +86,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     recompute = 0 if remat in ("none", "everything_saveable") else \
         matmuls + elementwise + scores  # one block rematerialised at a time
     logits = tokens * (cfg.vocab_size // tp) * 4 * 2                # float32 logits + grad
-    return cfg.n_layers * per_layer + recompute + logits
+    return layers * per_layer + recompute + logits + stashed * residual
 
 
 def predict(plan, micro_batch: int, seq_len: int, compute_dtype: str = "float32",
