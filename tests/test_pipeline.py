@@ -18,7 +18,7 @@ from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
 from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel import schedule as sched
 from jdist.parallel.layer_order import layer_order, to_model_order, to_stored
-from jdist.parallel.pipeline import PipelineConfig, with_pipeline
+from jdist.parallel.pipeline import PipelineConfig, check_pipeline, with_pipeline
 from jdist.rules import DEFAULT_RULES
 from jdist.train.optim import make_optimizer
 from jdist.train.state import init_state, make_plan
@@ -103,6 +103,57 @@ def test_activations_move_with_collective_permutes_only(corpus, mesh, schedule):
     assert counts["all-gather"] == counts["all-to-all"] == counts["reduce-scatter"] == 0
     shared = sum(4 * math.prod(shape) for shape in SHARED_SHAPES)
     assert shared <= executed_collective_bytes(hlo)["all-reduce"] <= shared + 1024
+
+
+MOE = get_preset("moe-tiny", n_layers=4)  # dropless routing
+MOE_STEPS, MOE_MICRO = 6, 4
+
+
+@pytest.fixture(scope="module")
+def moe_reference(corpus):
+    """MoE balancing losses are per micro-batch, so the single-device reference accumulates
+    the same strided micro-batches the pipeline streams."""
+    return train_steps(MOE, "dp=1", corpus.train, steps=MOE_STEPS, batch_size=16,
+                       grad_accum=MOE_MICRO)
+
+
+@pytest.mark.parametrize("mesh, schedule", [("pp=2,ep=2", "interleaved"),
+                                            ("dp=2,pp=2,ep=2", "1f1b")])
+def test_moe_pipeline_with_expert_parallelism_matches_single_device(corpus, moe_reference,
+                                                                     mesh, schedule):
+    run = train_steps(MOE, mesh, corpus.train, steps=MOE_STEPS, batch_size=16,
+                      pipeline=PipelineConfig(schedule, MOE_MICRO, 1 + (schedule == "interleaved")))
+    assert loss_rel_diff(run, moe_reference) <= LOSS_RTOL, (run.losses, moe_reference.losses)
+    assert param_abs_diff(run, moe_reference) <= PARAM_ATOL
+    # Tokens reach their experts inside the stage: dispatch and return, forward and backward.
+    assert collective_counts(run.hlo)["all-to-all"] >= 4
+
+
+@pytest.fixture(scope="module")
+def long_reference(corpus):
+    return train_steps(DEEP, "dp=1", corpus.train, steps=6, batch_size=16, seq_len=64)
+
+
+@pytest.mark.parametrize("mesh, schedule, strategy", [
+    ("pp=2,sp=2", "1f1b", "ulysses"), ("dp=2,pp=2,sp=2", "interleaved", "all_gather")])
+def test_context_parallel_stages_match_single_device(corpus, long_reference, mesh, schedule,
+                                                     strategy):
+    run = train_steps(DEEP, mesh, corpus.train, steps=6, batch_size=16, seq_len=64,
+                      cp_strategy=strategy,
+                      pipeline=PipelineConfig(schedule, 4, 1 + (schedule == "interleaved")))
+    assert loss_rel_diff(run, long_reference) <= LOSS_RTOL
+    assert param_abs_diff(run, long_reference) <= PARAM_ATOL
+
+
+@pytest.mark.parametrize("model, mesh, strategy, message", [
+    (DEEP, "pp=2,sp=2", "ring", "use --cp-strategy all_gather or ulysses"),
+    (DEEP, "pp=2,sp=2,tp=2", "ulysses", "with tp=2 cannot run context-parallel kernels"),
+    (MOE, "pp=2,ep=2,tp=2", "ring", "with tp=2 cannot run MoE kernels"),
+])
+def test_unsupported_stage_kernels_are_refused(model, mesh, strategy, message):
+    built = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
+    with pytest.raises(ConfigError, match=message):
+        check_pipeline(PipelineConfig("1f1b", 4), model, built, 16, cp_strategy=strategy)
 
 
 def evaluate(corpus, mesh: str, pipeline: PipelineConfig | None = None):

@@ -12,3 +12,17 @@ causal work is even.
 # mixed operations. The kernels communicate only with ppermute, all_gather and all_to_all,
 # whose transposes do not depend on the check, and the ring has its own VJP.
 CHECK_VMA = False
+
+
+def kernel_mesh(mesh) -> dict:
+    """`mesh=` and `axis_names=` for a kernel's `shard_map`: the whole mesh, or, nested
+    inside another shard_map (a pipeline stage is manual over `stage` and `data`), the
+    current abstract mesh and only the axes that one left automatic."""
+    import jax
+
+    context = jax.sharding.get_abstract_mesh()
+    manual = set() if context.empty else set(context.manual_axes)
+    if not manual:
+        return {"mesh": mesh, "axis_names": frozenset(mesh.axis_names)}
+    return {"mesh": context, "axis_names": frozenset(a for a in mesh.axis_names
+                                                     if a not in manual)}

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jdist import axes as ax
+from jdist.parallel import kernel_mesh
 from jdist.rules import active, mesh_axes_of, resolve
 
 DROPLESS, CAPACITY = "dropless", "capacity"
@@ -136,8 +137,8 @@ def moe_ffn(x: jax.Array, w: dict, cfg):
         return y.reshape(lb, ls, d), sums
 
     sums_spec = {k: P() for k in ("counts", "prob_sum", "z_sum", "tokens", "dropped")}
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(x_spec, w_specs),
-                         out_specs=(x_spec, sums_spec))(x, w)
+    return jax.shard_map(kernel, in_specs=(x_spec, w_specs), out_specs=(x_spec, sums_spec),
+                         **kernel_mesh(mesh))(x, w)
 
 
 def moe_losses(local: dict, total: dict, cfg) -> dict:

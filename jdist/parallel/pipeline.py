@@ -36,7 +36,9 @@ from jax.sharding import PartitionSpec
 from jdist import axes as ax
 from jdist.errors import require
 from jdist.parallel import schedule as sched
+from jdist.parallel.context import ContextParallel, context_parallel
 from jdist.parallel.layer_order import BLOCKS
+from jdist.parallel.moe import moe_losses
 from jdist.rules import activation_sharding, without_axis
 from jdist.zero import reduce_over_data
 
@@ -55,22 +57,28 @@ class PipelineConfig:
 
 
 def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
-                   grad_accum: int = 1) -> None:
+                   grad_accum: int = 1, cp_strategy: str = "ring") -> None:
     """User errors of a pipelined run, one line each, before anything compiles."""
     stages = mesh.shape[ax.STAGE]
     micro = config.microbatches or stages
     sched.check(config.schedule, stages, micro, config.virtual, model.n_layers)
     require(grad_accum == 1, f"--grad-accum {grad_accum} with pp={stages}: the pipeline "
                              "already accumulates over --microbatches; use that instead")
-    for axis, what in ((ax.SEQUENCE, "context parallelism"), (ax.EXPERT, "expert parallelism")):
-        require(mesh.shape[axis] == 1, f"pipeline stages do not compose with {what} yet; "
-                                       f"drop {axis} from --mesh or use pp=1")
-    require(not getattr(model, "n_experts", 0),
-            "pipeline stages do not run MoE blocks yet; use pp=1 for an MoE model")
-    ways = mesh.shape[ax.DATA] * mesh.shape[ax.FSDP]
+    context = mesh.shape[ax.SEQUENCE] > 1
+    # Both limits are XLA's on jax 0.10 (see the pipeline notes in the README): with tp, a
+    # kernel nested in the stage's shard_map aborts the partitioner; the ring's permute
+    # loop inside a stage gives wrong attention. Refused rather than risked.
+    require(not ((context or model.n_experts) and mesh.shape[ax.TENSOR] > 1),
+            f"pipeline stages with tp={mesh.shape[ax.TENSOR]} cannot run "
+            f"{'MoE' if model.n_experts else 'context-parallel'} kernels yet; drop tp from "
+            "--mesh (use fsdp or more stages) or use pp=1")
+    require(not (context and cp_strategy == "ring"),
+            "ring attention does not run inside pipeline stages yet; use --cp-strategy "
+            "all_gather or ulysses with pp, or pp=1")
+    ways = mesh.shape[ax.DATA] * mesh.shape[ax.FSDP] * mesh.shape[ax.EXPERT]
     require(batch_size % (ways * micro) == 0,
             f"--batch-size {batch_size} cannot be split into {micro} micro-batches on each of "
-            f"data x fsdp = {ways} replicas; use a multiple of {ways * micro}")
+            f"data x fsdp x expert = {ways} batch shards; use a multiple of {ways * micro}")
 
 
 def pipeline_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32,
@@ -79,20 +87,49 @@ def pipeline_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.floa
     `jdist.train.grads.accumulated_grads`, computed by the pipeline schedule."""
     losses, grads = replica_grads(plan, params, batch, compute_dtype, remat_block)
     grads = reduce_over_data(grads, plan.base_params, plan.grad_shardings, plan.mesh)
-    return losses.mean(), {}, grads
+    terms = dict(zip(loss_terms(plan.model), losses.mean(0)))
+    return terms.pop(OBJECTIVE), terms, grads
 
 
 def replica_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32,
                   remat_block=lambda f: f):
-    """Per-data-replica (losses [n_data], gradients with a leading data dimension)."""
+    """Per-data-replica (loss terms [n_data, terms], gradients with a leading data
+    dimension)."""
     losses, (d_blocks, d_shared) = _run(plan, params, batch, compute_dtype, remat_block)
     return losses, {**d_shared, BLOCKS: d_blocks}
 
 
 def pipeline_loss(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32):
-    """Mean loss of a forward-only pass of the schedule (evaluation): every stage runs only
-    the blocks it stores, so a model that needs stages to fit is never gathered."""
-    return _run(plan, params, batch, compute_dtype, train=False).mean()
+    """Mean cross-entropy of a forward-only pass of the schedule (evaluation): every stage
+    runs only the blocks it stores, so a model that needs stages to fit is never gathered."""
+    terms = dict(zip(loss_terms(plan.model), _run(plan, params, batch, compute_dtype,
+                                                  train=False).mean(0)))
+    return terms.get(CROSS_ENTROPY, terms[OBJECTIVE])
+
+
+OBJECTIVE, CROSS_ENTROPY = "loss", "ce_loss"
+
+
+def loss_terms(model) -> tuple[str, ...]:
+    """What each micro-batch's loss vector holds: the objective (differentiated), and for
+    MoE models the terms the step reports (as `jdist.train.step.loss_and_metrics` does)."""
+    if not model.n_experts:
+        return (OBJECTIVE,)  # the cross-entropy itself
+    return (OBJECTIVE, CROSS_ENTROPY, "moe_aux_loss", "moe_z_loss")
+
+
+def _moe_terms(model, stats: dict, ce: jax.Array) -> tuple[jax.Array, ...]:
+    """A chunk's part of the micro-batch's `loss_terms` for an MoE model: the objective is
+    the cross-entropy plus the weighted balancing losses. Each layer's loss needs its load
+    fraction f_e over every data replica's tokens of the micro-batch (counts carry no
+    gradient) and P_e, z over this replica's, as without a pipeline; the mean over layers
+    becomes a sum of per-chunk shares."""
+    total = jax.lax.psum(jax.lax.stop_gradient(stats), ax.DATA)
+    balance = moe_losses(stats, total, model)
+    share = stats["tokens"].shape[0] / model.n_layers  # this chunk's layers / all layers
+    objective = ce + share * (model.aux_loss_weight * balance["aux_loss_local"]
+                              + model.z_loss_weight * balance["z_loss_local"])
+    return (objective, ce, share * balance["moe_aux_loss"], share * balance["moe_z_loss"])
 
 
 def _run(plan: Plan, params: dict, batch: dict, compute_dtype, remat_block=lambda f: f,
@@ -137,23 +174,30 @@ def _program(blocks, shared, inputs, targets, *, plan: Plan, table: sched.Schedu
     last_chunk = stages * virtual - 1
     stage = jax.lax.axis_index(ax.STAGE)
     chunks = jax.tree.map(lambda b: b.reshape(virtual, -1, *b.shape[1:]), blocks)
-    tokens, labels = _split(inputs, micro), _split(targets, micro)
+    inner_rules = without_axis(without_axis(plan.rules, ax.DATA), ax.STAGE)
+    # Context parallelism inside a stage: tokens in the attention kernel's (load-balanced)
+    # order, with their rotary positions, as `jdist.train.step.loss_and_metrics` does.
+    cp = ContextParallel(plan.mesh, inner_rules, plan.cp_strategy)
+    positions = cp.positions(inputs.shape[1])
+    tokens, labels = _split(cp.reorder(inputs), micro), _split(cp.reorder(targets), micro)
     act = jnp.zeros((*tokens.shape[1:], plan.model.d_model), compute_dtype)
     zero = jnp.zeros((), jnp.float32)
-    inner_rules = without_axis(without_axis(plan.rules, ax.DATA), ax.STAGE)
+    moe = bool(plan.model.n_experts)
+    no_loss = jnp.zeros(len(loss_terms(plan.model)), jnp.float32)
     cyclic = virtual > 1  # the last stage's chunk v feeds the first stage's chunk v+1
     to_next = [(i, (i + 1) % stages) for i in range(stages if cyclic else stages - 1)]
     to_prev = [(j, i) for i, j in to_next]
 
     def chunk_fn(block, shared_, x_in, tok, tgt, first, last):
-        """Chunk forward: (output activation, loss of the micro-batch if last else 0)."""
+        """Chunk forward: (output activation, this chunk's part of the micro-batch's
+        `loss_terms`: the cross-entropy if last, MoE balancing terms of its layers)."""
         cast = lambda t: jax.tree.map(lambda p: p.astype(compute_dtype), t)
         model = nnx.merge(plan.graphdef, {**cast(shared_), BLOCKS: cast(block)})
         x = jax.lax.cond(first, lambda: model.embed_tokens(tok), lambda: x_in)
-        y, _ = model.run_blocks(x, remat_block)
-        loss = jax.lax.cond(last, lambda: optax.softmax_cross_entropy_with_integer_labels(
+        y, stats = model.run_blocks(x, remat_block, positions)
+        ce = jax.lax.cond(last, lambda: optax.softmax_cross_entropy_with_integer_labels(
             model.logits(y).astype(jnp.float32), tgt).mean(), lambda: zero)
-        return y, loss
+        return y, jnp.stack(_moe_terms(plan.model, stats, ce) if moe else (ce,))
 
     def tick(carry, row):
         stash, grads_in, acc, loss_sum = carry
@@ -165,7 +209,7 @@ def _program(blocks, shared, inputs, targets, *, plan: Plan, table: sched.Schedu
         f = lambda blk, sh, x: chunk_fn(blk, sh, x, tokens[m], labels[m], first, last)
 
         def idle():
-            return act, act, acc, zero
+            return act, act, acc, no_loss
 
         def forward():
             y, loss = f(block, shared, x_in)
@@ -174,9 +218,10 @@ def _program(blocks, shared, inputs, targets, *, plan: Plan, table: sched.Schedu
         def backward():  # recompute the chunk, then pull back this micro-batch's cotangent
             _, pullback = jax.vjp(f, block, shared, x_in)
             cot_y = jnp.where(last, act, grads_in[jnp.maximum(grad_slot, 0)])
-            d_block, d_shared, d_x = pullback((cot_y, jnp.where(last, 1.0 / micro, 0.0)))
+            # The objective (term 0) of each micro-batch weighs 1/M in the step's mean.
+            d_block, d_shared, d_x = pullback((cot_y, no_loss.at[0].set(1.0 / micro)))
             d_chunks = jax.tree.map(lambda a, g: a.at[v].add(g), acc[0], d_block)
-            return act, d_x, (d_chunks, jax.tree.map(jnp.add, acc[1], d_shared)), zero
+            return act, d_x, (d_chunks, jax.tree.map(jnp.add, acc[1], d_shared)), no_loss
 
         ops = (idle, forward, backward) if train else (idle, forward)
         y, d_x, acc, loss = jax.lax.switch(kind, ops)
@@ -188,8 +233,9 @@ def _program(blocks, shared, inputs, targets, *, plan: Plan, table: sched.Schedu
     f32_zeros = lambda t: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), t)
     start = (jnp.zeros((table.n_slots, *act.shape), compute_dtype),
              jnp.zeros((table.n_grad_slots, *act.shape), compute_dtype) if train else (),
-             (f32_zeros(chunks), f32_zeros(shared)) if train else (), zero)
-    with activation_sharding(plan.mesh, inner_rules):
+             (f32_zeros(chunks), f32_zeros(shared)) if train else (), no_loss)
+    with activation_sharding(plan.mesh, inner_rules), \
+            context_parallel(plan.mesh, inner_rules, plan.cp_strategy):
         (_, _, acc, loss_sum), _ = jax.lax.scan(tick, start, jnp.asarray(_columns(table)))
     if not train:  # only the last stage saw losses
         return jax.lax.psum(loss_sum / micro, ax.STAGE)[None]
@@ -231,7 +277,7 @@ def pipeline_for(flags, model, mesh) -> PipelineConfig | None:
                 "--microbatches, --pp-virtual-stages and --pp-show-schedule pipeline the "
                 "model over stages; add pp=P to --mesh")
         return None
-    check_pipeline(config, model, mesh, flags.batch_size, flags.grad_accum)
+    check_pipeline(config, model, mesh, flags.batch_size, flags.grad_accum, flags.cp_strategy)
     return config
 
 

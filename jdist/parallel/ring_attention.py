@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jdist.parallel import CHECK_VMA
+from jdist.parallel import CHECK_VMA, kernel_mesh
 from jdist.parallel import blockwise as bw
 from jdist.parallel.load_balance import block_kind, chunk_ids
 
@@ -148,7 +148,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: Pa
     """Attention of global q [b, S, h, d] against k, v [b, S, kv, d], sequence-sharded over
     `ring.axis` as `q_spec`/`kv_spec` say (heads may be sharded too: blocks are per head)."""
     lse_spec = PartitionSpec(*q_spec[:3])
-    smap = partial(jax.shard_map, mesh=mesh, check_vma=CHECK_VMA)
+    smap = partial(jax.shard_map, **kernel_mesh(mesh), check_vma=CHECK_VMA)
     fwd = smap(partial(_forward, ring), in_specs=(q_spec, kv_spec, kv_spec),
                out_specs=(q_spec, lse_spec))
     bwd = smap(partial(_backward, ring),

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jdist.parallel import CHECK_VMA
+from jdist.parallel import CHECK_VMA, kernel_mesh
 from jdist.parallel import blockwise as bw
 
 
@@ -45,6 +45,6 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec:
                       causal: bool) -> jax.Array:
     """Attention of global q [b, S, h, d] against k, v [b, S, kv, d] (contiguous layout);
     the local head count must be divisible by `n`."""
-    return jax.shard_map(partial(_local, axis, n, causal), mesh=mesh,
+    return jax.shard_map(partial(_local, axis, n, causal), **kernel_mesh(mesh),
                          in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
                          check_vma=CHECK_VMA)(q, k, v)
