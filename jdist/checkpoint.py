@@ -233,22 +233,36 @@ class Checkpointer:
         devices (training may then overwrite them). Call on every process."""
         import orbax.checkpoint as ocp
 
-        if self.last_saved == step:
+        manager = self._get_manager()
+        if self._already_saved(step, manager):
             return
         self._join_finisher()
-        manager = self._get_manager()
         start = time.perf_counter()
         tree = state._asdict() if hasattr(state, "_asdict") else state
         saved = manager.save(step, args=ocp.args.Composite(
             **{STATE: ocp.args.StandardSave(tree), META: ocp.args.JsonSave(meta)}))
         if not saved:
-            raise RuntimeError(f"Orbax declined to save step {step} in {self.root} "
-                               f"(existing steps: {manager.all_steps()})")
+            raise ConfigError(f"checkpoint: Orbax declined to save step {step} in {self.root} "
+                              f"(it holds steps {manager.all_steps()}); check that the "
+                              "directory is writable, or choose a new --run-dir")
         self.last_blocked_s = time.perf_counter() - start
         self.last_saved = step
         self._finisher = threading.Thread(target=self._finish, args=(step, start),
                                           name=f"jdist-checkpoint-{step}", daemon=True)
         self._finisher.start()
+
+    def _already_saved(self, step: int, manager) -> bool:
+        """True if this checkpointer saved `step` and it is still there (e.g. the final save
+        right after a periodic one). Orbax refuses any other step not newer than its latest:
+        that is one line here, not its traceback."""
+        if step == self.last_saved and step in manager.all_steps():
+            return True
+        latest = manager.latest_step()
+        if latest is not None and step <= latest:
+            raise ConfigError(f"checkpoint: cannot save step {step} in {self.root}: it already "
+                              f"holds step {latest} (is another run using the same --run-dir?); "
+                              "give each run its own --run-dir")
+        return False
 
     def _finish(self, step: int, start: float) -> None:
         """Background: wait for Orbax to commit, then write the manifest and prune."""

@@ -12,6 +12,7 @@ from jdist.train import resume
 from jdist.train.__main__ import main
 from jdist.train.config import TrainConfig
 from jdist.train.loop import train
+from jdist.train.optim import lr_schedule
 
 TINY = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 2, "eval_every": 0,
         "log_every": 100}
@@ -144,18 +145,36 @@ def test_resume_refuses_a_different_computation(ref, tmp_path):
 NAN = {"mesh": "dp=2", "steps": 8, "checkpoint_every": 2, "inject_nan_at_step": 3}
 
 
-def test_on_nan_skip_and_rollback_agree(tmp_path):
-    skip = train(config(tmp_path / "skip", on_nan="skip", **NAN))
+@pytest.fixture(scope="module")
+def nan_runs(tmp_path_factory):
+    """The same run with a NaN injected at step 3, under --on-nan skip and rollback."""
+    root = tmp_path_factory.mktemp("nan")
+    return (train(config(root / "skip", on_nan="skip", **NAN)),
+            train(config(root / "rb", on_nan="rollback", **NAN)), root)
+
+
+def test_on_nan_skip_and_rollback_agree(nan_runs):
+    skip, rollback, root = nan_runs
     assert [r.get("skipped", False) for r in skip] == [False, False, True] + [False] * 5
     assert skip[2]["loss"] != skip[2]["loss"]  # the injected step really was NaN
     assert [r["nonfinite_steps"] for r in skip] == [0, 0] + [1] * 6
-    rollback = train(config(tmp_path / "rb", on_nan="rollback", **NAN))
     # Rolled back to step 2, replayed, passed over batch 3: the same result as skipping it.
     assert [r["step"] for r in rollback] == list(range(1, 9))
     assert rollback[2]["skipped"] and rollback[-1]["nonfinite_steps"] == 1
     for a, b in zip(skip[3:], rollback[3:]):
         assert a["loss"] == a["loss"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"])
-    assert [r["step"] for r in metrics(tmp_path / "rb")] == list(range(1, 9))
+    assert [r["step"] for r in metrics(root / "rb")] == list(range(1, 9))
+
+
+def test_reported_lr_is_the_applied_lr(nan_runs):
+    """A skipped step is not an optimizer step under either policy: the schedule does not
+    advance over it, and `lr` reports the rate each update applied."""
+    skip, rollback, _ = nan_runs
+    schedule = lr_schedule(TrainConfig.lr, NAN["steps"], TINY["warmup"])
+    updates_before = [0, 1, 2, 2, 3, 4, 5, 6]  # step 3 (the NaN) applied no update
+    expected = [float(schedule(n)) for n in updates_before]
+    assert [r["lr"] for r in skip] == pytest.approx(expected, rel=1e-6)
+    assert [r["lr"] for r in rollback[3:]] == pytest.approx(expected[3:], rel=1e-6)
 
 
 def test_on_nan_stop_exits_3_without_saving_the_bad_state(tmp_path, capsys):
@@ -186,3 +205,22 @@ def test_interleaved_layer_order_moves_both_ways(tmp_path):
     assert sorted(plain) == list(range(6, 16)) and sorted(back) == list(range(11, 16))
     for step, loss in [*plain.items(), *back.items()]:
         assert abs(loss - full[step]) <= 1e-5 * abs(full[step]), (step, loss, full[step])
+
+
+def test_saves_only_go_forward(tmp_path):
+    """The same step again is skipped only if it is really there; an older one is one line."""
+    import jax.numpy as jnp
+
+    root, state = tmp_path / "checkpoints", {"w": jnp.arange(4.0)}
+    saver = ckpt.Checkpointer(root)
+    saver.save(2, state, {"step": 2})
+    saver.save(2, state, {"step": 2})  # e.g. the final save right after a periodic one
+    saver.close()
+    (root / "2").rename(tmp_path / "set-aside")  # as a rollback does with a bad checkpoint
+    saver.save(2, state, {"step": 2})  # saved again, not skipped
+    saver.close()
+    assert ckpt.validate(root / "2") is None
+    other = ckpt.Checkpointer(root)  # e.g. a second run in the same --run-dir
+    with pytest.raises(ConfigError, match="cannot save step 1 .* already holds step 2"):
+        other.save(1, state, {"step": 1})
+    other.close()

@@ -68,3 +68,20 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert lines[0].startswith("jdist: error: ") and message in lines[0], lines[0]
     assert "Traceback" not in result.stderr + result.stdout
     assert not run_dir.exists()  # nothing written for a run that never started
+
+
+def test_process_split_counts_accelerators_as_they_are(monkeypatch):
+    """A -1 axis fills 8 simulated devices on CPU, but the devices there are elsewhere."""
+    import jax
+
+    from jdist.errors import ConfigError
+    from jdist.train.__main__ import check_process_split
+
+    with pytest.raises(ConfigError, match="8 devices cannot be split evenly over 3 processes"):
+        check_process_split(8, 3)  # CPU: `--mesh fsdp=-1` over 3 processes
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda: 12)
+    check_process_split(8, 3)  # 3 hosts of 4 GPUs
+    monkeypatch.setattr(jax, "device_count", lambda: 10)
+    with pytest.raises(ConfigError, match="10 devices cannot be split evenly over 3"):
+        check_process_split(8, 3)

@@ -11,13 +11,25 @@ from jdist.errors import ConfigError, require
 
 def configure_devices(n_local: int) -> None:
     """Simulate `n_local` CPU devices. Only the CPU platform reads this, so it is harmless
-    on accelerators; it must happen before JAX initialises its backends."""
+    on accelerators (whose devices are counted as they are, see `check_process_split`); it
+    must happen before JAX initialises its backends."""
     import jax
 
     try:
         jax.config.update("jax_num_cpu_devices", n_local)
     except RuntimeError:  # backends already up (e.g. called from a test): keep what exists
         pass
+
+
+def check_process_split(cpu_devices: int, n_proc: int) -> None:
+    """Every process must hold the same number of devices: on CPU, of the `cpu_devices`
+    simulated in all (each process was given its share by `configure_devices`); on
+    accelerators, of the devices that exist. Call once the process group is joined."""
+    import jax
+
+    n = cpu_devices if jax.default_backend() == "cpu" else jax.device_count()
+    require(n % n_proc == 0, f"{n} devices cannot be split evenly over {n_proc} processes; "
+            "change the mesh or the process count")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,12 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = parse_mesh(config.mesh)
         coordinator, n_proc, proc_id = process_settings(
             config.coordinator, config.num_processes, config.process_id)
-        n_devices = config.cpu_devices or spec.n_devices(default_fill=8)
-        require(n_devices % n_proc == 0,
-                f"{n_devices} devices cannot be split evenly over {n_proc} processes; "
-                "change the mesh or the process count")
-        configure_devices(n_devices // n_proc)
+        cpu_devices = config.cpu_devices or spec.n_devices(default_fill=8)
+        configure_devices(max(1, cpu_devices // n_proc))
         initialize(coordinator, n_proc, proc_id)
+        check_process_split(cpu_devices, n_proc)
 
         from jdist.train.loop import train
 

@@ -63,13 +63,21 @@ def is_finite(record: dict) -> bool:
     return math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
 
 
+def stopped(record: dict) -> NonFinite:
+    """`--on-nan stop`: the error for a non-finite step's metrics record."""
+    return NonFinite(f"step {record['step']}: loss {record['loss']} / gradient norm "
+                     f"{record['grad_norm']} is not finite; stopped (--on-nan stop). Lower --lr "
+                     "or raise --warmup, or pass --on-nan skip or rollback")
+
+
 # ------------------------------------------------------------------- non-finite guard
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """`--on-nan skip`: when the gradients are not all finite, the update is zero and the
-    optimizer state is left as it was. Same state structure as `inner`, so checkpoints
-    move freely between policies."""
+    optimizer state is left as it was, its count of updates too: a skipped step does not
+    advance the learning-rate schedule, just as a batch passed over after a rollback does
+    not. Same state structure as `inner`, so checkpoints move freely between policies."""
 
     def update(grads, state, params=None):
         updates, new_state = inner.update(grads, state, params)
@@ -101,7 +109,9 @@ def inject_nan(step_fn, plan, at_step: int):
 
 
 def advance(state, plan):
-    """Skip a batch on the host (after a rollback): count the step, change nothing else."""
+    """Skip a batch on the host (after a rollback): count the step, change nothing else. Like
+    a step under `skip_nonfinite`, the optimizer's own count (so the learning-rate schedule,
+    see `jdist.train.optim.updates_applied`) does not advance."""
     bump = jax.jit(lambda s: s + 1, out_shardings=plan.shardings.step)
     return state._replace(step=bump(state.step))
 
@@ -162,17 +172,6 @@ class StopSignal:
         if agreed and not self.received:
             self.received = "SIGTERM (on another process)"
         return agreed
-
-
-def truncate_metrics(path, last_step: int) -> None:
-    """Drop records after `last_step` from metrics.jsonl (they are about to be redone)."""
-    import json
-
-    if not path.exists():
-        return
-    lines = [x for x in path.read_text().splitlines()
-             if x.strip() and json.loads(x).get("step", 0) <= last_step]
-    path.write_text("".join(x + "\n" for x in lines))
 
 
 def tree_bytes(tree: Any) -> int:

@@ -27,6 +27,14 @@ def make_optimizer(lr: float = 3e-3, steps: int = 1000, warmup: int = 100,
     return tx, schedule
 
 
+def updates_applied(opt_state):
+    """The optimizer's own count of updates, at which the schedule gives the learning rate
+    of the next update. A skipped update (`--on-nan skip`, or a batch passed over after a
+    rollback) does not advance it, so it lags the global step by the steps skipped. Works
+    on any tree shaped like the optimizer state (e.g. its shardings)."""
+    return optax.tree_utils.tree_get(opt_state, "ScaleByScheduleState").count
+
+
 def _decays(path, p) -> bool:
     """Weight decay applies to weight matrices, not to normalisation scales."""
     return not any("norm" in str(getattr(k, "key", "")) for k in path)

@@ -1,7 +1,9 @@
-"""What a run tells its user: the start-up layout table, the progress bar, metrics.jsonl."""
+"""What a run tells its user: the run directory's config.json, the start-up layout table, the
+progress bar, each step's metrics record and metrics.jsonl."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -62,10 +64,25 @@ class Progress:
 
 
 class MetricsLog:
-    """`RUN_DIR/metrics.jsonl`: one JSON object per step, flushed as written."""
+    """`RUN_DIR/metrics.jsonl`: one JSON object per step, flushed as written. Opening it
+    drops the records after `resume_step` (they are about to be redone). `None`: no file
+    (processes other than the first)."""
 
-    def __init__(self, run_dir: Path | None):
-        self.file = (run_dir / "metrics.jsonl").open("a") if run_dir else None
+    def __init__(self, run_dir: Path | None, resume_step: int = 0):
+        self.path = run_dir / "metrics.jsonl" if run_dir else None
+        self.file = None
+        self.truncate(resume_step)
+
+    def truncate(self, last_step: int) -> None:
+        """Drop the records after `last_step`, then go on appending."""
+        if self.path is None:
+            return
+        self.close()
+        if self.path.exists():
+            lines = [x for x in self.path.read_text().splitlines()
+                     if x.strip() and json.loads(x).get("step", 0) <= last_step]
+            self.path.write_text("".join(x + "\n" for x in lines))
+        self.file = self.path.open("a")
 
     def write(self, record: dict) -> None:
         if self.file:
@@ -75,6 +92,55 @@ class MetricsLog:
     def close(self) -> None:
         if self.file:
             self.file.close()
+            self.file = None
+
+
+class StepRecords:
+    """Every step's metrics record: timed from when the previous one was kept (so evaluation
+    is not training time), kept in `history`, written to metrics.jsonl, shown as progress."""
+
+    def __init__(self, config, log: MetricsLog, show: bool):
+        self.tokens_per_step = config.batch_size * config.seq_len
+        self.progress = Progress(config.steps, config.log_every, show)
+        self.log, self.history = log, []
+        self.last_done = time.perf_counter()
+
+    def new(self, step: int, metrics: dict) -> dict:
+        """The record of `step` from its metrics (waits for them to be computed)."""
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        elapsed = time.perf_counter() - self.last_done
+        return {"step": step, **values, "step_time_s": elapsed,
+                "tokens_per_sec": self.tokens_per_step / max(elapsed, 1e-9)}
+
+    def keep(self, record: dict) -> None:
+        self.last_done = time.perf_counter()
+        self.history.append(record)
+        self.log.write(record)
+        self.progress.update(record)
+
+    def forget_after(self, step: int) -> None:
+        """Drop the records after `step` (a rollback is about to redo them)."""
+        self.history[:] = [r for r in self.history if r["step"] <= step]
+        self.log.truncate(step)
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def open_run_dir(run_dir: Path, setup, resume_step: int) -> MetricsLog:
+    """Create RUN_DIR with config.json (every setting), print the layout and the data, and
+    return the run's metrics log (records after `resume_step` dropped)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(run_dir, resume_step)
+    config, plan, corpus = setup.config, setup.plan, setup.corpus
+    (run_dir / "config.json").write_text(json.dumps({
+        "train": dataclasses.asdict(config), "model": dataclasses.asdict(setup.model),
+        "mesh": dict(plan.mesh.shape), "data": corpus.source,
+        "processes": jax.process_count(), "jax": jax.__version__}, indent=2))
+    print(layout_table(plan), flush=True)
+    print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
+          f"tokens; run dir: {run_dir}", flush=True)
+    return log
 
 
 def default_run_dir() -> str:

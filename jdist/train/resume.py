@@ -1,5 +1,5 @@
 """What a run resumes from (`--resume auto|PATH|none`), whether that checkpoint belongs to
-this run's computation, and the metadata every checkpoint carries."""
+this run's computation, the state it starts with, and the metadata every checkpoint carries."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import jax
 
 from jdist import checkpoint as ckpt
 from jdist.errors import require
-from jdist.parallel.layer_order import CHECKPOINT_KEY
+from jdist.parallel.layer_order import CHECKPOINT_KEY, restore_order
+from jdist.train.state import Plan, TrainState, init_state
 
 # Flags that decide *what* is computed. A resumed run must keep them; everything else
 # (mesh, ZeRO stage, process count, remat, ...) only decides *how* and may change.
@@ -92,3 +93,12 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "") -> ckpt.Found
         check_compatible(found, config, model, data_fingerprint)
     ckpt.set_aside(found, root)
     return found if found.step >= 0 else None
+
+
+def start_state(plan: Plan, seed: int, found: ckpt.Found | None) -> TrainState:
+    """The initial state, or the state restored from `found` laid out for this plan's mesh
+    (and its stored layer order)."""
+    if found is None:
+        return init_state(plan, seed)
+    tree, _ = ckpt.restore(found.path, plan.abstract, plan.shardings)
+    return restore_order(plan, TrainState(**tree), found.meta.get(CHECKPOINT_KEY))

@@ -1,0 +1,150 @@
+"""One training run in progress: its state, its metrics records and its checkpoints, and the
+rules of stepping. A step's metrics are read one step late, so the host never waits on the
+step it just dispatched, but always before a save, an evaluation or a stop: only states
+whose metrics were checked are saved. `--on-nan` decides what a non-finite step does."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from jdist import checkpoint as ckpt
+from jdist import data
+from jdist.parallel.layer_order import order_of
+from jdist.train import faults, resume
+from jdist.train.report import StepRecords
+from jdist.train.setup import Setup
+from jdist.train.state import TrainState
+
+PASSED_OVER = {"loss": float("nan"), "grad_norm": float("nan")}
+
+
+def _every(n: int, step: int) -> bool:
+    return bool(n) and step % n == 0
+
+
+@dataclasses.dataclass
+class Run:
+    """A run from its compiled step on; `train_from(step)` does the training."""
+
+    setup: Setup
+    run_dir: Path
+    data_id: str  # the data fingerprint, checked on resume
+    state: TrainState
+    step_fn: Callable  # compiled: (state, batch) -> (state, metrics)
+    eval_fn: Callable  # (params, batch) -> loss
+    records: StepRecords
+    pending: tuple | None = None  # (step, metrics) of the step dispatched but not yet read
+    passed_over: set[int] = dataclasses.field(default_factory=set)  # bad batches (rollback)
+    nonfinite: int = 0  # steps whose loss or gradient norm was not finite
+    rollbacks: int = 0
+    stop: Any = None  # the faults.StopSignal, while training
+
+    def __post_init__(self):
+        self.config, self.plan = self.setup.config, self.setup.plan
+        self.checkpoints = ckpt.Checkpointer(resume.checkpoint_root(self.run_dir),
+                                             self.config.keep)
+
+    def train_from(self, step: int) -> list[dict]:
+        """Train from `step` to the end and save the final state; returns every step's
+        metrics record."""
+        try:
+            with faults.StopSignal(self.plan.mesh) as self.stop:
+                while True:
+                    try:
+                        self.steps_from(step)
+                        break
+                    except faults.Rollback as e:
+                        step = self.roll_back(e.step)
+                if self.config.checkpoint_every and self.records.history:
+                    self.save(self.config.steps)  # skipped if just saved
+        finally:
+            self.checkpoints.close()
+            self.records.close()
+        return self.records.history
+
+    def steps_from(self, i: int) -> None:
+        while i < self.config.steps:
+            if i in self.passed_over:
+                self.flush()  # keep the records in step order
+                self.pass_over(i)
+            else:
+                self.take_step(i)
+            i += 1
+        self.flush()
+
+    def take_step(self, i: int) -> None:
+        """Dispatch the step on batch `i`, then read the previous step's metrics."""
+        self.state, metrics = self.step_fn(self.state, self.setup.batch(i))
+        stop_now = self.stop.poll()
+        self.flush()
+        self.pending, done = (i + 1, metrics), i + 1
+        save_now = _every(self.config.checkpoint_every, done)
+        eval_now = _every(self.config.eval_every, done) or (bool(self.config.eval_every)
+                                                            and done == self.config.steps)
+        if save_now or stop_now or eval_now:
+            self.flush(params=self.state.params if eval_now else None)
+        if save_now or stop_now:
+            self.save(done)
+        if stop_now:
+            self.checkpoints.wait()
+            raise faults.Preempted(done, self.stop.received)
+
+    def pass_over(self, i: int) -> None:
+        """Replaying after a rollback: count the step of bad batch `i`, change nothing else."""
+        self.state = faults.advance(self.state, self.plan)
+        self.finish(i + 1, PASSED_OVER, passed_over=True)
+
+    def flush(self, params=None) -> None:
+        """Read and record the pending step's metrics (and evaluate `params` after it)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.finish(*pending, params=params)
+
+    def finish(self, step: int, metrics: dict, params=None, passed_over: bool = False) -> None:
+        record = self.records.new(step, metrics)
+        if passed_over:
+            record["skipped"] = True
+        elif not faults.is_finite(record):
+            self.nonfinite += 1
+            if self.config.on_nan == "rollback":
+                raise faults.Rollback(step)
+            if self.config.on_nan == "skip":
+                record["skipped"] = True  # the update was not applied (faults.skip_nonfinite)
+        record["nonfinite_steps"] = self.nonfinite
+        if params is not None and not record.get("skipped"):
+            record.update(self.evaluate(params))
+        self.records.keep(record)
+        if self.config.on_nan == "stop" and not passed_over and not faults.is_finite(record):
+            raise faults.stopped(record)
+
+    def evaluate(self, params) -> dict:
+        losses = [self.eval_fn(params, self.setup.batch(i, data.VAL_STREAM))
+                  for i in range(self.config.eval_batches)]
+        return {"val_loss": sum(float(x) for x in losses) / len(losses)}
+
+    def save(self, step: int) -> None:
+        self.checkpoints.save(step, self.state, resume.run_meta(
+            self.config, self.setup.model, self.plan.mesh, step, self.data_id,
+            order_of(self.plan)))
+
+    def roll_back(self, bad_step: int) -> int:
+        """Restore the newest good checkpoint (or the initial state) and from now on pass over
+        the batch of `bad_step`; returns the step restored."""
+        self.rollbacks += 1
+        if self.rollbacks > faults.MAX_ROLLBACKS:
+            raise faults.NonFinite(f"step {bad_step}: loss not finite after "
+                                   f"{self.rollbacks - 1} rollbacks; giving up (--on-nan rollback)")
+        self.checkpoints.close()
+        self.state = self.pending = None  # free the devices before restoring
+        good = resume.find(dataclasses.replace(self.config, resume="auto"), self.setup.model,
+                           self.run_dir, self.data_id)
+        self.state = resume.start_state(self.plan, self.config.seed, good)
+        first = good.step if good else 0
+        self.passed_over.add(bad_step - 1)
+        print(f"jdist: step {bad_step}: non-finite loss; rolled back to step {first} and will "
+              f"skip batch {bad_step}", file=sys.stderr, flush=True)
+        self.records.forget_after(first)
+        return first

@@ -1,0 +1,118 @@
+"""Everything decided before a training run starts: the flags checked, the model, mesh,
+rules, optimizer and layout planned, the data loaded. Nothing here compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jdist import axes as ax
+from jdist import data, remat
+from jdist.errors import require
+from jdist.mesh import MeshSpec, build_mesh, parse_mesh
+from jdist.parallel.context import check_context_parallel
+from jdist.parallel.pipeline import pipeline_for, with_pipeline
+from jdist.rules import (
+    DEFAULT_RULES,
+    Rules,
+    load_rules,
+    mesh_axes_of,
+    resolve,
+    with_sequence_parallel,
+)
+from jdist.sharding import check_divisible, check_model_fits
+from jdist.train import faults
+from jdist.train.config import TrainConfig
+from jdist.train.optim import make_optimizer
+from jdist.train.state import Plan, make_plan
+from models import ModelConfig, get_preset
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class Setup:
+    """What `prepare` decided: the run's flags, model, data, layout and learning-rate schedule."""
+
+    config: TrainConfig
+    model: ModelConfig
+    corpus: data.Corpus
+    plan: Plan
+    schedule: object
+
+    def batch(self, step: int, stream: int = data.TRAIN_STREAM) -> dict:
+        """The global batch of `step` (training or validation stream), laid out for the mesh."""
+        tokens = self.corpus.train if stream == data.TRAIN_STREAM else self.corpus.val
+        return data.global_batch(tokens, self.config.seed, step, self.config.batch_size,
+                                 self.config.seq_len, self.plan.batch_sharding, stream)
+
+
+def mesh_devices(spec: MeshSpec, cpu_fill: int) -> list:
+    """The devices a mesh runs on. Simulated CPU devices beyond what it needs are left idle."""
+    devices = jax.devices()
+    if devices[0].platform == "cpu" and jax.process_count() == 1:
+        return devices[: min(len(devices), spec.n_devices(cpu_fill))]
+    return devices
+
+
+def rules_for(config: TrainConfig) -> Rules:
+    rules = load_rules(config.rules) if config.rules else DEFAULT_RULES
+    return with_sequence_parallel(rules) if config.sequence_parallel else rules
+
+
+def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
+    """Each micro-batch must still split evenly over the batch-sharding axes."""
+    require(config.grad_accum >= 1, f"--grad-accum {config.grad_accum} must be at least 1")
+    batch_axes = mesh_axes_of(resolve((ax.BATCH,), rules, mesh)[0])
+    ways = math.prod(mesh.shape[a] for a in batch_axes)
+    require(config.batch_size % (config.grad_accum * ways) == 0,
+            f"--batch-size {config.batch_size} cannot be split into {config.grad_accum} "
+            f"micro-batches over {'x'.join(batch_axes)} = {ways} devices; use a multiple of "
+            f"{config.grad_accum * ways} or change --grad-accum")
+
+
+def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
+    """Model, mesh, rules, optimizer and layout from the flags: everything except data.
+    All shape checks happen here, before anything is compiled (also used by jdist.memory)."""
+    model = get_preset(config.model, **config.model_overrides())
+    spec = parse_mesh(config.mesh)
+    rules = rules_for(config)
+    mesh = build_mesh(spec, mesh_devices(spec, config.cpu_devices or 8))
+    check_model_fits(model, mesh, rules)
+    check_divisible((config.batch_size, config.seq_len), (ax.BATCH, ax.LENGTH), mesh, rules,
+                    "global batch")
+    check_micro_batches(config, mesh, rules)
+    require(not (model.n_experts and config.sequence_parallel and mesh.shape[ax.TENSOR] > 1),
+            "--sequence-parallel with tensor parallelism is not supported for MoE models; "
+            "drop --sequence-parallel or tp")
+    remat.check(config.remat)
+    check_context_parallel(model.n_heads, config.seq_len, mesh, rules, config.cp_strategy)
+    pipeline = pipeline_for(config, model, mesh)
+    tx, schedule = make_optimizer(config.lr, config.steps, config.warmup, config.weight_decay,
+                                  config.clip_norm)
+    if config.on_nan == "skip":
+        tx = faults.skip_nonfinite(tx)
+    plan = make_plan(model, mesh, rules, tx, zero=config.zero,
+                     offload_optimizer=config.offload == "optimizer",
+                     cp_strategy=config.cp_strategy)
+    return model, with_pipeline(plan, pipeline), schedule
+
+
+def prepare(config: TrainConfig) -> Setup:
+    """Every check a user's input can fail happens here, before anything is compiled."""
+    require(config.steps >= 1, f"--steps {config.steps} must be at least 1")
+    require(config.batch_size >= 1, f"--batch-size {config.batch_size} must be at least 1")
+    require(config.seq_len >= 2, f"--seq-len {config.seq_len} must be at least 2")
+    require(config.eval_batches >= 1 or not config.eval_every,
+            f"--eval-batches {config.eval_batches} must be at least 1 (or pass --eval-every 0)")
+    faults.check_flags(config)
+    model, plan, schedule = plan_for(config)
+    require(not (model.shape_only and jax.default_backend() == "cpu"),
+            f"model preset {config.model!r} is shape-only on CPU (too large to allocate); "
+            "train 'tiny' or 'small' here, or plan it with --dry-run")
+    corpus = data.load_corpus(config.data or None, config.seq_len, config.data_dtype)
+    data.check_vocab(corpus, model.vocab_size)
+    return Setup(config, model, corpus, plan, schedule)
