@@ -1,13 +1,21 @@
 """Two real processes (jax.distributed on localhost, gloo) x 4 CPU devices train exactly like
-one process with 8 devices: the same global batches, the same losses."""
+one process with 8 devices: the same global batches, the same losses. Pipelined, the stages
+land on different processes (`stage` is the slowest axis after `data`, so it spans DCN) and
+activations cross processes as collective-permutes."""
 
 import json
 import socket
 import subprocess
 import sys
 
-ARGS = ["--model", "tiny", "--mesh", "dp=2,fsdp=4", "--steps", "4", "--batch-size", "16",
-        "--seq-len", "32", "--eval-every", "4"]
+import pytest
+
+COMMON = ["--model", "tiny", "--steps", "4", "--batch-size", "16", "--seq-len", "32",
+          "--eval-every", "4"]
+DATA_PARALLEL = (["--mesh", "dp=2,fsdp=4"], "mesh: data=2 fsdp=4 (8 devices, cpu)")
+PIPELINED = (["--mesh", "pp=2,fsdp=4", "--n-layers", "4", "--pp-schedule", "interleaved",
+              "--pp-virtual-stages", "2", "--microbatches", "2"],
+             "mesh: stage=2 fsdp=4 (8 devices, cpu)")
 
 
 def free_port() -> int:
@@ -21,10 +29,13 @@ def losses(run_dir) -> list[float]:
     return [json.loads(x)["loss"] for x in lines]
 
 
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("mesh_args, banner", [DATA_PARALLEL, PIPELINED],
+                         ids=["dp-fsdp", "pp-interleaved"])
+def test_two_processes_match_one(tmp_path, mesh_args, banner):
     port = free_port()
+    args = [*COMMON, *mesh_args]
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "jdist.train", *ARGS, "--coordinator", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "jdist.train", *args, "--coordinator", f"127.0.0.1:{port}",
          "--num-processes", "2", "--process-id", str(i), "--run-dir", str(tmp_path / f"p{i}")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
@@ -33,10 +44,10 @@ def test_two_processes_match_one(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "mesh: data=2 fsdp=4 (8 devices, cpu)" in outputs[0]
+    assert banner in outputs[0], outputs[0]
     assert "step 4/4" not in outputs[1]  # only process 0 reports
     assert not (tmp_path / "p1").exists()  # ... and writes
-    single = subprocess.run([sys.executable, "-m", "jdist.train", *ARGS, "--run-dir",
+    single = subprocess.run([sys.executable, "-m", "jdist.train", *args, "--run-dir",
                              str(tmp_path / "single")], check=False, capture_output=True,
                             text=True, timeout=300)
     assert single.returncode == 0, single.stderr
