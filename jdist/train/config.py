@@ -42,6 +42,7 @@ class TrainConfig:
     offload: str = "none"
     dry_run: bool = False
     device_memory_gb: float = 0.0  # 0: ask the device (accelerators); CPU has no limit
+    peak_tflops: float = 0.0  # 0: the accelerator's dense bf16 peak if known (for MFU)
     data: str = ""
     data_dtype: str = "uint16"
     cpu_devices: int = 0  # 0: as many as the mesh needs (8 for a -1 axis)
@@ -103,6 +104,8 @@ HELP = {
     "offload": "none, or optimizer: optimizer state lives in pinned host memory between steps",
     "dry_run": "compile the step, print the memory plan and exit",
     "device_memory_gb": "per-device memory budget for the fit check (default: the device's)",
+    "peak_tflops": "per-device peak TFLOP/s for the mfu metric (default: the accelerator's "
+                   "dense bf16 peak when known; none on CPU)",
     "n_experts": "experts per MoE layer (0: dense MLP); presets moe-tiny, moe-small, 8x7b",
     "top_k": "experts per token (1 or 2 typical)",
     "moe_routing": "dropless (nothing dropped) or capacity (overflow tokens skip the MLP)",

@@ -14,6 +14,7 @@ import jax
 from jdist import sharding as sh
 from jdist.mesh import describe
 from jdist.train.state import Plan
+from jdist.train.throughput import flops_per_token, peak_tflops, utilisation
 
 
 def _mb(n: int) -> str:
@@ -54,6 +55,8 @@ class Progress:
         done = int(width * m["step"] / self.total)
         text = (f"[{'#' * done}{'.' * (width - done)}] step {m['step']}/{self.total} "
                 f"loss {m['loss']:.4f} {m['tokens_per_sec']:,.0f} tok/s")
+        if "mfu" in m:
+            text += f" mfu {m['mfu']:.1%}"
         if "val_loss" in m:
             text += f" val {m['val_loss']:.4f}"
         if self.tty:
@@ -99,8 +102,12 @@ class StepRecords:
     """Every step's metrics record: timed from when the previous one was kept (so evaluation
     is not training time), kept in `history`, written to metrics.jsonl, shown as progress."""
 
-    def __init__(self, config, log: MetricsLog, show: bool):
+    def __init__(self, config, log: MetricsLog, show: bool, plan=None):
         self.tokens_per_step = config.batch_size * config.seq_len
+        self.flops = flops_per_token(plan.model, config.seq_len) if plan else 0.0
+        self.devices = plan.mesh.size if plan else 1
+        self.peak = peak_tflops(plan.mesh.devices.flat[0].device_kind,
+                                config.peak_tflops) if plan else 0.0
         self.progress = Progress(config.steps, config.log_every, show)
         self.log, self.history = log, []
         self.last_done = time.perf_counter()
@@ -109,8 +116,10 @@ class StepRecords:
         """The record of `step` from its metrics (waits for them to be computed)."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         elapsed = time.perf_counter() - self.last_done
-        return {"step": step, **values, "step_time_s": elapsed,
-                "tokens_per_sec": self.tokens_per_step / max(elapsed, 1e-9)}
+        tokens_per_sec = self.tokens_per_step / max(elapsed, 1e-9)
+        return {"step": step, **values, "step_time_s": elapsed, "tokens_per_sec": tokens_per_sec,
+                **(utilisation(tokens_per_sec, self.flops, self.devices, self.peak)
+                   if self.flops else {})}
 
     def keep(self, record: dict) -> None:
         self.last_done = time.perf_counter()

@@ -1,0 +1,39 @@
+"""Model FLOPs and utilisation: what a step's tokens/s means in hardware terms.
+
+Training FLOPs per token are 6 x the parameters each token multiplies (forward 2, backward
+4; for MoE only the top-k experts it is routed to; the output head included, the embedding
+lookup not) plus the attention scores and context, 12 x layers x heads x head_dim x length
+(full, not halved for causality: PaLM's convention, so numbers compare with MaxText and
+torchtitan). Recomputation (--remat, pipeline recompute) is not counted: it is overhead, so
+it lowers MFU. MFU is achieved FLOP/s over the accelerator's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+# Dense bf16 peak TFLOP/s per device, by jax `device_kind` prefix (vendor data sheets).
+PEAK_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100": 989.0, "NVIDIA A100": 312.0,
+               "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0}
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token of `model` at sequence length `seq_len`."""
+    d, hd = model.d_model, model.dim_per_head
+    attention = d * hd * (2 * model.n_heads + 2 * model.n_kv_heads)
+    experts = model.top_k if model.n_experts else 1
+    mlp = 3 * d * model.d_ff * experts + d * model.n_experts  # + router
+    matmul_params = model.n_layers * (attention + mlp) + d * model.vocab_size  # + head
+    scores = 12 * model.n_layers * model.n_heads * hd * seq_len
+    return 6.0 * matmul_params + scores
+
+
+def peak_tflops(device_kind: str, override: float = 0.0) -> float:
+    """The per-device peak for MFU: `--peak-tflops`, else the table, else 0 (unknown)."""
+    if override:
+        return override
+    return next((v for k, v in PEAK_TFLOPS.items() if device_kind.startswith(k)), 0.0)
+
+
+def utilisation(tokens_per_sec: float, flops: float, n_devices: int, peak: float) -> dict:
+    """Achieved TFLOP/s per device, and MFU when the peak is known."""
+    achieved = tokens_per_sec * flops / n_devices / 1e12
+    return {"tflops_per_device": achieved, **({"mfu": achieved / peak} if peak else {})}
