@@ -224,3 +224,14 @@ def test_saves_only_go_forward(tmp_path):
     with pytest.raises(ConfigError, match="cannot save step 1 .* already holds step 2"):
         other.save(1, state, {"step": 1})
     other.close()
+
+
+def test_rollback_after_resuming_from_elsewhere_restores_that_checkpoint(ref, tmp_path, capsys):
+    """Nothing saved in this run dir yet: a rollback goes back to the checkpoint the run
+    resumed from, not to step 0."""
+    run_dir, full = ref
+    history = train(config(tmp_path / "r", mesh="dp=8", steps=20, on_nan="rollback",
+                           inject_nan_at_step=12, resume=str(run_dir / "checkpoints" / "10")))
+    assert "rolled back to step 10" in capsys.readouterr().err
+    assert [r["step"] for r in history] == list(range(11, 21)) and history[1]["skipped"]
+    assert history[0]["loss"] == full[11]

@@ -41,7 +41,7 @@ def train(config) -> list[dict]:
     step_fn = compile_step(setup, state)
     eval_fn = make_eval_step(setup.plan, DTYPES[config.compute_dtype])
     run = Run(setup, run_dir, data_id, state, step_fn, eval_fn,
-              report.StepRecords(config, log, main, setup.plan))
+              report.StepRecords(config, log, main, setup.plan), origin=found)
     return run.train_from(first)
 
 

@@ -41,6 +41,7 @@ class Run:
     nonfinite: int = 0  # steps whose loss or gradient norm was not finite
     rollbacks: int = 0
     stop: Any = None  # the faults.StopSignal, while training
+    origin: ckpt.Found | None = None  # the checkpoint the run resumed from (any directory)
 
     def __post_init__(self):
         self.config, self.plan = self.setup.config, self.setup.plan
@@ -141,6 +142,8 @@ class Run:
         self.state = self.pending = None  # free the devices before restoring
         good = resume.find(dataclasses.replace(self.config, resume="auto"), self.setup.model,
                            self.run_dir, self.data_id)
+        if good is None and self.origin is not None and ckpt.validate(self.origin.path) is None:
+            good = self.origin  # resumed from elsewhere and nothing saved here yet
         self.state = resume.start_state(self.plan, self.config.seed, good)
         first = good.step if good else 0
         self.passed_over.add(bad_step - 1)
