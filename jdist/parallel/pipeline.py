@@ -57,7 +57,7 @@ class PipelineConfig:
 
 
 def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
-                   grad_accum: int = 1, cp_strategy: str = "ring") -> None:
+                   grad_accum: int = 1) -> None:
     """User errors of a pipelined run, one line each, before anything compiles."""
     stages = mesh.shape[ax.STAGE]
     micro = config.microbatches or stages
@@ -65,16 +65,12 @@ def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
     require(grad_accum == 1, f"--grad-accum {grad_accum} with pp={stages}: the pipeline "
                              "already accumulates over --microbatches; use that instead")
     context = mesh.shape[ax.SEQUENCE] > 1
-    # Both limits are XLA's on jax 0.10 (see the pipeline notes in the README): with tp, a
-    # kernel nested in the stage's shard_map aborts the partitioner; the ring's permute
-    # loop inside a stage gives wrong attention. Refused rather than risked.
+    # XLA's limit on jax 0.10: with tp, a kernel nested in the stage's shard_map aborts the
+    # SPMD partitioner (a CHECK failure kills the process). Refused rather than risked.
     require(not ((context or model.n_experts) and mesh.shape[ax.TENSOR] > 1),
             f"pipeline stages with tp={mesh.shape[ax.TENSOR]} cannot run "
             f"{'MoE' if model.n_experts else 'context-parallel'} kernels yet; drop tp from "
             "--mesh (use fsdp or more stages) or use pp=1")
-    require(not (context and cp_strategy == "ring"),
-            "ring attention does not run inside pipeline stages yet; use --cp-strategy "
-            "all_gather or ulysses with pp, or pp=1")
     ways = mesh.shape[ax.DATA] * mesh.shape[ax.FSDP] * mesh.shape[ax.EXPERT]
     require(batch_size % (ways * micro) == 0,
             f"--batch-size {batch_size} cannot be split into {micro} micro-batches on each of "
@@ -277,7 +273,7 @@ def pipeline_for(flags, model, mesh) -> PipelineConfig | None:
                 "--microbatches, --pp-virtual-stages and --pp-show-schedule pipeline the "
                 "model over stages; add pp=P to --mesh")
         return None
-    check_pipeline(config, model, mesh, flags.batch_size, flags.grad_accum, flags.cp_strategy)
+    check_pipeline(config, model, mesh, flags.batch_size, flags.grad_accum)
     return config
 
 

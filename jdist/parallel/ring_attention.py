@@ -37,6 +37,8 @@ class Ring:
     causal: bool
     balanced: bool            # two chunks per device (j, 2N-1-j) instead of one
     tile: int = bw.KEY_TILE   # keys per score block inside a chunk pair
+    # Nested in another shard_map (a pipeline stage): shift with an all-gather, see `shift`.
+    nested: bool = False
 
     @property
     def n_chunks(self) -> int:
@@ -44,8 +46,19 @@ class Ring:
         return 2 if self.balanced and self.causal else 1
 
     def shift(self, tree):
-        """Send to the next device of the ring (device j receives from j - 1)."""
-        return lax.ppermute(tree, self.axis, [(i, (i + 1) % self.n) for i in range(self.n)])
+        """Send to the next device of the ring (device j receives from j - 1).
+
+        Nested, the ring runs inside a pipeline stage's `lax.switch`, so only that stage's
+        devices take part. A `collective-permute` has no replica groups: XLA (CPU) meets
+        every device of the program at it, matched by channel id, and JAX gives every
+        permute the same one, so the stage's ring shift pairs up with whatever permute
+        the other stages run at that tick (the pipeline's own) and moves the wrong
+        buffers. An all-gather names its group (this stage's ring) and meets only it; it
+        moves N-1 blocks instead of one, so it is used only there."""
+        if not self.nested:
+            return lax.ppermute(tree, self.axis, [(i, (i + 1) % self.n) for i in range(self.n)])
+        source = (lax.axis_index(self.axis) - 1) % self.n
+        return jax.tree.map(lambda x: lax.all_gather(x, self.axis)[source], tree)
 
     def split(self, x: jax.Array) -> list[jax.Array]:
         return jnp.split(x, self.n_chunks, axis=1)
@@ -148,7 +161,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: Pa
     """Attention of global q [b, S, h, d] against k, v [b, S, kv, d], sequence-sharded over
     `ring.axis` as `q_spec`/`kv_spec` say (heads may be sharded too: blocks are per head)."""
     lse_spec = PartitionSpec(*q_spec[:3])
-    smap = partial(jax.shard_map, **kernel_mesh(mesh), check_vma=CHECK_VMA)
+    where = kernel_mesh(mesh)
+    if where["mesh"] is not mesh:  # inside another shard_map: see `Ring.shift`
+        ring = dataclasses.replace(ring, nested=True)
+    smap = partial(jax.shard_map, **where, check_vma=CHECK_VMA)
     fwd = smap(partial(_forward, ring), in_specs=(q_spec, kv_spec, kv_spec),
                out_specs=(q_spec, lse_spec))
     bwd = smap(partial(_backward, ring),
