@@ -21,7 +21,9 @@ def kernel_mesh(mesh) -> dict:
     import jax
 
     context = jax.sharding.get_abstract_mesh()
-    manual = set() if context.empty else set(context.manual_axes)
+    manual = set() if context.empty else {  # axis_types: public on jax 0.10 and 0.11
+        name for name, kind in zip(context.axis_names, context.axis_types)
+        if kind == jax.sharding.AxisType.Manual}
     if not manual:
         return {"mesh": mesh, "axis_names": frozenset(mesh.axis_names)}
     return {"mesh": context, "axis_names": frozenset(a for a in mesh.axis_names
