@@ -10,14 +10,22 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import data
 from jdist.equivalence import loss_rel_diff, param_abs_diff, train_steps
 from jdist.errors import ConfigError
 from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
 from jdist.mesh import build_mesh, parse_mesh
+from jdist.parallel import layer_shuffle
 from jdist.parallel import schedule as sched
-from jdist.parallel.layer_order import layer_order, to_model_order, to_stored
+from jdist.parallel.layer_order import (
+    layer_order,
+    order_of,
+    permute,
+    restore_order,
+    to_model_order,
+)
 from jdist.parallel.pipeline import PipelineConfig, check_pipeline, with_pipeline
 from jdist.rules import DEFAULT_RULES
 from jdist.train.optim import make_optimizer
@@ -201,13 +209,54 @@ def test_forward_only_schedule_keeps_one_input_per_stage():
     assert all(op is None or op.kind == sched.FWD for row in table.grid for op in row)
 
 
+def test_layer_shuffle_moves_by_permutes_only():
+    """Reordering a stage-sharded stack never gathers it: L/P rounds of permutes."""
+    rng = np.random.default_rng(0)
+    for stages, n_layers in [(2, 8), (4, 16), (8, 8)]:
+        change = rng.permutation(n_layers)
+        moves = layer_shuffle.rounds(change, stages)
+        assert len(moves) == n_layers // stages
+        landed = {}
+        for perm, send, receive in moves:
+            assert sorted(b for _, b in perm) == list(range(stages))  # one layer per stage
+            for a, b in perm:
+                landed[b * (n_layers // stages) + receive[b]] = a * (n_layers // stages) + send[a]
+        assert [landed[i] for i in range(n_layers)] == change.tolist()
+    change = rng.permutation(16)
+    mesh = build_mesh("pp=4,fsdp=2")
+    x = jax.device_put(np.arange(16 * 6 * 4, dtype=np.float32).reshape(16, 6, 4),
+                       NamedSharding(mesh, PartitionSpec("stage", "fsdp")))
+    move = jax.jit(lambda x: layer_shuffle.shuffle(x, change, mesh), out_shardings=x.sharding)
+    assert np.array_equal(np.asarray(move(x)), np.asarray(x)[change])
+    counts = collective_counts(move.lower(x).compile().as_text())
+    assert counts == {**dict.fromkeys(counts, 0), "collective-permute": 4}
+
+
+def test_interleaved_state_with_offloaded_optimizer_changes_order():
+    """Initialising and re-ordering a state whose optimizer moments live in host memory
+    (a plain checkpoint resumed onto an interleaved mesh)."""
+    tx, _ = make_optimizer(1e-3, 10, 1)
+    mesh = build_mesh("pp=2,fsdp=2", jax.devices()[:4])
+    plan = with_pipeline(make_plan(DEEP, mesh, DEFAULT_RULES, tx, offload_optimizer=True),
+                         PipelineConfig("interleaved", 4, 2))
+    state = init_state(plan, 0)
+    plain = init_state(make_plan(DEEP, mesh, DEFAULT_RULES, tx), 0)
+    w = lambda s: np.asarray(s.params["blocks"]["mlp"]["w_up"])
+    assert np.array_equal(w(state), w(plain)[order_of(plan)])
+    before = w(state)
+    again = restore_order(plan, state, order_of(plan)[::-1].tolist())  # as if saved reversed
+    assert np.array_equal(w(again), before[np.argsort(order_of(plan)[::-1])][order_of(plan)])
+    mu = jax.tree.leaves(again.opt_state)[1]
+    assert mu.sharding.memory_kind == "pinned_host"
+
+
 def test_interleaved_storage_order_round_trips():
     order = layer_order(8, 2, 2)  # 2 layers per chunk; stage 0 runs chunks 0, 2
     assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
     stack = {"blocks": {"w": np.arange(8.0)[:, None]}, "embed": np.arange(8.0)}
     plan = SimpleNamespace(model=DEEP, mesh=SimpleNamespace(shape={"stage": 2}),
                            pipeline=PipelineConfig("interleaved", 4, 2))
-    stored = to_stored(plan, stack)
+    stored = permute(stack, order_of(plan))
     assert stored["blocks"]["w"][:, 0].tolist() == order.tolist()
     assert stored["embed"].tolist() == stack["embed"].tolist()  # not a layer stack
     assert to_model_order(plan, stored)["blocks"]["w"][:, 0].tolist() == list(range(8))

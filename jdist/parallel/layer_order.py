@@ -7,9 +7,11 @@ every step. Instead the stack is stored permuted (`layer_order`): stage s's cont
 shard *is* its chunks, and nothing but activations ever crosses stages.
 
 The stored order is part of the layout, like a sharding, and is converted at the edges:
-`init_state` stores, evaluation and comparisons read `to_model_order`, checkpoints record
-the order they were written in (`CHECKPOINT_KEY`) and `restore_order` converts on resume,
-so a checkpoint moves freely between interleaved and non-interleaved meshes.
+`init_state` initialises in model order and `store`s, comparisons read `to_model_order`,
+checkpoints record the order they were written in (`CHECKPOINT_KEY`) and `restore_order`
+converts on resume, so a checkpoint moves freely between interleaved and plain meshes.
+On devices, layers move between stages by permutes (`jdist.parallel.layer_shuffle`): the
+stack is never gathered, so a model that needs its stages to fit also fits while moving.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 from jdist import axes as ax
 from jdist.errors import require
+from jdist.parallel.layer_shuffle import shuffle
 
 BLOCKS = "blocks"  # the stacked-layer subtree of the parameters (models.Llama.blocks)
 CHECKPOINT_KEY = "layer_order"  # in checkpoint metadata: stored position -> model layer
@@ -41,6 +44,10 @@ def order_of(plan) -> np.ndarray:
     return layer_order(n, plan.mesh.shape[ax.STAGE], plan.pipeline.virtual)
 
 
+def in_model_order(plan) -> bool:
+    return np.array_equal(order_of(plan), np.arange(plan.model.n_layers))
+
+
 def permute(tree, order: np.ndarray):
     """Take `order` along the layer axis of every leaf under `blocks` (parameters, and the
     optimizer moments that mirror them); other leaves are unchanged."""
@@ -49,8 +56,7 @@ def permute(tree, order: np.ndarray):
         return tree  # not even a gather: GSPMD would all-gather the stage-sharded stack
 
     def leaf(path, x):
-        in_blocks = any(getattr(k, "key", None) == BLOCKS for k in path)
-        if not in_blocks or np.ndim(x) == 0 or x.shape[0] != len(order):
+        if not _is_stack(path, x, len(order)):
             return x
         return np.take(x, order, axis=0) if isinstance(x, np.ndarray) else \
             jnp.take(x, order, axis=0)
@@ -58,14 +64,14 @@ def permute(tree, order: np.ndarray):
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
-def to_stored(plan, tree):
-    """Model order -> the plan's stored order."""
-    return permute(tree, order_of(plan))
-
-
 def to_model_order(plan, tree):
-    """The plan's stored order -> model order."""
+    """The plan's stored order -> model order (host arrays: comparisons, exports)."""
     return permute(tree, np.argsort(order_of(plan)))
+
+
+def store(plan, state, shardings):
+    """A state in model order, on `shardings`, moved into the plan's stored order."""
+    return _move(plan, state, shardings, order_of(plan))
 
 
 def restore_order(plan, state, saved_order) -> object:
@@ -77,7 +83,34 @@ def restore_order(plan, state, saved_order) -> object:
             f"checkpoint metadata {CHECKPOINT_KEY} {saved.tolist()} is not an order of "
             f"{n} layers; the checkpoint's metadata was edited - restore an intact checkpoint")
     change = np.argsort(saved)[order_of(plan)]
-    if np.array_equal(change, np.arange(len(change))):
+    if np.array_equal(change, np.arange(n)):
         return state
-    return jax.jit(lambda s: permute(s, change), out_shardings=plan.shardings,
-                   donate_argnums=0)(state)
+    # Moved in device memory: offloaded optimizer state comes in from the host and goes back.
+    on_device = plan.shardings._replace(opt_state=plan.opt_device_shardings)
+    moved = _move(plan, jax.device_put(state, on_device), on_device, change)
+    return jax.device_put(moved, plan.shardings)
+
+
+def _move(plan, tree, shardings, change: np.ndarray):
+    """`tree` (laid out as `shardings`) with every layer stack reordered by `change`: stacks
+    split over `stage` alone move by permutes between stages (`layer_shuffle`); others
+    (one stage, or also split over another axis) by a take."""
+    if np.array_equal(change, np.arange(len(change))):
+        return tree
+    mesh = plan.mesh
+
+    def leaf(path, x, sharding):
+        if not _is_stack(path, x, len(change)):
+            return x
+        if mesh.shape[ax.STAGE] > 1 and tuple(sharding.spec)[:1] == (ax.STAGE,):
+            return shuffle(x, change, mesh)
+        return jnp.take(x, change, axis=0)
+
+    move = lambda t: jax.tree_util.tree_map_with_path(leaf, t, shardings)
+    return jax.jit(move, out_shardings=shardings, donate_argnums=0)(tree)
+
+
+def _is_stack(path, x, n_layers: int) -> bool:
+    """A leaf under `blocks` (a parameter or an optimizer moment of one) with a layer axis."""
+    in_blocks = any(getattr(k, "key", None) == BLOCKS for k in path)
+    return in_blocks and np.ndim(x) > 0 and x.shape[0] == n_layers

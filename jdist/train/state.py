@@ -14,7 +14,7 @@ from flax import nnx
 from jdist import axes as ax
 from jdist import sharding as sh
 from jdist.errors import require
-from jdist.parallel.layer_order import to_stored
+from jdist.parallel.layer_order import in_model_order, store
 from jdist.rules import Rules, resolve
 from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, STAGES, zero_shardings
 from models import Llama, ModelConfig
@@ -79,9 +79,13 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
 
 
 def init_state(plan: Plan, seed: int) -> TrainState:
-    """Initialise inside `jit` with output shardings: each device computes only its shards
-    (layers in the plan's stored order, see `jdist.parallel.layer_order`)."""
+    """Initialise inside `jit` with output shardings: each device computes only its shards;
+    then layers move into the plan's stored order (`jdist.parallel.layer_order`)."""
     def init() -> TrainState:
-        params = to_stored(plan, nnx.to_pure_dict(nnx.state(build_model(plan.model, seed))))
+        params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
         return TrainState(jnp.zeros((), jnp.int32), params, plan.tx.init(params))
-    return jax.jit(init, out_shardings=plan.shardings)()
+    if in_model_order(plan):
+        return jax.jit(init, out_shardings=plan.shardings)()
+    on_device = plan.shardings._replace(opt_state=plan.opt_device_shardings)
+    state = store(plan, jax.jit(init, out_shardings=on_device)(), on_device)
+    return jax.device_put(state, plan.shardings) if plan.offload else state
