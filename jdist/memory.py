@@ -67,7 +67,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
         table = plan.pipeline.table(m[ax.STAGE])
         micro_batch, layers = micro_batch // table.micro, cfg.n_layers // table.chunks
         stashed = table.n_slots + table.n_grad_slots
-    b = max(1, micro_batch // (m[ax.DATA] * m[ax.FSDP]))
+    b = max(1, micro_batch // (m[ax.DATA] * m[ax.FSDP] * m[ax.EXPERT]))  # batch's axes
     s = seq_len // m[ax.SEQUENCE]
     d, f, hd = cfg.d_model, cfg.d_ff // tp, cfg.dim_per_head
     heads, kv = cfg.n_heads // tp, max(1, cfg.n_kv_heads // tp)

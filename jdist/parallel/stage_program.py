@@ -25,22 +25,23 @@ from jdist import axes as ax
 from jdist.parallel import schedule as sched
 from jdist.parallel.context import ContextParallel, context_parallel
 from jdist.parallel.layer_order import BLOCKS
-from jdist.parallel.moe import moe_losses
+from jdist.parallel.moe import AUX_LOSS, Z_LOSS, moe_losses
 from jdist.rules import activation_sharding, without_axis
 
 if TYPE_CHECKING:
     from jdist.train.state import Plan
 
 
-OBJECTIVE, CROSS_ENTROPY = "loss", "ce_loss"
+OBJECTIVE, CROSS_ENTROPY = "loss", "ce_loss"  # metrics keys, also of jdist.train.step
 
 
 def loss_terms(model) -> tuple[str, ...]:
     """What each micro-batch's loss vector holds: the objective (differentiated), and for
-    MoE models the terms the step reports (as `jdist.train.step.loss_and_metrics` does)."""
+    MoE models the cross-entropy and balancing losses the step reports. (Pipelined MoE runs
+    do not report `moe_dropped_fraction` / `moe_load_imbalance` yet.)"""
     if not model.n_experts:
         return (OBJECTIVE,)  # the cross-entropy itself
-    return (OBJECTIVE, CROSS_ENTROPY, "moe_aux_loss", "moe_z_loss")
+    return (OBJECTIVE, CROSS_ENTROPY, AUX_LOSS, Z_LOSS)
 
 
 def moe_terms(model, stats: dict, ce: jax.Array) -> tuple[jax.Array, ...]:
@@ -54,7 +55,7 @@ def moe_terms(model, stats: dict, ce: jax.Array) -> tuple[jax.Array, ...]:
     share = stats["tokens"].shape[0] / model.n_layers  # this chunk's layers / all layers
     objective = ce + share * (model.aux_loss_weight * balance["aux_loss_local"]
                               + model.z_loss_weight * balance["z_loss_local"])
-    return (objective, ce, share * balance["moe_aux_loss"], share * balance["moe_z_loss"])
+    return (objective, ce, share * balance[AUX_LOSS], share * balance[Z_LOSS])
 
 
 def program(blocks, shared, inputs, targets, *, plan: Plan, table: sched.Schedule,

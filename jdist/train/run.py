@@ -142,8 +142,10 @@ class Run:
         self.state = self.pending = None  # free the devices before restoring
         good = resume.find(dataclasses.replace(self.config, resume="auto"), self.setup.model,
                            self.run_dir, self.data_id)
-        if good is None and self.origin is not None and ckpt.validate(self.origin.path) is None:
-            good = self.origin  # resumed from elsewhere and nothing saved here yet
+        origin = self.origin
+        if origin is not None and (good is None or origin.step > good.step) \
+                and ckpt.validate(origin.path) is None:
+            good = origin  # resumed from elsewhere; nothing as recent saved here yet
         self.state = resume.start_state(self.plan, self.config.seed, good)
         first = good.step if good else 0
         self.passed_over.add(bad_step - 1)

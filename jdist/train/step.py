@@ -15,6 +15,7 @@ from jdist import remat
 from jdist.parallel.context import context_parallel
 from jdist.parallel.moe import moe_losses
 from jdist.parallel.pipeline import pipeline_grads, pipeline_loss
+from jdist.parallel.stage_program import CROSS_ENTROPY
 from jdist.rules import activation_sharding
 from jdist.sharding import replicated
 from jdist.train.grads import accumulated_grads
@@ -44,7 +45,7 @@ def loss_and_metrics(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.fl
     balance = moe_losses(stats, total, plan.model)
     aux, z = balance.pop("aux_loss_local"), balance.pop("z_loss_local")
     objective = loss + plan.model.aux_loss_weight * aux + plan.model.z_loss_weight * z
-    return objective, {"ce_loss": loss, **balance}
+    return objective, {CROSS_ENTROPY: loss, **balance}
 
 
 def loss_fn(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32,
@@ -92,7 +93,7 @@ def make_eval_step(plan: Plan, compute_dtype=jnp.float32):
         if plan.pipeline is not None:  # each stage runs only the blocks it stores
             return pipeline_loss(plan, params, batch, compute_dtype)
         loss, metrics = loss_and_metrics(plan, params, batch, compute_dtype)
-        return metrics.get("ce_loss", loss)
+        return metrics.get(CROSS_ENTROPY, loss)
 
     return jax.jit(cross_entropy,
                    in_shardings=(plan.shardings.params, batch_sh),
