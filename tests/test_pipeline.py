@@ -30,7 +30,7 @@ from jdist.parallel.pipeline import PipelineConfig, check_pipeline, with_pipelin
 from jdist.rules import DEFAULT_RULES
 from jdist.train.optim import make_optimizer
 from jdist.train.state import init_state, make_plan
-from jdist.train.step import make_eval_step
+from jdist.train.step import make_eval_step, make_train_step
 from models import get_preset
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-6
@@ -135,6 +135,29 @@ def test_moe_pipeline_with_expert_parallelism_matches_single_device(corpus, moe_
     assert param_abs_diff(run, moe_reference) <= PARAM_ATOL
     # Tokens reach their experts inside the stage: dispatch and return, forward and backward.
     assert collective_counts(run.hlo)["all-to-all"] >= 4
+
+
+def test_pipelined_moe_reports_load_metrics(corpus):
+    """Capacity routing drops tokens: the pipelined step reports what the same expert groups
+    report without stages, accumulating the same micro-batches (capacity is per group, so
+    one device would drop differently), and a load imbalance."""
+    moe = get_preset("moe-tiny", n_layers=4, moe_routing="capacity", capacity_factor=0.5)
+    tx, _ = make_optimizer(1e-3, 10, 1)
+
+    def metrics(mesh, pipeline=None, grad_accum=1):
+        built = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
+        plan = with_pipeline(make_plan(moe, built, DEFAULT_RULES, tx), pipeline)
+        batch = data.global_batch(corpus.train, 0, 0, 16, 32, plan.batch_sharding)
+        _, out = make_train_step(plan, grad_accum=grad_accum)(init_state(plan, 0), batch)
+        return {k: float(v) for k, v in out.items()}
+
+    plain = metrics("ep=2", grad_accum=MOE_MICRO)
+    piped = metrics("pp=2,ep=2", PipelineConfig("1f1b", MOE_MICRO))
+    assert 0.2 < piped["moe_dropped_fraction"] < 0.9
+    assert piped["moe_dropped_fraction"] == pytest.approx(plain["moe_dropped_fraction"], rel=1e-5)
+    assert piped["moe_load_imbalance"] >= 1.0
+    for key in ("ce_loss", "moe_aux_loss", "moe_z_loss", "loss"):
+        assert piped[key] == pytest.approx(plain[key], rel=1e-5), key
 
 
 @pytest.fixture(scope="module")

@@ -110,6 +110,7 @@ def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1):
 
 X_NAMES = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
 AUX_LOSS, Z_LOSS = "moe_aux_loss", "moe_z_loss"  # reported balancing losses (metrics keys)
+DROPPED_FRACTION, LOAD_IMBALANCE = "moe_dropped_fraction", "moe_load_imbalance"
 WEIGHT_NAMES = {"router": (None, None), "w_gate": (ax.EXPERTS, None, ax.MLP),
                 "w_up": (ax.EXPERTS, None, ax.MLP), "w_down": (ax.EXPERTS, ax.MLP, None)}
 
@@ -161,5 +162,5 @@ def moe_losses(local: dict, total: dict, cfg) -> dict:
             "z_loss_local": jnp.mean(local["z_sum"] / local["tokens"]),
             AUX_LOSS: aux(total),
             Z_LOSS: jnp.mean(total["z_sum"] / total["tokens"]),
-            "moe_dropped_fraction": total["dropped"].sum() / (total["tokens"].sum() * cfg.top_k),
-            "moe_load_imbalance": jnp.max(counts) / jnp.mean(counts)}
+            DROPPED_FRACTION: total["dropped"].sum() / (total["tokens"].sum() * cfg.top_k),
+            LOAD_IMBALANCE: jnp.max(counts) / jnp.mean(counts)}

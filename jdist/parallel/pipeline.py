@@ -34,7 +34,7 @@ from jdist.errors import require
 from jdist.parallel import schedule as sched
 from jdist.parallel import stage_program
 from jdist.parallel.layer_order import BLOCKS
-from jdist.parallel.stage_program import CROSS_ENTROPY, OBJECTIVE, loss_terms
+from jdist.parallel.stage_program import CROSS_ENTROPY, OBJECTIVE, loss_terms, moe_metrics
 from jdist.zero import reduce_over_data
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def pipeline_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.floa
     losses, grads = replica_grads(plan, params, batch, compute_dtype, remat_block)
     grads = reduce_over_data(grads, plan.base_params, plan.grad_shardings, plan.mesh)
     terms = dict(zip(loss_terms(plan.model), losses.mean(0)))
-    return terms.pop(OBJECTIVE), terms, grads
+    return terms.pop(OBJECTIVE), moe_metrics(terms), grads
 
 
 def replica_grads(plan: Plan, params: dict, batch: dict, compute_dtype=jnp.float32,

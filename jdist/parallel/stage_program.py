@@ -25,7 +25,13 @@ from jdist import axes as ax
 from jdist.parallel import schedule as sched
 from jdist.parallel.context import ContextParallel, context_parallel
 from jdist.parallel.layer_order import BLOCKS
-from jdist.parallel.moe import AUX_LOSS, Z_LOSS, moe_losses
+from jdist.parallel.moe import (
+    AUX_LOSS,
+    DROPPED_FRACTION,
+    LOAD_IMBALANCE,
+    Z_LOSS,
+    moe_losses,
+)
 from jdist.rules import activation_sharding, without_axis
 
 if TYPE_CHECKING:
@@ -37,11 +43,26 @@ OBJECTIVE, CROSS_ENTROPY = "loss", "ce_loss"  # metrics keys, also of jdist.trai
 
 def loss_terms(model) -> tuple[str, ...]:
     """What each micro-batch's loss vector holds: the objective (differentiated), and for
-    MoE models the cross-entropy and balancing losses the step reports. (Pipelined MoE runs
-    do not report `moe_dropped_fraction` / `moe_load_imbalance` yet.)"""
+    MoE models the cross-entropy and balancing losses the step reports, then the raw load
+    sums `moe_metrics` turns into the dropped fraction and load imbalance."""
     if not model.n_experts:
         return (OBJECTIVE,)  # the cross-entropy itself
-    return (OBJECTIVE, CROSS_ENTROPY, AUX_LOSS, Z_LOSS)
+    return (OBJECTIVE, CROSS_ENTROPY, AUX_LOSS, Z_LOSS, _DROPPED, _ASSIGNED,
+            *(f"{_LOAD}{e}" for e in range(model.n_experts)))
+
+
+_DROPPED, _ASSIGNED, _LOAD = "dropped", "assigned", "load_of_expert_"  # raw sums, not reported
+
+
+def moe_metrics(terms: dict) -> dict:
+    """The step's metrics from the mean loss terms: the raw load sums become the dropped
+    fraction and load imbalance over every layer and micro-batch (ratios of sums)."""
+    if _DROPPED not in terms:  # a dense model
+        return terms
+    loads = jnp.stack([terms.pop(k) for k in [k for k in terms if k.startswith(_LOAD)]])
+    dropped, assigned = terms.pop(_DROPPED), terms.pop(_ASSIGNED)
+    return {**terms, DROPPED_FRACTION: dropped / assigned,
+            LOAD_IMBALANCE: jnp.max(loads) / jnp.mean(loads)}
 
 
 def moe_terms(model, stats: dict, ce: jax.Array) -> tuple[jax.Array, ...]:
@@ -55,7 +76,9 @@ def moe_terms(model, stats: dict, ce: jax.Array) -> tuple[jax.Array, ...]:
     share = stats["tokens"].shape[0] / model.n_layers  # this chunk's layers / all layers
     objective = ce + share * (model.aux_loss_weight * balance["aux_loss_local"]
                               + model.z_loss_weight * balance["z_loss_local"])
-    return (objective, ce, share * balance[AUX_LOSS], share * balance[Z_LOSS])
+    return (objective, ce, share * balance[AUX_LOSS], share * balance[Z_LOSS],
+            total["dropped"].sum(), total["tokens"].sum() * model.top_k,
+            *total["counts"].sum(0))
 
 
 def program(blocks, shared, inputs, targets, *, plan: Plan, table: sched.Schedule,
