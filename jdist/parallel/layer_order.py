@@ -45,14 +45,17 @@ def order_of(plan) -> np.ndarray:
 
 
 def in_model_order(plan) -> bool:
-    return np.array_equal(order_of(plan), np.arange(plan.model.n_layers))
+    return _is_identity(order_of(plan))
+
+
+def _is_identity(order) -> bool:
+    return np.array_equal(order, np.arange(len(order)))
 
 
 def permute(tree, order: np.ndarray):
     """Take `order` along the layer axis of every leaf under `blocks` (parameters, and the
     optimizer moments that mirror them); other leaves are unchanged."""
-    order = np.asarray(order)
-    if np.array_equal(order, np.arange(len(order))):
+    if _is_identity(order):
         return tree  # not even a gather: GSPMD would all-gather the stage-sharded stack
 
     def leaf(path, x):
@@ -83,10 +86,10 @@ def restore_order(plan, state, saved_order) -> object:
             f"checkpoint metadata {CHECKPOINT_KEY} {saved.tolist()} is not an order of "
             f"{n} layers; the checkpoint's metadata was edited - restore an intact checkpoint")
     change = np.argsort(saved)[order_of(plan)]
-    if np.array_equal(change, np.arange(n)):
+    if _is_identity(change):
         return state
     # Moved in device memory: offloaded optimizer state comes in from the host and goes back.
-    on_device = plan.shardings._replace(opt_state=plan.opt_device_shardings)
+    on_device = plan.device_shardings
     moved = _move(plan, jax.device_put(state, on_device), on_device, change)
     return jax.device_put(moved, plan.shardings)
 
@@ -95,7 +98,7 @@ def _move(plan, tree, shardings, change: np.ndarray):
     """`tree` (laid out as `shardings`) with every layer stack reordered by `change`: stacks
     split over `stage` alone move by permutes between stages (`layer_shuffle`); others
     (one stage, or also split over another axis) by a take."""
-    if np.array_equal(change, np.arange(len(change))):
+    if _is_identity(change):
         return tree
     mesh = plan.mesh
 

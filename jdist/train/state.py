@@ -51,6 +51,11 @@ class Plan:
     def offload(self) -> bool:
         return self.opt_device_shardings != self.shardings.opt_state
 
+    @property
+    def device_shardings(self) -> TrainState:
+        """`shardings` with the optimizer state in device memory (as during an update)."""
+        return self.shardings._replace(opt_state=self.opt_device_shardings)
+
 
 def build_model(cfg: ModelConfig, seed: int) -> Llama:
     return Llama(cfg, rngs=nnx.Rngs(params=seed))
@@ -86,6 +91,6 @@ def init_state(plan: Plan, seed: int) -> TrainState:
         return TrainState(jnp.zeros((), jnp.int32), params, plan.tx.init(params))
     if in_model_order(plan):
         return jax.jit(init, out_shardings=plan.shardings)()
-    on_device = plan.shardings._replace(opt_state=plan.opt_device_shardings)
+    on_device = plan.device_shardings
     state = store(plan, jax.jit(init, out_shardings=on_device)(), on_device)
     return jax.device_put(state, plan.shardings) if plan.offload else state
