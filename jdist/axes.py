@@ -13,6 +13,9 @@ SEQUENCE = "sequence"
 EXPERT = "expert"
 TENSOR = "tensor"
 MESH_AXES = (DATA, STAGE, FSDP, SEQUENCE, EXPERT, TENSOR)
+# The axes over which whole replicas of the step split the batch and ZeRO shards the state:
+# the gradient shard_map is manual over these (jdist.train.grads), the rest is GSPMD's.
+REPLICA_AXES = (DATA, FSDP)
 
 # Command-line spellings of each mesh axis.
 MESH_AXIS_ALIASES = {

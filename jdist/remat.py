@@ -22,6 +22,9 @@ MLP_GATE = "mlp_gate"
 MLP_UP = "mlp_up"
 MLP_DOWN = "mlp_down"
 MATMUL_OUTPUTS = (QUERY, KEY, VALUE, ATTENTION_OUT, MLP_GATE, MLP_UP, MLP_DOWN)
+# A layer's parameters as gathered/cast for compute (jdist.parallel.grad_sync): never kept
+# for the backward pass, which gathers again (FSDP's just-in-time parameters).
+GATHERED = "gathered_params"
 
 _cp = jax.checkpoint_policies
 POLICIES: dict[str, Callable | None] = {
@@ -46,8 +49,9 @@ def check(name: str) -> None:
 
 
 def wrapper(name: str) -> Callable[[Callable], Callable]:
-    """Turns a block function into its checkpointed version under policy `name`."""
+    """Turns a block function into its checkpointed version under policy `name`. "none"
+    keeps every activation but still not the gathered parameters (a full copy of the
+    model per device otherwise); the other policies never name them."""
     check(name)
-    if name == "none":
-        return lambda f: f
-    return lambda f: jax.checkpoint(f, policy=POLICIES[name], prevent_cse=False)
+    policy = _cp.save_anything_except_these_names(GATHERED) if name == "none" else POLICIES[name]
+    return lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False)

@@ -11,10 +11,8 @@ attention keeps heads on `tensor` while the residual stream may put length there
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import tomllib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from jdist import axes as ax
@@ -150,34 +148,16 @@ def load_rules(path: str | Path, base: Rules = DEFAULT_RULES) -> Rules:
 
 # --- activation sharding constraints ------------------------------------------------------------
 
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jdist_activation_rules", default=None)
 
-
-@contextlib.contextmanager
-def activation_sharding(mesh, rules: Rules) -> Iterator[None]:
-    """While tracing inside this context, `constrain` pins activations to `rules` on `mesh`."""
-    token = _ACTIVE.set((mesh, rules))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def active():
-    """(mesh, rules) of the enclosing `activation_sharding`, or None outside a step."""
-    return _ACTIVE.get()
-
-
-def constrain(x, names: Sequence[str | None]):
-    """Constrain activation `x` to the sharding its logical `names` resolve to.
-
-    A no-op outside `activation_sharding`, so models also run as plain single-device code.
-    """
-    active = _ACTIVE.get()
-    if active is None:
-        return x
+def constrainer(mesh, rules: Rules):
+    """`constrain(x, names)`: pin activation `x` to the sharding its logical `names` resolve
+    to on `mesh` (what a step hands the model as `ModelContext.constrain`)."""
     import jax
     from jax.sharding import NamedSharding
 
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, resolve(names, rules, mesh)))
+    def constrain(x, names: Sequence[str | None]):
+        # Inside a shard_map the constraint names the current (partly manual) abstract mesh.
+        current = jax.sharding.get_abstract_mesh()
+        where = mesh if current.empty else current
+        return jax.lax.with_sharding_constraint(x, NamedSharding(where, resolve(names, rules, mesh)))
+    return constrain

@@ -1,10 +1,12 @@
 """ZeRO stages over the `data` axis.
 
 `fsdp` always shards parameters, gradients and optimizer state over itself (by the rules).
-`--zero N` additionally shards over `data`: 1 = optimizer state, 2 = + gradients (reduced
-with a reduce-scatter into a sharded accumulator), 3 = + parameters (so `dp=8 --zero 3`
-lays out state exactly like `fsdp=8`). Each array gains `data` on one dimension, chosen
-by `zero_spec`; everything else about its sharding is unchanged.
+`--zero N` additionally shards over `data`: 1 = optimizer state, 2 = + gradients (each
+layer's gradient reduce-scattered inside the backward, into a sharded accumulator), 3 = +
+parameters (so `dp=8 --zero 3` lays out state exactly like `fsdp=8` and runs the same
+collectives). Each array gains `data` on one dimension, chosen by `zero_spec`; everything
+else about its sharding is unchanged. The collectives themselves are in
+`jdist.parallel.grad_sync`.
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ def zero_dim(shape: tuple[int, ...], spec: PartitionSpec, names: tuple, mesh) ->
             ways *= mesh.shape[a]
         return shape[i] % (ways * n) == 0
 
+    def replica_only(i: int) -> bool:
+        # The gradient shard_map is manual over the replica axes only, and a manual axis
+        # must be the major part of a dimension's sharding (jdist.parallel.grad_sync).
+        return all(a in ax.REPLICA_AXES for a in mesh_axes_of(spec[i]))
+
     preferred = [i for i, name in enumerate(names) if name in (ax.EMBED, ax.NORM)]
     by_size = sorted(range(len(shape)), key=lambda i: -shape[i])
-    return next((i for i in preferred + by_size if splits(i)), None)
+    return next((i for i in preferred + by_size if replica_only(i) and splits(i)), None)
 
 
 def zero_spec(shape: tuple[int, ...], spec: PartitionSpec, names: tuple, mesh) -> PartitionSpec:
@@ -56,26 +63,3 @@ def zero_shardings(abstract: dict, base: dict, names: dict, mesh) -> dict:
     return jax.tree.map(
         lambda leaf, s, n: NamedSharding(mesh, zero_spec(leaf.shape, s.spec, n, mesh)),
         abstract, base, names, is_leaf=lambda x: isinstance(x, tuple))
-
-
-def reduce_over_data(per_replica: dict, base: dict, reduced: dict, mesh) -> dict:
-    """Mean of per-replica gradients [n_data, ...] over `data`, written as explicit
-    collectives: an all-reduce where `reduced` keeps a leaf replicated over data, a tiled
-    reduce-scatter where `reduced` shards it (ZeRO-2/3), so each device receives only its
-    slice and never holds the full reduced gradient."""
-    n = mesh.shape[ax.DATA]
-    if n == 1:  # nothing to reduce: skip the trivial (one-device-group) all-reduce
-        return jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g[0], s),
-                            per_replica, reduced)
-
-    def one(g, base_sh: NamedSharding, out_sh: NamedSharding):
-        in_spec = PartitionSpec(ax.DATA, *base_sh.spec)
-        if out_sh.spec == base_sh.spec:
-            body = lambda x: jax.lax.psum(x[0], ax.DATA) / n
-        else:
-            dim = next(i for i, e in enumerate(out_sh.spec) if ax.DATA in mesh_axes_of(e))
-            body = lambda x: jax.lax.psum_scatter(
-                x[0], ax.DATA, scatter_dimension=dim, tiled=True) / n
-        return jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_sh.spec)(g)
-
-    return jax.tree.map(one, per_replica, base, reduced)

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdist.axes import NORM
-from jdist.parallel.context import current as context_parallel
 
 INIT_STD = 0.02
 
@@ -64,8 +63,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool
     return out.reshape(b, s, h, d)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True) -> jax.Array:
-    """The attention core the model calls: inside a training step whose sequence is sharded,
-    the step's context-parallel kernel (`jdist.parallel`); otherwise `dot_product_attention`."""
-    cp = context_parallel()
-    return dot_product_attention(q, k, v, causal) if cp is None else cp.attention(q, k, v, causal)
+def weight(p: nnx.Param, like: jax.Array) -> jax.Array:
+    """A parameter's value in the dtype of the activation it multiplies (the step may hand
+    it over already cast, after gathering it in the compute dtype)."""
+    return p[...].astype(like.dtype)

@@ -8,8 +8,6 @@ Every parameter and key activation carries logical names; no mesh axis appears h
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,9 +26,9 @@ from jdist.axes import (
     MLP,
     VOCAB,
 )
-from jdist.rules import constrain
 from models.config import ModelConfig
-from models.layers import RMSNorm, apply_rotary, attention, param, rotary_tables
+from models.context import LOCAL, ModelContext
+from models.layers import RMSNorm, apply_rotary, dot_product_attention, param, rotary_tables, weight
 from models.moe import MoE
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
@@ -48,16 +46,20 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, cfg.n_kv_heads, hd), (EMBED, KV_HEADS, HEAD_DIM))
         self.wo = param(rngs, (cfg.n_heads, hd, d), (HEADS, HEAD_DIM, EMBED), std=out_std)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        q = constrain(_named(jnp.einsum("bse,ehd->bshd", x, self.wq[...]), remat.QUERY),
-                      (BATCH, LENGTH, HEADS, HEAD_DIM))
-        k = constrain(_named(jnp.einsum("bse,ehd->bshd", x, self.wk[...]), remat.KEY),
-                      (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-        v = constrain(_named(jnp.einsum("bse,ehd->bshd", x, self.wv[...]), remat.VALUE),
-                      (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 ctx: ModelContext) -> jax.Array:
+        c = ctx.constrain
+        q = c(_named(jnp.einsum("bse,ehd->bshd", x, weight(self.wq, x)), remat.QUERY),
+              (BATCH, LENGTH, HEADS, HEAD_DIM))
+        k = c(_named(jnp.einsum("bse,ehd->bshd", x, weight(self.wk, x)), remat.KEY),
+              (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+        v = c(_named(jnp.einsum("bse,ehd->bshd", x, weight(self.wv, x)), remat.VALUE),
+              (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = constrain(attention(q, k, v), (BATCH, LENGTH, HEADS, HEAD_DIM))
-        return _named(jnp.einsum("bshd,hde->bse", out, self.wo[...]), remat.ATTENTION_OUT)
+        out = c((ctx.attention or dot_product_attention)(q, k, v, True),
+                (BATCH, LENGTH, HEADS, HEAD_DIM))
+        return _named(jnp.einsum("bshd,hde->bse", out, weight(self.wo, out)),
+                      remat.ATTENTION_OUT)
 
 
 class SwiGLU(nnx.Module):
@@ -69,11 +71,12 @@ class SwiGLU(nnx.Module):
         self.w_up = param(rngs, (cfg.d_model, cfg.d_ff), (EMBED, MLP))
         self.w_down = param(rngs, (cfg.d_ff, cfg.d_model), (MLP, EMBED), std=out_std)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = _named(jnp.einsum("bse,ef->bsf", x, self.w_gate[...]), remat.MLP_GATE)
-        up = _named(jnp.einsum("bse,ef->bsf", x, self.w_up[...]), remat.MLP_UP)
-        hidden = constrain(jax.nn.silu(gate) * up, (BATCH, LENGTH, MLP))
-        return _named(jnp.einsum("bsf,fe->bse", hidden, self.w_down[...]), remat.MLP_DOWN)
+    def __call__(self, x: jax.Array, ctx: ModelContext) -> jax.Array:
+        gate = _named(jnp.einsum("bse,ef->bsf", x, weight(self.w_gate, x)), remat.MLP_GATE)
+        up = _named(jnp.einsum("bse,ef->bsf", x, weight(self.w_up, x)), remat.MLP_UP)
+        hidden = ctx.constrain(jax.nn.silu(gate) * up, (BATCH, LENGTH, MLP))
+        return _named(jnp.einsum("bsf,fe->bse", hidden, weight(self.w_down, hidden)),
+                      remat.MLP_DOWN)
 
 
 class Block(nnx.Module):
@@ -83,12 +86,13 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg, rngs) if cfg.n_experts else SwiGLU(cfg, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 ctx: ModelContext) -> tuple[jax.Array, dict]:
         """Returns the new residual stream and the MoE balance statistics ({} if dense)."""
-        x = constrain(x + self.attn(self.attn_norm(x), cos, sin), RESIDUAL)
-        out = self.mlp(self.mlp_norm(x))
+        x = ctx.constrain(x + self.attn(self.attn_norm(x), cos, sin, ctx), RESIDUAL)
+        out = self.mlp(self.mlp_norm(x), ctx)
         out, stats = out if isinstance(out, tuple) else (out, {})
-        return constrain(x + out, RESIDUAL), stats
+        return ctx.constrain(x + out, RESIDUAL), stats
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -111,16 +115,17 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
-    def __call__(self, tokens: jax.Array, *, remat_block: Callable = lambda f: f,
+    def __call__(self, tokens: jax.Array, ctx: ModelContext = LOCAL, *,
                  positions: jax.Array | None = None, with_aux: bool = False):
         """tokens [batch, length] int32 -> logits [batch, length, vocab].
 
-        `remat_block` wraps the per-layer function (see `jdist.remat.wrapper`). `positions`
-        [length] are the tokens' positions in the text (default 0..length-1); a step that
-        stores tokens out of order (causal load balancing) passes them. With `with_aux`,
-        returns (logits, MoE balance statistics of every layer)."""
-        x, stats = self.run_blocks(self.embed_tokens(tokens), remat_block, positions)
-        logits = self.logits(x)
+        `ctx` is what the step provides (activation constraints, attention and expert
+        kernels, per-layer parameter handling; see `models.context`). `positions` [length]
+        are the tokens' positions in the text (default 0..length-1); a step that stores
+        tokens out of order (causal load balancing) passes them. With `with_aux`, returns
+        (logits, MoE balance statistics of every layer)."""
+        x, stats = self.run_blocks(self.embed_tokens(tokens, ctx), ctx, positions)
+        logits = self.logits(x, ctx)
         if with_aux:
             return logits, stats  # each statistic stacked over layers
         return logits
@@ -128,31 +133,38 @@ class Llama(nnx.Module):
     # The three pieces of __call__, also run separately by pipeline stages
     # (jdist.parallel.pipeline), so a stage computes exactly what the whole model does.
 
-    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """tokens [batch, length] -> residual stream [batch, length, embed]."""
+    def embed_tokens(self, tokens: jax.Array, ctx: ModelContext = LOCAL) -> jax.Array:
+        """tokens [batch, length] -> residual stream [batch, length, embed], in the compute
+        dtype. Rows are taken from the float32 table, so the gradient's scatter-add
+        accumulates in float32."""
         # Gathering rows of a vocab/fsdp-sharded table makes GSPMD replicate it clumsily
         # ("involuntary full rematerialization"); all-gather it explicitly instead.
-        table = constrain(self.embed[...], (None, ACT_EMBED))
-        return constrain(jnp.take(table, tokens, axis=0), RESIDUAL)
+        table = ctx.constrain(self.embed[...], (None, ACT_EMBED))
+        rows = jnp.take(table, tokens, axis=0).astype(ctx.compute_dtype)
+        return ctx.constrain(rows, RESIDUAL)
 
-    def run_blocks(self, x: jax.Array, remat_block: Callable = lambda f: f,
+    def run_blocks(self, x: jax.Array, ctx: ModelContext = LOCAL,
                    positions: jax.Array | None = None):
-        """The stacked blocks (however many `self.blocks` holds) -> (x, stats per layer)."""
+        """The stacked blocks (however many `self.blocks` holds) -> (x, stats per layer).
+        Each layer's parameters pass through `ctx.layer_params` inside the loop, with
+        that layer's slice of `ctx.layer_stream`."""
         cfg = self.config
         positions = jnp.arange(x.shape[1]) if positions is None else positions
         cos, sin = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta)
         graphdef, layers = nnx.split(self.blocks)
 
-        def layer(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, cos, sin)
+        def layer(x, scanned):
+            layer_state, streamed = scanned
+            block = nnx.merge(graphdef, ctx.layer_params(layer_state, streamed))
+            return block(x, cos, sin, ctx)
 
-        return jax.lax.scan(remat_block(layer), x, layers)
+        return jax.lax.scan(ctx.remat_layer(layer), x, (layers, ctx.layer_stream))
 
-    def logits(self, x: jax.Array) -> jax.Array:
+    def logits(self, x: jax.Array, ctx: ModelContext = LOCAL) -> jax.Array:
         """Final norm and output head: [batch, length, embed] -> [batch, length, vocab]."""
         x = self.final_norm(x)
         if self.config.tie_embeddings:
-            logits = jnp.einsum("bse,ve->bsv", x, self.embed[...])
+            logits = jnp.einsum("bse,ve->bsv", x, weight(self.embed, x))
         else:
-            logits = jnp.einsum("bse,ev->bsv", x, self.head[...])
-        return constrain(logits, (BATCH, LENGTH, VOCAB))
+            logits = jnp.einsum("bse,ev->bsv", x, weight(self.head, x))
+        return ctx.constrain(logits, (BATCH, LENGTH, VOCAB))

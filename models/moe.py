@@ -1,18 +1,120 @@
 """Mixtral-style mixture-of-experts MLP: a learned top-k router over E SwiGLU experts.
 
-The routing and expert parallelism live in `jdist.parallel.moe`; this module only owns
-the parameters and their logical names.
+This module owns the parameters and the arithmetic of one group of tokens (routing,
+dispatch into per-expert buffers, expert compute, combine). Expert parallelism wraps
+`moe_group` in a `shard_map` with all-to-alls over the expert axis (`jdist.parallel.moe`);
+the step passes that in as `ModelContext.moe`.
+
+Routing policies:
+- dropless: nothing is dropped: each (source device, expert) buffer has room for every
+  local token, since a token picks an expert at most once. The price is compute on the
+  empty slots (E/k times the useful FLOPs); a grouped matmul (`lax.ragged_dot`) would skip
+  them.
+- capacity: each expert takes at most ceil(factor x tokens x k / E) tokens per group
+  (first choices before second choices); overflow is dropped and its token passes
+  through the residual stream unchanged.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jdist.axes import EMBED, EXPERTS, MLP
-from jdist.parallel.moe import moe_ffn
 from models.config import ModelConfig
 from models.layers import INIT_STD, param
+
+DROPLESS, CAPACITY = "dropless", "capacity"
+STATS = ("counts", "prob_sum", "z_sum", "tokens", "dropped")  # additive balance statistics
+
+
+def route(x: jax.Array, router: jax.Array, cfg):
+    """x [T, d] -> (top-k weights [T, k], experts [T, k], probs [T, E], logits [T, E])."""
+    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
+    probs = jax.nn.sigmoid(logits) if cfg.gating == "sigmoid" else jax.nn.softmax(logits)
+    top, experts = jax.lax.top_k(probs, cfg.top_k)
+    return top / top.sum(-1, keepdims=True), experts, probs, logits
+
+
+def positions_in_experts(experts: jax.Array, n_experts: int) -> jax.Array:
+    """Each assignment's slot in its expert's queue: all first choices, then second ..."""
+    t, k = experts.shape
+    one_hot = jax.nn.one_hot(experts.T.reshape(-1), n_experts, dtype=jnp.int32)  # [k*T, E]
+    slots = jnp.cumsum(one_hot, axis=0) - 1
+    return jnp.take_along_axis(slots, experts.T.reshape(-1, 1), axis=1).reshape(k, t).T
+
+
+def swiglu(h: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """Per-expert SwiGLU on buffers h [E, C, d] with weights [E, d, f] / [E, f, d]."""
+    gate, up, down = (w.astype(h.dtype) for w in (gate, up, down))
+    a = jnp.einsum("ecd,edf->ecf", h, gate)
+    b = jnp.einsum("ecd,edf->ecf", h, up)
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(a) * b, down)
+
+
+def capacity_of(tokens: int, cfg, dropless: bool) -> int:
+    if dropless:  # an expert gets each token at most once
+        return tokens
+    return max(1, math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.n_experts))
+
+
+def dispatch(x, experts, slots, capacity: int, n_experts: int) -> jax.Array:
+    """Scatter tokens into per-expert buffers [E, capacity, d]; overflow falls off."""
+    t, k = experts.shape
+    buf = jnp.zeros((n_experts, capacity, x.shape[-1]), x.dtype)
+    return buf.at[experts, slots].add(jnp.broadcast_to(x[:, None], (t, k, x.shape[-1])),
+                                      mode="drop")
+
+
+def combine(out, experts, slots, weights, capacity: int) -> jax.Array:
+    """Gather each token's expert outputs back and mix them by the router weights."""
+    kept = (slots < capacity).astype(out.dtype)
+    picked = out.at[experts, slots].get(mode="fill", fill_value=0)  # [T, k, d]
+    return jnp.einsum("tkd,tk->td", picked, weights.astype(out.dtype) * kept)
+
+
+def balance_sums(probs, experts, logits, slots, capacity: int, n_experts: int) -> dict:
+    """Additive statistics of one group: summing them over groups gives the global ones."""
+    return {"counts": jax.nn.one_hot(experts, n_experts).sum((0, 1)),
+            "prob_sum": probs.sum(0),
+            "z_sum": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            "tokens": jnp.asarray(probs.shape[0], jnp.float32),
+            "dropped": jnp.sum(slots >= capacity).astype(jnp.float32)}
+
+
+def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1):
+    """One group of tokens x [T, d] through the MoE; returns (y [T, d], balance sums).
+    With `ep_axes` (inside a shard_map over them) each device holds E/n_ep experts and
+    tokens travel to their experts' devices and back by all-to-all; with `tp_axes` the
+    experts' hidden units are split and the down projection is summed over them."""
+    n_experts = cfg.n_experts
+    weights, experts, probs, logits = route(x, w["router"], cfg)
+    dropless = cfg.moe_routing == DROPLESS
+    capacity = capacity_of(x.shape[0], cfg, dropless)
+    slots = positions_in_experts(experts, n_experts)
+    buf = dispatch(x, experts, slots, capacity, n_experts)
+    if n_ep > 1:  # [E, C, d] -> my experts' tokens from every source: [n*E_local, C, d]
+        buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
+    local = buf.shape[0] // n_ep
+    h = buf.reshape(n_ep, local, capacity, -1).swapaxes(0, 1).reshape(local, n_ep * capacity, -1)
+    out = swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
+    if tp_axes:  # expert hidden units are split over tensor: row-parallel down projection
+        out = jax.lax.psum(out, tp_axes)
+    out = out.reshape(local, n_ep, capacity, -1).swapaxes(0, 1).reshape(n_ep * local, capacity, -1)
+    if n_ep > 1:
+        out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
+    y = combine(out, experts, slots, weights, capacity)
+    return y, balance_sums(probs, experts, logits, slots, capacity, n_experts)
+
+
+def local_moe(x: jax.Array, w: dict, cfg):
+    """All tokens as one group, on one device: x [B, S, d] -> (y, balance sums)."""
+    b, s, d = x.shape
+    y, sums = moe_group(x.reshape(b * s, d), w, cfg)
+    return y.reshape(b, s, d), sums
 
 
 class MoE(nnx.Module):
@@ -25,8 +127,8 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (e, d, f), (EXPERTS, EMBED, MLP))
         self.w_down = param(rngs, (e, f, d), (EXPERTS, MLP, EMBED), std=out_std)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, ctx) -> tuple[jax.Array, dict]:
         """x [batch, length, d] -> (output, summed load-balancing statistics)."""
         weights = {"router": self.router[...], "w_gate": self.w_gate[...],
                    "w_up": self.w_up[...], "w_down": self.w_down[...]}
-        return moe_ffn(x, weights, self.config)
+        return (ctx.moe or local_moe)(x, weights, self.config)

@@ -6,12 +6,41 @@ step; `ring_attention`, `all_gather_attention` and `ulysses_attention` are the s
 causal work is even.
 """
 
-# `check_vma` of every kernel's shard_map. Off: the training step runs the kernels under
-# `vmap(spmd_axis_name=data)` (jdist.train.grads), which makes `data` a manual axis that the
-# kernels' own values (axis_index, masks) do not vary over, and jax 0.10 then rejects the
-# mixed operations. The kernels communicate only with ppermute, all_gather and all_to_all,
-# whose transposes do not depend on the check, and the ring has its own VJP.
+# `check_vma` of the kernels' shard_maps, which always run nested inside the step's replica
+# shard_map (itself check_vma=True). Off, for a jax limitation (0.10.2): when autodiff
+# partially evaluates a nested shard_map with the check on, its residuals get out_specs that
+# list the outer manual axes (data, fsdp) before the kernel's own, and Shardy rejects the
+# program ("manual axis sequence after free axis fsdp"). The kernels communicate only with
+# ppermute, all_gather and all_to_all, whose transposes do not depend on the check, and the
+# ring has its own VJP.
 CHECK_VMA = False
+
+
+def vma(x) -> tuple:
+    """The manual axes `x` varies over (empty outside a shard_map). jax 0.10.2 spells it
+    `aval.manual_axis_type.varying`; other releases `aval.vma`."""
+    import jax
+
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    found = kind.varying if kind is not None else getattr(aval, "vma", ())
+    return tuple(sorted(found))
+
+
+def varying(x, axes):
+    """`x` typed as differing across `axes` (a loop carry, a local accumulator)."""
+    import jax
+
+    axes = tuple(a for a in axes if a not in vma(x))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def zeros(shape, dtype, like):
+    """Zeros that vary over the same manual axes as `like` (a loop carry made with plain
+    `jnp.zeros` is invariant, and a scan then rejects the varying value it becomes)."""
+    import jax.numpy as jnp
+
+    return varying(jnp.zeros(shape, dtype), vma(like))
 
 
 def kernel_mesh(mesh) -> dict:

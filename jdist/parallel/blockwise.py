@@ -16,6 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jdist.parallel import varying, vma, zeros
+
 # A masked score. Finite, so exp(MASKED - max) is exactly 0 and an all-masked row is never NaN.
 MASKED = float(jnp.finfo(jnp.float32).min)
 # Keys per score block in the tiled functions: bounds a live score block to [queries, 512]
@@ -58,8 +60,9 @@ def empty(q: jax.Array) -> Acc:
     """The accumulator before any key block was seen."""
     b, s, kv, g, d = q.shape
     stats = (b, kv, g, s)
-    return Acc(jnp.zeros((b, s, kv, g, d), jnp.float32), jnp.full(stats, MASKED, jnp.float32),
-               jnp.zeros(stats, jnp.float32))
+    return Acc(zeros((b, s, kv, g, d), jnp.float32, q),
+               varying(jnp.full(stats, MASKED, jnp.float32), vma(q)),
+               zeros(stats, jnp.float32, q))
 
 
 def attend(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> Acc:
@@ -132,7 +135,7 @@ def grads_tiled(q, k, v, dout, lse, delta, diagonal: bool,
     if tile == t:
         dq, (dk, dv) = body(0.0, (k, v, 0))
         return dq, dk, dv
-    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(q.shape, jnp.float32),
+    dq, (dk, dv) = jax.lax.scan(body, zeros(q.shape, jnp.float32, q),
                                 (_tiles(k, tile), _tiles(v, tile), jnp.arange(0, t, tile)))
     return dq, _untile(dk), _untile(dv)
 

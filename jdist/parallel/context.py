@@ -1,10 +1,9 @@
 """Which context-parallel attention a training step runs, chosen without the model naming
 a mesh axis.
 
-The step enters `context_parallel(mesh, rules, strategy)`; the model's attention core
-(`models.layers.attention`) asks `current()` and, inside such a step, runs the chosen
-`shard_map` kernel over whatever mesh axes the rules give the logical `length` dimension
-of the queries. Outside a step, or when `length` is not sharded, it stays dense.
+The step builds a `ContextParallel(mesh, rules, strategy)` and, when the rules shard the
+queries' logical `length` dimension (`size > 1`), hands its `attention` to the model as
+`ModelContext.attention`: the chosen `shard_map` kernel over those mesh axes.
 
 The ring's causal load balancing stores tokens in a fixed permuted order; the step moves
 tokens, targets and rotary positions into that order with `reorder`/`positions`.
@@ -12,11 +11,8 @@ tokens, targets and rotary positions into that order with `reorder`/`positions`.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -127,25 +123,6 @@ class ContextParallel:
             return ring_attention(q, k, v, ring=ring, **common)
         kernel = all_gather_attention if self.strategy == ALL_GATHER else ulysses_attention
         return kernel(q, k, v, axis=self.axes, n=self.size, causal=causal, **common)
-
-
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jdist_context_parallel", default=None)
-
-
-@contextlib.contextmanager
-def context_parallel(mesh, rules: Rules, strategy: str = RING) -> Iterator[ContextParallel]:
-    """While tracing inside this context, attention runs `strategy` over the sequence axes."""
-    token = _ACTIVE.set(ContextParallel(mesh, rules, strategy))
-    try:
-        yield _ACTIVE.get()
-    finally:
-        _ACTIVE.reset(token)
-
-
-def current() -> ContextParallel | None:
-    """The active context parallelism, or None when attention should stay dense."""
-    cp = _ACTIVE.get()
-    return cp if cp is not None and cp.size > 1 else None
 
 
 def check_context_parallel(n_heads: int, seq_len: int, mesh, rules: Rules,

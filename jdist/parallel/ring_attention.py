@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jdist.parallel import CHECK_VMA, kernel_mesh
+from jdist.parallel import CHECK_VMA, kernel_mesh, varying, vma, zeros
 from jdist.parallel import blockwise as bw
 from jdist.parallel.load_balance import block_kind, chunk_ids
 
@@ -56,9 +56,12 @@ class Ring:
         buffers. An all-gather names its group (this stage's ring) and meets only it; it
         moves N-1 blocks instead of one, so it is used only there."""
         if not self.nested:
-            return lax.ppermute(tree, self.axis, [(i, (i + 1) % self.n) for i in range(self.n)])
-        source = (lax.axis_index(self.axis) - 1) % self.n
-        return jax.tree.map(lambda x: lax.all_gather(x, self.axis)[source], tree)
+            moved = lax.ppermute(tree, self.axis, [(i, (i + 1) % self.n) for i in range(self.n)])
+        else:
+            source = (lax.axis_index(self.axis) - 1) % self.n
+            moved = jax.tree.map(lambda x: lax.all_gather(x, self.axis)[source], tree)
+        # Unchecked (CHECK_VMA), the collective drops the outer replica axes from the type.
+        return jax.tree.map(lambda m, x: varying(m, vma(x)), moved, tree)
 
     def split(self, x: jax.Array) -> list[jax.Array]:
         return jnp.split(x, self.n_chunks, axis=1)
@@ -137,8 +140,8 @@ def _backward(ring: Ring, q, k, v, out, lse, dout):
         travelling = (kc_all, vc_all, jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
         return travelling, tuple(dqs)
 
-    zeros_kv = jnp.zeros(k.shape, jnp.float32)  # gradients travel in float32: sums of N parts
-    dq_init = tuple(jnp.zeros(qc.shape, jnp.float32) for qc in q_chunks)
+    zeros_kv = zeros(k.shape, jnp.float32, k)  # gradients travel in float32: sums of N parts
+    dq_init = tuple(zeros(qc.shape, jnp.float32, qc) for qc in q_chunks)
     (_, _, dk, dv), dqs = ring.run(compute, (k, v, zeros_kv, zeros_kv), dq_init)
     dk, dv = ring.shift((dk, dv))  # after N steps each gradient sits one device short of home
     dq = bw.ungroup_heads(jnp.concatenate(dqs, axis=1))

@@ -1,31 +1,31 @@
-"""Loss and gradients of one global batch: per data replica, over micro-batches, reduced
-over `data` with the collective the ZeRO stage calls for.
+"""Loss and gradients of one global batch: the one gradient path of every layout.
 
-Each data replica differentiates its own share of the batch (`jax.vmap` with
-`spmd_axis_name`, so GSPMD keeps every replica on its own devices and still handles fsdp,
-tensor and sequence sharding inside); `jdist.zero.reduce_over_data` then all-reduces
-(ZeRO-0/1) or reduce-scatters (ZeRO-2/3) the replicas' gradients explicitly. With
-`grad_accum > 1` a `lax.scan` runs the micro-batches and sums the *reduced* gradients, so
-under ZeRO-2/3 the accumulator is sharded over data too.
+Everything runs inside one `jax.shard_map` that is manual over the replica axes (`data`,
+`fsdp`; `jdist.axes.REPLICA_AXES`) and leaves `stage`... `tensor` to the partitioner and to
+the kernels the model is handed. Each replica differentiates its own tokens with respect to
+its block of the *gradient layout* (`jdist.parallel.grad_sync`): parameters are gathered
+just in time per layer, and each layer's gradient is reduced over the replicas, in float32,
+as the backward produces it (an all-reduce under ZeRO-0/1, a reduce-scatter into the
+sharded layout under ZeRO-2/3 and over fsdp). With `grad_accum` micro-batches a `lax.scan`
+accumulates: under ZeRO-0/1 locally, all-reduced once at the end; under ZeRO-2/3 into the
+sharded accumulator.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
-from jdist.rules import without_axis
-from jdist.train.state import Plan
-from jdist.zero import reduce_over_data
+from jdist import loss as objective
+from jdist.parallel import CHECK_VMA
+from jdist.parallel import grad_sync as gs
+from jdist.parallel.layer_order import BLOCKS
+from jdist.train.context import context_parallel_of, model_context
 
-
-def split_leading(tree, n: int):
-    """[B, ...] -> [n, B/n, ...] (contiguous rows: the layout data sharding already has)."""
-    return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), tree)
+MANUAL = ax.REPLICA_AXES
 
 
 def micro_batches(tree, n: int):
@@ -35,41 +35,126 @@ def micro_batches(tree, n: int):
                         tree)
 
 
-def replica_grads(plan: Plan, loss: Callable, params: dict, batch: dict):
-    """Per-replica ((loss, metrics), gradients), each with a leading `data` dimension.
-    `loss(plan, params, batch) -> (scalar, metrics)`; inside it, `plan.replica_axis` names
-    the replicas for the few quantities that need a cross-replica sum (MoE balancing)."""
-    n = plan.mesh.shape[ax.DATA]
-    inner = dataclasses.replace(plan, rules=without_axis(plan.rules, ax.DATA),
-                                replica_axis=ax.DATA)
-    grad_fn = jax.value_and_grad(lambda p, b: loss(inner, p, b), has_aux=True)
-    return jax.vmap(grad_fn, in_axes=(None, 0), axis_name=ax.DATA, spmd_axis_name=ax.DATA)(
-        params, split_leading(batch, n))
+def syncs(plan, manual: tuple[str, ...] = MANUAL) -> dict:
+    """The `grad_sync.Sync` of every parameter leaf; a block leaf's is that of one layer
+    (its leading `layers` dimension is sliced off by the layer loop)."""
+    def one(path, leaf, stored, grad, names):
+        what = f"parameter {jax.tree_util.keystr(path)}"
+        block = path[0].key == BLOCKS
+        drop = 1 if block else 0
+        if block:
+            assert not gs.manual_part(stored.spec, leaf.ndim, manual)[0], "layers on replicas"
+        cast = leaf.ndim - drop >= 2 and tuple(names) != (ax.VOCAB, ax.EMBED)
+        return gs.make_sync(tuple(stored.spec)[drop:], tuple(grad.spec)[drop:],
+                            leaf.ndim - drop, plan.mesh, manual, cast, what)
+    return jax.tree_util.tree_map_with_path(
+        one, plan.abstract.params, plan.shardings.params, plan.grad_shardings, plan.names,
+        is_leaf=lambda x: isinstance(x, tuple) or isinstance(x, jax.ShapeDtypeStruct))
 
 
-def reduced_grads(plan: Plan, loss: Callable, params: dict, batch: dict):
-    """Mean loss, mean metrics and gradients of `batch`, laid out as `plan.grad_shardings`."""
-    (losses, metrics), grads = replica_grads(plan, loss, params, batch)
-    grads = reduce_over_data(grads, plan.base_params, plan.grad_shardings, plan.mesh)
-    return losses.mean(), jax.tree.map(lambda m: m.mean(0), metrics), grads
+def manual_specs(abstract, shardings, manual: tuple[str, ...] = MANUAL):
+    """shard_map specs (manual axes only) of a tree laid out as `shardings`."""
+    return jax.tree.map(lambda x, s: gs.in_spec(gs.manual_part(s.spec, x.ndim, manual)),
+                        abstract, shardings)
 
 
-def accumulated_grads(plan: Plan, loss: Callable, params: dict, batch: dict, grad_accum: int):
-    """(mean loss, mean metrics, gradients) over `grad_accum` micro-batches: the same
-    numbers as one big batch (MoE load fractions excepted: they are per micro-batch), with
-    one micro-batch of activations alive at a time."""
-    if grad_accum == 1:
-        return reduced_grads(plan, loss, params, batch)
+def materialized(primal: dict, stored: dict, sync: dict, dtype, defer: bool) -> dict:
+    return jax.tree.map(lambda p, s, y: gs.materialize(p, s, y, dtype, defer),
+                        primal, stored, sync)
 
-    def zeros(leaf, sharding):
-        return jax.lax.with_sharding_constraint(jnp.zeros(leaf.shape, jnp.float32), sharding)
 
-    def body(carry, micro):
-        loss_sum, grad_sum = carry
-        micro_loss, metrics, grads = reduced_grads(plan, loss, params, micro)
-        return (loss_sum + micro_loss, jax.tree.map(jnp.add, grad_sum, grads)), metrics
+def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
+                  defer: bool) -> jax.Array:
+    """This replica's `jdist.loss.loss_terms` for its tokens. The shared parameters are
+    materialized here, each block's inside the layer loop (`ModelContext.layer_params`)."""
+    dtype = plan.compute_dtype
+    shared = {k: materialized(primal[k], stored[k], sync[k], dtype, defer)
+              for k in stored if k != BLOCKS}
 
-    start = (jnp.zeros((), jnp.float32), jax.tree.map(zeros, params, plan.grad_shardings))
-    (loss_sum, grad_sum), metrics = jax.lax.scan(body, start, micro_batches(batch, grad_accum))
-    return (loss_sum / grad_accum, jax.tree.map(lambda m: m.mean(0), metrics),
-            jax.tree.map(lambda g: g / grad_accum, grad_sum))
+    def layer_params(layer_state, layer_primal):
+        return materialized(layer_primal, nnx.to_pure_dict(layer_state), sync[BLOCKS], dtype,
+                            defer)
+
+    ctx = model_context(plan, MANUAL, layer_params, primal[BLOCKS])
+    model = nnx.merge(plan.graphdef, {**shared, BLOCKS: stored[BLOCKS]})
+    cp = context_parallel_of(plan, MANUAL)
+    moe = bool(plan.model.n_experts)
+    out = model(cp.reorder(tokens), ctx, positions=cp.positions(tokens.shape[1]), with_aux=moe)
+    logits, stats = out if moe else (out, None)
+    ce = objective.cross_entropy(logits, cp.reorder(targets)).mean()
+    replicas = tuple(a for a in MANUAL if plan.mesh.shape[a] > 1)
+    return objective.loss_terms(plan.model, ce, stats, replicas)
+
+
+def step_grads(plan, params: dict, batch: dict):
+    """(objective, metrics, gradients laid out as `plan.grad_shardings`) of one global batch."""
+    sync = syncs(plan)
+    stacked_syncs = {**sync, BLOCKS: jax.tree.map(gs.stacked, sync[BLOCKS])}
+    micro = plan.grad_accum
+    defer = micro > 1
+    n_replicas = _size(plan, MANUAL)
+
+    def local(stored, tokens, targets):
+        primal = jax.tree.map(gs.to_grad_layout, stored, stacked_syncs)
+        if defer:  # gradients accumulate per replica; all-reduced once below
+            primal = jax.tree.map(lambda p, y: gs.varying(p, gs.missing(p, y.reduce)), primal, sync)
+
+        def micro_loss(primal, tok, tgt):
+            terms = replica_terms(plan, primal, stored, sync, tok, tgt, defer)
+            return terms[0] / micro, terms
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+        if micro == 1:
+            (_, terms), grads = grad_fn(primal, tokens, targets)
+        else:
+            def body(carry, mb):
+                terms_sum, acc = carry
+                (_, terms), g = grad_fn(primal, *mb)
+                return (terms_sum + terms, jax.tree.map(jnp.add, acc, g)), None
+
+            zeros = jax.tree.map(
+                lambda p: gs.varying(jnp.zeros(p.shape, jnp.float32), gs.vma(p)), primal)
+            n_terms = len(objective.term_names(plan.model))
+            start = (gs.varying(jnp.zeros(n_terms, jnp.float32), MANUAL), zeros)
+            (terms, grads), _ = jax.lax.scan(body, start, micro_batches((tokens, targets), micro))
+            terms = terms / micro
+            grads = jax.tree.map(gs.finish_reduce, grads, sync)
+        return jax.lax.psum(terms, MANUAL) / n_replicas, grads
+
+    batch_spec = gs.in_spec(gs.manual_part(plan.batch_sharding.spec, 2, MANUAL))
+    run = jax.shard_map(
+        local, mesh=plan.mesh,
+        in_specs=(manual_specs(plan.abstract.params, plan.shardings.params), batch_spec,
+                  batch_spec),
+        out_specs=(PartitionSpec(), manual_specs(plan.abstract.params, plan.grad_shardings)),
+        axis_names=frozenset(MANUAL), check_vma=CHECK_VMA)
+    terms, grads = run(params, batch["inputs"], batch["targets"])
+    grads = jax.lax.with_sharding_constraint(grads, plan.grad_shardings)
+    loss, metrics = objective.report(plan.model, terms)
+    return loss, metrics, grads
+
+
+def step_eval(plan, params: dict, batch: dict) -> jax.Array:
+    """Mean cross-entropy of a global batch (no balancing terms), by the same forward."""
+    sync = syncs(plan)
+
+    def local(stored, tokens, targets):
+        terms = replica_terms(plan, stored, stored, sync, tokens, targets, False)
+        ce = terms[objective.term_names(plan.model).index(objective.CROSS_ENTROPY)] \
+            if plan.model.n_experts else terms[0]
+        return jax.lax.psum(ce, MANUAL) / _size(plan, MANUAL)
+
+    batch_spec = gs.in_spec(gs.manual_part(plan.batch_sharding.spec, 2, MANUAL))
+    return jax.shard_map(
+        local, mesh=plan.mesh,
+        in_specs=(manual_specs(plan.abstract.params, plan.shardings.params), batch_spec,
+                  batch_spec),
+        out_specs=PartitionSpec(), axis_names=frozenset(MANUAL), check_vma=CHECK_VMA)(
+            params, batch["inputs"], batch["targets"])
+
+
+def _size(plan, axes) -> int:
+    n = 1
+    for a in axes:
+        n *= plan.mesh.shape[a]
+    return n

@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 
 from jdist import axes as ax
+from jdist import remat as remat_policies
 from jdist import sharding as sh
 from jdist.errors import require
 from jdist.parallel.layer_order import in_model_order, store
@@ -44,8 +45,12 @@ class Plan:
     grad_shardings: Any = None     # reduced gradients (sharded over data from ZeRO-2)
     opt_device_shardings: Any = None  # optimizer state while it is being updated
     cp_strategy: str = "ring"      # attention over a sharded sequence (see jdist.parallel)
-    replica_axis: str | None = None  # set while tracing one data replica (jdist.train.grads)
     pipeline: Any = None  # PipelineConfig when the mesh has stages (jdist.parallel.pipeline)
+    # How the step computes (jdist.train.step): matmul/activation dtype (master weights,
+    # gradients and their reductions stay float32), activation checkpointing, micro-batches.
+    compute_dtype: Any = jnp.float32
+    remat: str = "none"
+    grad_accum: int = 1
 
     @property
     def offload(self) -> bool:
@@ -62,10 +67,14 @@ def build_model(cfg: ModelConfig, seed: int) -> Llama:
 
 
 def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation,
-              zero: int = 0, offload_optimizer: bool = False, cp_strategy: str = "ring") -> Plan:
+              zero: int = 0, offload_optimizer: bool = False, cp_strategy: str = "ring",
+              compute_dtype=jnp.float32, remat: str = "none", grad_accum: int = 1) -> Plan:
     """Shapes and shardings of the whole training state, from the model's logical names,
-    the ZeRO stage, and whether optimizer state lives in host memory between steps."""
+    the ZeRO stage, and whether optimizer state lives in host memory between steps; and
+    how the step computes (dtype, remat policy, micro-batches)."""
     require(zero in STAGES, f"--zero {zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+    require(grad_accum >= 1, f"--grad-accum {grad_accum} must be at least 1")
+    remat_policies.check(remat)
     graphdef, abstract_vars = nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)))
     names = sh.logical_names(abstract_vars)
     abstract_params = nnx.to_pure_dict(abstract_vars)
@@ -80,7 +89,8 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
                           opt_state=jax.eval_shape(tx.init, abstract_params))
     batch_sharding = jax.sharding.NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
-                zero, base, pick(GRADIENTS), opt_device, cp_strategy)
+                zero, base, pick(GRADIENTS), opt_device, cp_strategy,
+                compute_dtype=jnp.dtype(compute_dtype), remat=remat, grad_accum=grad_accum)
 
 
 def init_state(plan: Plan, seed: int) -> TrainState:

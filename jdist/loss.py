@@ -1,0 +1,83 @@
+"""The training objective, written once: next-token cross-entropy plus, for MoE models, the
+weighted load-balancing losses; and the metric names it reports.
+
+A step computes `loss_terms` for each piece of work it differentiates (one replica's
+micro-batch; a pipeline chunk's share of one) and averages them; `report` turns the mean
+terms into the reported loss and metrics. The objective is term 0 (what is differentiated);
+the other terms are reported only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+OBJECTIVE, CROSS_ENTROPY = "loss", "ce_loss"  # metrics keys
+AUX_LOSS, Z_LOSS = "moe_aux_loss", "moe_z_loss"
+DROPPED_FRACTION, LOAD_IMBALANCE = "moe_dropped_fraction", "moe_load_imbalance"
+_DROPPED, _ASSIGNED, _LOAD = "dropped", "assigned", "load_of_expert_"  # raw sums, not reported
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-token -log softmax(logits)[label], in float32. The label's logit is picked with a
+    select and a sum over vocab rather than a gather: the same value (the sum adds exact
+    zeros) and the same one-hot gradient, and XLA's SPMD partitioner (jax 0.10) aborts on
+    the gather inside a pipeline stage with two automatic axes of size > 1 (CHECK in
+    ExpandDeviceGroupsWithIota)."""
+    logits = logits.astype(jnp.float32)
+    hit = labels[..., None] == jax.lax.broadcasted_iota(labels.dtype, logits.shape,
+                                                        logits.ndim - 1)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.where(hit, logits, 0.0).sum(-1)
+
+
+def term_names(model) -> tuple[str, ...]:
+    """What `loss_terms` returns, in order: the objective, and for MoE models the
+    cross-entropy and balancing losses the step reports, then the raw load sums `report`
+    turns into the dropped fraction and load imbalance."""
+    if not model.n_experts:
+        return (OBJECTIVE,)  # the cross-entropy itself
+    return (OBJECTIVE, CROSS_ENTROPY, AUX_LOSS, Z_LOSS, _DROPPED, _ASSIGNED,
+            *(f"{_LOAD}{e}" for e in range(model.n_experts)))
+
+
+def balance_losses(local: dict, total: dict, model) -> tuple[jax.Array, jax.Array]:
+    """(Switch aux loss, router z-loss) averaged over the layers stacked in the statistics.
+    Aux = E * sum_e f_e * P_e with f_e, the fraction of assignments to expert e, from
+    `total` and P_e, its mean router probability, from `local`; z from `local`."""
+    fraction = total["counts"] / (total["tokens"][..., None] * model.top_k)
+    mean_prob = local["prob_sum"] / local["tokens"][..., None]
+    aux = jnp.mean(model.n_experts * jnp.sum(fraction * mean_prob, -1))
+    return aux, jnp.mean(local["z_sum"] / local["tokens"])
+
+
+def loss_terms(model, ce: jax.Array, stats: dict | None = None, replica_axes=(),
+               share: float = 1.0) -> jax.Array:
+    """The `term_names` vector of one piece of work: mean cross-entropy `ce` of its tokens
+    and the balance statistics `stats` [layers, ...] of the `share` of the model's layers it
+    ran. The load fractions f_e count every replica's tokens (summed over `replica_axes`,
+    without gradient); P_e and z this replica's, so the replicas' objectives average to
+    the global losses and their gradients to one device's."""
+    if not model.n_experts:
+        return ce[None]
+    total = jax.lax.stop_gradient(stats)
+    if replica_axes:
+        total = jax.lax.psum(total, replica_axes)
+    aux, z = balance_losses(stats, total, model)
+    aux_total, z_total = balance_losses(total, total, model)
+    objective = ce + share * (model.aux_loss_weight * aux + model.z_loss_weight * z)
+    return jnp.stack((objective, ce, share * aux_total, share * z_total,
+                      total["dropped"].sum(), total["tokens"].sum() * model.top_k,
+                      *total["counts"].sum(0)))
+
+
+def report(model, mean_terms: jax.Array) -> tuple[jax.Array, dict]:
+    """(objective, metrics) from `loss_terms` averaged over the step's pieces: the raw load
+    sums become the dropped fraction and load imbalance (ratios of sums)."""
+    terms = dict(zip(term_names(model), mean_terms))
+    objective = terms.pop(OBJECTIVE)
+    if not model.n_experts:
+        return objective, {}
+    loads = jnp.stack([terms.pop(k) for k in [k for k in terms if k.startswith(_LOAD)]])
+    dropped, assigned = terms.pop(_DROPPED), terms.pop(_ASSIGNED)
+    return objective, {**terms, DROPPED_FRACTION: dropped / assigned,
+                       LOAD_IMBALANCE: jnp.max(loads) / jnp.mean(loads)}

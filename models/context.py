@@ -1,0 +1,44 @@
+"""What a training step hands the model: the one channel between `jdist` and `models`.
+
+The model names logical axes and calls these hooks; the step decides what they do (shard
+an activation, run a context-parallel attention kernel, dispatch tokens to experts over a
+mesh, gather a layer's parameters just in time). The defaults are plain single-device
+code, so `Llama(cfg, rngs=...)(tokens)` runs anywhere without jdist's parallel machinery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+
+def _identity(x, *_):
+    return x
+
+
+def _no_remat(f):
+    return f
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelContext:
+    # constrain(x, logical names) -> x pinned to the sharding the names resolve to.
+    constrain: Callable = _identity
+    # attention(q [b,s,h,d], k [b,t,kv,d], v, causal) -> [b,s,h,d]; None: dense (models.layers).
+    attention: Callable | None = None
+    # moe(x [b,s,d], weights, cfg) -> (y, balance sums); None: one local group (models.moe).
+    moe: Callable | None = None
+    # layer_params(layer_state, streamed) -> the state one layer computes with. `streamed` is
+    # this layer's slice of `layer_stream` (scanned alongside the stacked blocks).
+    layer_params: Callable = _identity
+    layer_stream: Any = None
+    # wraps the per-layer function (activation checkpointing, see jdist.remat).
+    remat_layer: Callable = _no_remat
+    # dtype of matmuls and of the residual stream (parameters arrive in float32).
+    compute_dtype: Any = jnp.float32
+
+
+LOCAL = ModelContext()
