@@ -1,7 +1,10 @@
 """The equivalence harness: train a few steps on some mesh and compare with one device.
 
-Every parallel feature is tested this way: same seed, same global batches, float32;
-per-step losses and final parameters must match the single-device run.
+Every parallel feature is tested this way: same seed, same global batches, float32 with
+matmul precision `highest` (GPUs otherwise multiply float32 in TF32). Per-step losses and
+gradient norms, and the first step's gradients leaf by leaf, must match the single-device
+run; the gradients are what a wrong reduction scale shows in (AdamW and global-norm
+clipping are nearly invariant to it, so losses and parameters alone cannot see it).
 """
 
 from __future__ import annotations
@@ -15,23 +18,27 @@ import numpy as np
 from jdist import data
 from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel.layer_order import to_model_order
-from jdist.parallel.pipeline import PipelineConfig, with_pipeline
+from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES, Rules
 from jdist.train.optim import make_optimizer
-from jdist.train.state import init_state, make_plan
+from jdist.train.state import init_state, make_plan, with_pipeline
 from jdist.train.step import make_train_step
 from models import ModelConfig
+
+RTOL = 1e-5  # float32: losses, gradient norms and each gradient leaf, relative
 
 
 @dataclasses.dataclass
 class RunResult:
     losses: np.ndarray      # [steps]
-    params: dict            # final parameters as numpy arrays
+    grad_norms: np.ndarray  # [steps]
+    grads: dict             # the first step's gradients (model layer order), numpy
+    params: dict            # final parameters as numpy arrays (model layer order)
     hlo: str = ""           # the compiled step (jdist.hlo reads its collectives)
 
 
 def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEFAULT_RULES,
-                steps: int = 10, batch_size: int = 16, seq_len: int = 32, seed: int = 0,
+                steps: int = 3, batch_size: int = 16, seq_len: int = 32, seed: int = 0,
                 lr: float = 3e-3, compute_dtype=jnp.float32, zero: int = 0,
                 grad_accum: int = 1, remat: str = "none", offload: bool = False,
                 cp_strategy: str = "ring", pipeline: PipelineConfig | None = None) -> RunResult:
@@ -39,24 +46,58 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
     (schedule, micro-batches) applies when the mesh has stages."""
     if isinstance(mesh, str):
         mesh = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
-    tx, schedule = make_optimizer(lr, steps, warmup=2)
+    tx, schedule = make_optimizer(lr, max(steps, 10), warmup=2)
     plan = make_plan(model, mesh, rules, tx, zero=zero, offload_optimizer=offload,
-                     cp_strategy=cp_strategy)
+                     cp_strategy=cp_strategy, compute_dtype=compute_dtype, remat=remat,
+                     grad_accum=grad_accum)
     plan = with_pipeline(plan, pipeline)
-    state = init_state(plan, seed)
-    step = make_train_step(plan, schedule, compute_dtype, grad_accum, remat)
-    losses = []
-    for i in range(steps):
-        batch = data.global_batch(tokens, seed, i, batch_size, seq_len, plan.batch_sharding)
-        state, metrics = step(state, batch)
-        losses.append(metrics["loss"])
-    hlo = step.lower(state, batch).compile().as_text()  # the executable just run, from cache
+    losses, norms, first = [], [], None
+    with jax.default_matmul_precision("highest"):
+        state = init_state(plan, seed)
+        step = make_train_step(plan, schedule, return_grads=True)
+        for i in range(steps):
+            batch = data.global_batch(tokens, seed, i, batch_size, seq_len, plan.batch_sharding)
+            state, metrics, grads = step(state, batch)
+            losses.append(metrics["loss"])
+            norms.append(metrics["grad_norm"])
+            if i == 0:
+                first = to_model_order(plan, jax.tree.map(np.asarray, grads))
+            del grads
+        hlo = step.lower(state, batch).compile().as_text()  # the executable just run
     params = to_model_order(plan, jax.tree.map(np.asarray, state.params))
-    return RunResult(np.array([float(x) for x in losses]), params, hlo)
+    return RunResult(np.array([float(x) for x in losses]), np.array([float(x) for x in norms]),
+                     first, params, hlo)
 
 
 def single_device() -> list:
     return jax.devices()[:1]
+
+
+def mismatches(run: RunResult, reference: RunResult, rtol: float = RTOL) -> list[str]:
+    """What differs from the reference beyond `rtol`: per-step loss and gradient norm, and
+    each first-step gradient leaf (largest difference over the leaf's largest magnitude)."""
+    out = []
+    for name, a, b in (("loss", run.losses, reference.losses),
+                       ("grad_norm", run.grad_norms, reference.grad_norms)):
+        rel = np.abs(a - b) / np.abs(b)
+        if rel.max() > rtol:
+            out.append(f"{name} per step {a} vs {b} (rel {rel.max():.2e})")
+    leaves = jax.tree_util.tree_leaves_with_path(reference.grads)
+    mine = dict(jax.tree_util.tree_leaves_with_path(run.grads))
+    for path, b in leaves:
+        a = mine.get(path)
+        if a is None or a.shape != b.shape:
+            out.append(f"gradient {jax.tree_util.keystr(path)} missing or misshapen")
+            continue
+        rel = float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+        if rel > rtol:
+            out.append(f"gradient {jax.tree_util.keystr(path)} rel {rel:.2e}")
+    return out
+
+
+def assert_matches(run: RunResult, reference: RunResult, rtol: float = RTOL) -> None:
+    problems = mismatches(run, reference, rtol)
+    assert not problems, "; ".join(problems)
 
 
 def loss_rel_diff(a: RunResult, b: RunResult) -> float:

@@ -159,5 +159,6 @@ def constrainer(mesh, rules: Rules):
         # Inside a shard_map the constraint names the current (partly manual) abstract mesh.
         current = jax.sharding.get_abstract_mesh()
         where = mesh if current.empty else current
-        return jax.lax.with_sharding_constraint(x, NamedSharding(where, resolve(names, rules, mesh)))
+        spec = resolve(names, rules, mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(where, spec))
     return constrain

@@ -8,9 +8,10 @@ import pytest
 
 from jdist.memory import measure, predict, zero_textbook
 from jdist.mesh import build_mesh
-from jdist.parallel.pipeline import PipelineConfig, with_pipeline
+from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES
 from jdist.train import make_optimizer, make_plan
+from jdist.train.state import with_pipeline
 from models import get_preset
 
 TINY = get_preset("tiny")

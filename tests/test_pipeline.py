@@ -26,10 +26,10 @@ from jdist.parallel.layer_order import (
     restore_order,
     to_model_order,
 )
-from jdist.parallel.pipeline import PipelineConfig, check_pipeline, with_pipeline
+from jdist.parallel.pipeline import PipelineConfig, check_pipeline
 from jdist.rules import DEFAULT_RULES
 from jdist.train.optim import make_optimizer
-from jdist.train.state import init_state, make_plan
+from jdist.train.state import init_state, make_plan, with_pipeline
 from jdist.train.step import make_eval_step, make_train_step
 from models import get_preset
 

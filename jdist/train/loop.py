@@ -16,7 +16,7 @@ from jdist.sharding import replicated
 from jdist.train import faults, report, resume
 from jdist.train.optim import updates_applied
 from jdist.train.run import Run
-from jdist.train.setup import DTYPES, Setup, plan_for, prepare
+from jdist.train.setup import Setup, plan_for, prepare
 from jdist.train.state import Plan, TrainState
 from jdist.train.step import make_eval_step, make_train_step
 
@@ -24,7 +24,8 @@ from jdist.train.step import make_eval_step, make_train_step
 def train(config) -> list[dict]:
     """Run training; returns the metrics of every step (also written to metrics.jsonl)."""
     if config.pp_show_schedule:
-        print(show_schedule(plan_for(config)[1]), flush=True)
+        plan = plan_for(config)[1]
+        print(show_schedule(plan.pipeline, plan.mesh.shape["stage"]), flush=True)
         return []
     if config.dry_run:
         memory.dry_run(config)
@@ -39,7 +40,7 @@ def train(config) -> list[dict]:
     log = report.open_run_dir(run_dir, setup, first) if main else report.MetricsLog(None)
     state = resume.start_state(setup.plan, config.seed, found)
     step_fn = compile_step(setup, state)
-    eval_fn = make_eval_step(setup.plan, DTYPES[config.compute_dtype])
+    eval_fn = make_eval_step(setup.plan)
     run = Run(setup, run_dir, data_id, state, step_fn, eval_fn,
               report.StepRecords(config, log, main, setup.plan), origin=found)
     return run.train_from(first)
@@ -49,8 +50,7 @@ def compile_step(setup: Setup, state: TrainState):
     """The train step (with `--inject-nan-at-step`, if asked), compiled ahead of time."""
     config, plan = setup.config, setup.plan
     start = time.perf_counter()
-    step_fn = make_train_step(plan, None, DTYPES[config.compute_dtype], config.grad_accum,
-                              config.remat)
+    step_fn = make_train_step(plan)
     if config.inject_nan_at_step:
         step_fn = faults.inject_nan(step_fn, plan, config.inject_nan_at_step)
     step_fn = reporting_lr(step_fn, plan, setup.schedule)

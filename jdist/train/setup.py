@@ -14,7 +14,7 @@ from jdist import data, remat
 from jdist.errors import require
 from jdist.mesh import MeshSpec, build_mesh, parse_mesh
 from jdist.parallel.context import check_context_parallel
-from jdist.parallel.pipeline import pipeline_for, with_pipeline
+from jdist.parallel.pipeline import pipeline_for
 from jdist.rules import (
     DEFAULT_RULES,
     Rules,
@@ -27,7 +27,7 @@ from jdist.sharding import check_divisible, check_model_fits
 from jdist.train import faults
 from jdist.train.config import TrainConfig
 from jdist.train.optim import make_optimizer
-from jdist.train.state import Plan, make_plan
+from jdist.train.state import Plan, make_plan, with_pipeline
 from models import ModelConfig, get_preset
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -97,7 +97,8 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
         tx = faults.skip_nonfinite(tx)
     plan = make_plan(model, mesh, rules, tx, zero=config.zero,
                      offload_optimizer=config.offload == "optimizer",
-                     cp_strategy=config.cp_strategy)
+                     cp_strategy=config.cp_strategy, compute_dtype=DTYPES[config.compute_dtype],
+                     remat=config.remat, grad_accum=config.grad_accum)
     return model, with_pipeline(plan, pipeline), schedule
 
 

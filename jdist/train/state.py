@@ -62,6 +62,14 @@ class Plan:
         return self.shardings._replace(opt_state=self.opt_device_shardings)
 
 
+def with_pipeline(plan: Plan, config) -> Plan:
+    """The plan, pipelined (a `jdist.parallel.pipeline.PipelineConfig`) when its mesh has
+    more than one stage."""
+    if config is None or plan.mesh.shape[ax.STAGE] == 1:
+        return plan
+    return dataclasses.replace(plan, pipeline=config)
+
+
 def build_model(cfg: ModelConfig, seed: int) -> Llama:
     return Llama(cfg, rngs=nnx.Rngs(params=seed))
 

@@ -7,16 +7,15 @@ from __future__ import annotations
 import jax
 import optax
 
-
 from jdist.sharding import replicated
 from jdist.train.grads import step_eval, step_grads
+from jdist.train.pipelined import pipeline_eval, pipeline_grads
 from jdist.train.state import Plan, TrainState
 
 
 def gradients(plan: Plan, params: dict, batch: dict):
     """(objective, metrics, gradients laid out as `plan.grad_shardings`) of a global batch."""
     if plan.pipeline is not None:  # stages run their schedule (jdist.parallel.pipeline)
-        from jdist.parallel.pipeline import pipeline_grads
         return pipeline_grads(plan, params, batch)
     return step_grads(plan, params, batch)
 
