@@ -89,39 +89,66 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     return layers * per_layer + recompute + logits + stashed * residual
 
 
-def predict(plan, micro_batch: int, seq_len: int, compute_dtype: str = "float32",
-            remat: str = "none") -> Breakdown:
-    """The analytical plan, from shapes and shardings alone (nothing compiled)."""
-    compute_bytes = 2 if compute_dtype == "bfloat16" else 4
+def predict(plan, micro_batch: int, seq_len: int) -> Breakdown:
+    """The analytical plan, from shapes and shardings alone (nothing compiled); the compute
+    dtype and remat policy are the plan's."""
+    compute_bytes = plan.compute_dtype.itemsize
     params = per_device_bytes(plan.abstract.params, plan.shardings.params)
-    if compute_bytes == 2:
-        params += per_device_bytes(plan.abstract.params, plan.shardings.params, itemsize=2)
     grads = per_device_bytes(plan.abstract.params, plan.grad_shardings)
     optimizer = 0 if plan.offload else per_device_bytes(plan.abstract.opt_state,
                                                         plan.shardings.opt_state)
-    # Each replica's gradients exist in full (over data) until they are reduce-scattered.
-    full_grads = per_device_bytes(plan.abstract.params, plan.base_params)
-    unreduced = full_grads if grads < full_grads else 0
-    return Breakdown(params, grads, optimizer, unreduced +
-                     activation_bytes(plan, micro_batch, seq_len, compute_bytes, remat))
+    return Breakdown(params, grads, optimizer, in_flight_bytes(plan, compute_bytes) +
+                     activation_bytes(plan, micro_batch, seq_len, compute_bytes, plan.remat))
 
 
-def compile_step(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
-                 grad_accum: int = 1, remat: str = "none"):
+def in_flight_bytes(plan, compute_bytes: int) -> int:
+    """What the per-layer gradient path holds besides the state (jdist.parallel.grad_sync):
+    one layer's parameters gathered over the replica axes (compute dtype) and its float32
+    gradient before the reduction, and the shared parameters (embedding, head) gathered and
+    with their full float32 gradients."""
+    import jax
+
+    from jdist import axes as ax
+    from jdist.parallel.layer_order import BLOCKS
+
+    def gathered(tree, shardings, itemsize):
+        def local(x, s):
+            spec = [tuple(a for a in (e if isinstance(e, tuple) else (e,))
+                          if a is not None and a not in ax.REPLICA_AXES) for e in s.spec]
+            n = 1
+            for dim, axes in enumerate(spec):
+                ways = 1
+                for a in axes:
+                    ways *= plan.mesh.shape[a]
+                n *= x.shape[dim] // ways
+            for dim in range(len(spec), x.ndim):
+                n *= x.shape[dim]
+            return n * itemsize
+        return sum(jax.tree.leaves(jax.tree.map(local, tree, shardings)))
+
+    blocks = plan.abstract.params[BLOCKS]
+    layers = plan.model.n_layers  # a pipeline stage holds its share of them
+    if plan.pipeline is not None:
+        layers //= plan.mesh.shape[ax.STAGE]
+    layer = gathered(blocks, plan.shardings.params[BLOCKS], compute_bytes + 4) // layers
+    shared = {k: v for k, v in plan.abstract.params.items() if k != BLOCKS}
+    shared_sh = {k: v for k, v in plan.shardings.params.items() if k != BLOCKS}
+    return layer + gathered(shared, shared_sh, 4 + 4)
+
+
+def compile_step(plan, batch_size: int, seq_len: int):
     """The training step compiled ahead of time on abstract inputs (nothing allocated)."""
     import jax
     import jax.numpy as jnp
 
     from jdist.train.step import make_train_step
 
-    dtype = jnp.bfloat16 if compute_dtype == "bfloat16" else jnp.float32
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    step = make_train_step(plan, None, dtype, grad_accum, remat)
+    step = make_train_step(plan)
     return step.lower(plan.abstract, {"inputs": tokens, "targets": tokens}).compile()
 
 
-def measure(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
-            grad_accum: int = 1, remat: str = "none", compiled=None) -> Breakdown:
+def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
     """The compiler's per-device bytes for the real training step, compiled ahead of time
     on abstract inputs. Parameters and optimizer state are the step's arguments (split by
     the compiled input layout); gradients are the output of the compiled gradient
@@ -129,26 +156,15 @@ def measure(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
     import jax
     import jax.numpy as jnp
 
-    from jdist.train.grads import accumulated_grads
-    from jdist.train.step import loss_and_metrics
+    from jdist.train.step import gradients
 
-    dtype = jnp.bfloat16 if compute_dtype == "bfloat16" else jnp.float32
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
     batch_sh = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
-    compiled = compiled or compile_step(plan, batch_size, seq_len, compute_dtype, grad_accum,
-                                        remat)
+    compiled = compiled or compile_step(plan, batch_size, seq_len)
     stats = compiled.memory_analysis()
-
-    from jdist import remat as remat_policies
-
-    block = remat_policies.wrapper(remat)
-
-    def grads_only(params, batch):
-        loss = lambda p_, p, b: loss_and_metrics(p_, p, b, dtype, block)
-        return accumulated_grads(plan, loss, params, batch, grad_accum)[2]
-
-    grads_fn = jax.jit(grads_only, in_shardings=(plan.shardings.params, batch_sh),
+    grads_fn = jax.jit(lambda params, batch: gradients(plan, params, batch)[2],
+                       in_shardings=(plan.shardings.params, batch_sh),
                        out_shardings=plan.grad_shardings)
     grads = grads_fn.lower(plan.abstract.params, batch).compile().memory_analysis()
 
@@ -160,6 +176,14 @@ def measure(plan, batch_size: int, seq_len: int, compute_dtype: str = "float32",
         optimizer = 0  # between steps it lives in host memory
     return Breakdown(params, grads.output_size_in_bytes, optimizer,
                      max(0, stats.temp_size_in_bytes - grads.output_size_in_bytes))
+
+
+def peak(compiled) -> int:
+    """Per-device peak of a compiled step: arguments (device memory), outputs not aliased
+    to them, and temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes \
+        + m.temp_size_in_bytes
 
 
 def gib(n: int) -> str:
@@ -199,8 +223,7 @@ def suggest(config, budget: int) -> str:
             _, plan, _ = plan_for(trial)
         except ConfigError:  # e.g. the batch no longer splits: not a suggestion
             continue
-        need = predict(plan, trial.batch_size // trial.grad_accum, trial.seq_len,
-                       trial.compute_dtype, trial.remat).total
+        need = predict(plan, trial.batch_size // trial.grad_accum, trial.seq_len).total
         if need <= budget:
             return f"{flags} (predicted {need / 2**30:.2f} GiB)"
     return "more fsdp or tensor parallelism (a larger mesh), or a smaller model"
@@ -217,8 +240,7 @@ def device_budget(config) -> int | None:
 
 
 def plan_breakdown(config, plan) -> Breakdown:
-    return predict(plan, config.batch_size // config.grad_accum, config.seq_len,
-                   config.compute_dtype, config.remat)
+    return predict(plan, config.batch_size // config.grad_accum, config.seq_len)
 
 
 def check_fits(config, plan) -> None:
@@ -241,8 +263,7 @@ def dry_run(config) -> None:
 
     _, plan, _ = plan_for(config)
     print(layout_table(plan), flush=True)
-    measured = measure(plan, config.batch_size, config.seq_len, config.compute_dtype,
-                       config.grad_accum, config.remat)
+    measured = measure(plan, config.batch_size, config.seq_len)
     print(table(plan_breakdown(config, plan), measured), flush=True)
     check_fits(config, plan)
     print("dry run: the plan fits; nothing was allocated", flush=True)
@@ -273,14 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jdist: error: {e}", file=sys.stderr)
         return 2
     micro = config.batch_size // config.grad_accum
-    predicted = predict(plan, micro, config.seq_len, config.compute_dtype, config.remat)
-    measured = measure(plan, config.batch_size, config.seq_len, config.compute_dtype,
-                       config.grad_accum, config.remat) if do_measure else None
+    predicted = predict(plan, micro, config.seq_len)
+    compiled = compile_step(plan, config.batch_size, config.seq_len) if do_measure else None
+    measured = measure(plan, config.batch_size, config.seq_len, compiled) if do_measure else None
     if as_json:
         out = {"model": config.model, "mesh": dict(plan.mesh.shape), "zero": config.zero,
                "predicted": predicted.as_dict()}
         if measured:
             out["measured"] = measured.as_dict()
+            out["measured_peak"] = peak(compiled)
         print(json.dumps(out))
     else:
         print(f"model {config.model}, mesh {config.mesh}, zero {config.zero}, "

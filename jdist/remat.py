@@ -43,6 +43,14 @@ POLICIES: dict[str, Callable | None] = {
 NAMES = ("none", *POLICIES)
 
 
+def _all_but_gathered(prim, *_, **params) -> bool:
+    """Keep every value except gathered parameters: all-gather outputs and values named
+    GATHERED (a name alone is not enough: the unnamed value it names would be kept)."""
+    if prim.name == "all_gather":
+        return False
+    return not (prim.name == "name" and params.get("name") == GATHERED)
+
+
 def check(name: str) -> None:
     if name not in NAMES:
         raise ConfigError(f"unknown --remat policy {name!r}; use one of {', '.join(NAMES)}")
@@ -53,5 +61,5 @@ def wrapper(name: str) -> Callable[[Callable], Callable]:
     keeps every activation but still not the gathered parameters (a full copy of the
     model per device otherwise); the other policies never name them."""
     check(name)
-    policy = _cp.save_anything_except_these_names(GATHERED) if name == "none" else POLICIES[name]
+    policy = _all_but_gathered if name == "none" else POLICIES[name]
     return lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False)

@@ -31,6 +31,8 @@ def varying(x, axes):
     """`x` typed as differing across `axes` (a loop carry, a local accumulator)."""
     import jax
 
+    if not CHECK_VMA:  # nothing tracks the type; a pcast would only add a copy to keep
+        return x
     axes = tuple(a for a in axes if a not in vma(x))
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 

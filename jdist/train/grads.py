@@ -96,6 +96,9 @@ def step_grads(plan, params: dict, batch: dict):
 
     def local(stored, tokens, targets):
         primal = jax.tree.map(gs.to_grad_layout, stored, stacked_syncs)
+        # Read, never differentiated: else the layer loop's transpose builds a (zero)
+        # cotangent for the stored stack too, a full extra gradient buffer.
+        stored = jax.lax.stop_gradient(stored)
         if defer:  # gradients accumulate per replica; all-reduced once below
             primal = jax.tree.map(lambda p, y: gs.varying(p, gs.missing(p, y.reduce)), primal, sync)
 

@@ -54,6 +54,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
         tokens = micro_batches(reorder(inputs), table.micro)
         labels = micro_batches(reorder(targets), table.micro)
         primal = jax.tree.map(gs.to_grad_layout, stored, stacked) if train else stored
+        stored = jax.lax.stop_gradient(stored)  # read only (see jdist.train.grads)
         stored_chunks = jax.tree.map(
             lambda b: b.reshape(table.virtual, -1, *b.shape[1:]), stored[BLOCKS])
         stored_shared = {k: v for k, v in stored.items() if k != BLOCKS}
