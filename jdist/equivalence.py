@@ -10,6 +10,7 @@ clipping are nearly invariant to it, so losses and parameters alone cannot see i
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,12 @@ class RunResult:
     grad_norms: np.ndarray  # [steps]
     grads: dict             # the first step's gradients (model layer order), numpy
     params: dict            # final parameters as numpy arrays (model layer order)
-    hlo: str = ""           # the compiled step (jdist.hlo reads its collectives)
+    lowered: object = None  # the step, lowered (compiled again only if `hlo` is read)
+
+    @functools.cached_property
+    def hlo(self) -> str:
+        """The compiled step's HLO text (jdist.hlo reads its collectives)."""
+        return self.lowered.compile().as_text()
 
 
 def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEFAULT_RULES,
@@ -63,10 +69,10 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
             if i == 0:
                 first = to_model_order(plan, jax.tree.map(np.asarray, grads))
             del grads
-        hlo = step.lower(state, batch).compile().as_text()  # the executable just run
+        lowered = step.lower(state, batch)
     params = to_model_order(plan, jax.tree.map(np.asarray, state.params))
     return RunResult(np.array([float(x) for x in losses]), np.array([float(x) for x in norms]),
-                     first, params, hlo)
+                     first, params, lowered)
 
 
 def single_device() -> list:

@@ -82,3 +82,24 @@ def _computations(hlo_text: str) -> dict[str, str]:
             if line.startswith("}"):
                 out[name], name = "\n".join(lines), None
     return out
+
+
+def partitioned(lowered) -> str:
+    """HLO text of a lowered computation right after SPMD partitioning: collectives as the
+    program wrote them, before the CPU backend's later passes upcast bf16 ones to f32."""
+    import glob
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as where:
+        lowered.compile(compiler_options={
+            "xla_dump_to": where, "xla_dump_hlo_as_text": True,
+            "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        (path,) = glob.glob(f"{where}/*after_spmd-partitioning*.txt")
+        with open(path) as f:
+            return f.read()
+
+
+def collective_dtypes(hlo_text: str) -> dict[str, set[str]]:
+    """The element types each collective's results have in HLO text."""
+    return {op: {dtype for result in _op_pattern(op).findall(hlo_text)
+                 for dtype, _ in _SHAPE.findall(result)} for op in COLLECTIVES}

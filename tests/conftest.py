@@ -16,3 +16,21 @@ from jdist import data
 def corpus() -> data.Corpus:
     """The builtin corpus (Python stdlib source), loaded once per test session."""
     return data.load_corpus(None, seq_len=128)
+
+
+@pytest.fixture(scope="session")
+def single_device(corpus):
+    """`single_device(model, **settings)`: the one-device run of the equivalence harness
+    (jdist.equivalence.train_steps on dp=1), computed once per test session and shared by
+    every test that compares a layout against it."""
+    from jdist.equivalence import train_steps
+
+    cache: dict = {}
+
+    def run(model, **settings):
+        key = (model, tuple(sorted(settings.items())))
+        if key not in cache:
+            cache[key] = train_steps(model, "dp=1", corpus.train, **settings)
+        return cache[key]
+
+    return run

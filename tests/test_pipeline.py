@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import data
-from jdist.equivalence import loss_rel_diff, param_abs_diff, train_steps
+from jdist.equivalence import assert_matches, train_steps
 from jdist.errors import ConfigError
 from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
 from jdist.mesh import build_mesh, parse_mesh
@@ -91,8 +91,7 @@ MATRIX = [(f"pp={p}", schedule, p * factor, 0) for schedule in ("gpipe", "1f1b",
                          [*MATRIX, ("dp=2,pp=2,tp=2", "1f1b", 4, 2)])
 def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero):
     run = pipelined(corpus, mesh, schedule, micro, zero)
-    assert loss_rel_diff(run, reference) <= LOSS_RTOL, (run.losses, reference.losses)
-    assert param_abs_diff(run, reference) <= PARAM_ATOL
+    assert_matches(run, reference)
     assert run.losses[-1] < run.losses[0] - 0.5
 
 
@@ -131,8 +130,7 @@ def test_moe_pipeline_with_expert_parallelism_matches_single_device(corpus, moe_
                                                                      mesh, schedule):
     run = train_steps(MOE, mesh, corpus.train, steps=MOE_STEPS, batch_size=16,
                       pipeline=PipelineConfig(schedule, MOE_MICRO, 1 + (schedule == "interleaved")))
-    assert loss_rel_diff(run, moe_reference) <= LOSS_RTOL, (run.losses, moe_reference.losses)
-    assert param_abs_diff(run, moe_reference) <= PARAM_ATOL
+    assert_matches(run, moe_reference)
     # Tokens reach their experts inside the stage: dispatch and return, forward and backward.
     assert collective_counts(run.hlo)["all-to-all"] >= 4
 
@@ -173,8 +171,7 @@ def test_context_parallel_stages_match_single_device(corpus, long_reference, mes
     run = train_steps(DEEP, mesh, corpus.train, steps=6, batch_size=16, seq_len=64,
                       cp_strategy=strategy,
                       pipeline=PipelineConfig(schedule, 4, 1 + (schedule == "interleaved")))
-    assert loss_rel_diff(run, long_reference) <= LOSS_RTOL
-    assert param_abs_diff(run, long_reference) <= PARAM_ATOL
+    assert_matches(run, long_reference)
     # Only the pipeline's two permutes: nested in a stage, the ring shifts by all-gather
     # (a permute inside one stage's branch would meet other stages' permutes, see
     # jdist.parallel.ring_attention.Ring.shift).
@@ -196,8 +193,7 @@ def test_tensor_parallel_stages_match_single_device(request, corpus, model, mesh
     reference = request.getfixturevalue("moe_reference" if moe else "long_reference")
     run = train_steps(model, mesh, corpus.train, steps=len(reference.losses), batch_size=16,
                       seq_len=32 if moe else 64, cp_strategy=strategy, pipeline=config)
-    assert loss_rel_diff(run, reference) <= LOSS_RTOL, (run.losses, reference.losses)
-    assert param_abs_diff(run, reference) <= PARAM_ATOL
+    assert_matches(run, reference)
 
 
 def evaluate(corpus, mesh: str, pipeline: PipelineConfig | None = None):

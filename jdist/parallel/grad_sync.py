@@ -77,7 +77,8 @@ def make_sync(stored_spec, grad_spec, ndim: int, mesh, manual: tuple[str, ...], 
     for s, g in zip(stored, grad):
         assert g[:len(s)] == s, (stored, grad)  # ZeRO only appends axes (jdist.zero)
     used = {a for axes in grad for a in axes}
-    return Sync(stored, grad, tuple(a for a in manual if a not in used),
+    # A sum over a size-1 axis would still be emitted (a trivial all-reduce per layer).
+    return Sync(stored, grad, tuple(a for a in manual if a not in used and mesh.shape[a] > 1),
                 math.prod(mesh.shape[a] for a in manual), cast, tuple(manual))
 
 
