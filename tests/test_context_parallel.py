@@ -17,8 +17,6 @@ from models import get_preset
 from models.layers import dot_product_attention
 
 ATTN_RTOL = 1e-5   # max |error| / max |reference|, outputs and gradients; observed <= ~6e-7
-LOSS_RTOL = 1e-5   # as tests/test_equivalence.py
-PARAM_ATOL = 2e-6
 TINY = get_preset("tiny")  # 8 heads, 4 kv heads: every test below is grouped-query attention
 
 
@@ -123,8 +121,8 @@ def test_balancing_evens_out_causal_work(n):
 
 
 @pytest.fixture(scope="module")
-def reference(corpus):
-    return train_steps(TINY, "dp=1", corpus.train)
+def reference(single_device):
+    return single_device(TINY)
 
 
 @pytest.mark.parametrize("mesh, strategy", [

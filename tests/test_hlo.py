@@ -7,8 +7,7 @@ import pytest
 from jdist.hlo import collective_counts, loop_bodies
 from jdist.mesh import build_mesh
 from jdist.rules import DEFAULT_RULES
-from jdist.train import make_optimizer, make_plan, make_train_step
-from jdist.train.step import loss_fn
+from jdist.train import make_eval_step, make_optimizer, make_plan, make_train_step
 from models import get_preset
 
 TOKENS = jax.ShapeDtypeStruct((16, 32), jnp.int32)
@@ -27,9 +26,7 @@ def train_step_hlo(mesh: str) -> str:
 
 def forward_hlo(mesh: str) -> str:
     plan = plan_for(mesh)
-    batch_sh = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
-    f = jax.jit(lambda p, b: loss_fn(plan, p, b), in_shardings=(plan.shardings.params, batch_sh))
-    return f.lower(plan.abstract.params, BATCH).compile().as_text()
+    return make_eval_step(plan).lower(plan.abstract.params, BATCH).compile().as_text()
 
 
 def test_ddp_all_reduces_gradients_and_never_gathers_parameters():

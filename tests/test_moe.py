@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jdist import loss as objective
 from jdist.equivalence import assert_matches, train_steps
 from jdist.hlo import collective_counts, loop_bodies
 from jdist.mesh import build_mesh
-from jdist.parallel.moe import moe_ffn, moe_losses
-from jdist.rules import DEFAULT_RULES, activation_sharding
+from jdist.parallel.moe import moe_ffn
+from jdist.rules import DEFAULT_RULES
 from jdist.train import make_optimizer, make_plan, make_train_step
 from models import get_preset
 
@@ -58,9 +59,7 @@ def test_expert_parallel_layer_matches_reference(mesh, routing):
     m = build_mesh(mesh)
 
     def parallel(x, w):
-        with activation_sharding(m, DEFAULT_RULES):
-            y, sums = moe_ffn(x, w, cfg)
-        return y, sums
+        return moe_ffn(x, w, cfg, mesh=m, rules=DEFAULT_RULES)
 
     def objective(fn, x, w):
         y = fn(x, w)
@@ -83,10 +82,11 @@ def test_expert_parallel_layer_matches_reference(mesh, routing):
 def test_low_capacity_drops_tokens_and_they_skip_the_mlp():
     cfg = dataclasses.replace(MOE, moe_routing="capacity", capacity_factor=0.25)
     x, w = random_layer(seed=1)
-    with activation_sharding(build_mesh("ep=4", jax.devices()[:4]), DEFAULT_RULES):
-        y, sums = jax.jit(lambda x, w: moe_ffn(x, w, cfg))(x, w)
+    mesh = build_mesh("ep=4", jax.devices()[:4])
+    y, sums = jax.jit(lambda x, w: moe_ffn(x, w, cfg, mesh=mesh, rules=DEFAULT_RULES))(x, w)
     stacked = jax.tree.map(lambda s: s[None], sums)
-    dropped = float(moe_losses(stacked, stacked, cfg)["moe_dropped_fraction"])
+    terms = objective.loss_terms(cfg, jnp.zeros(()), stacked)
+    dropped = float(objective.report(cfg, terms)[1][objective.DROPPED_FRACTION])
     assert 0.5 < dropped < 1.0  # capacity is a quarter of the even share
     # A token whose every choice overflowed gets exactly zero: the residual passes unchanged.
     zero_rows = np.all(np.asarray(y) == 0, axis=-1)
@@ -96,15 +96,9 @@ def test_low_capacity_drops_tokens_and_they_skip_the_mlp():
     assert kept.sum() > 0  # tokens that kept all their experts match the full computation
 
 
-@pytest.fixture(scope="module")
-def reference(corpus):
-    return train_steps(MOE, "dp=1", corpus.train, steps=10)
-
-
-@pytest.mark.parametrize("mesh", ["ep=2", "ep=4", "dp=2,ep=4", "ep=2,tp=2"])
-def test_matches_single_device(corpus, reference, mesh):
-    run = train_steps(MOE, mesh, corpus.train, steps=10)
-    assert_matches(run, reference)
+@pytest.mark.parametrize("mesh", ["ep=2", "ep=4", "dp=2,ep=4", "ep=2,tp=2", "fsdp=2,ep=4"])
+def test_matches_single_device(corpus, single_device, mesh):
+    assert_matches(train_steps(MOE, mesh, corpus.train), single_device(MOE))
 
 
 def test_expert_parallelism_uses_all_to_all():

@@ -33,9 +33,9 @@ from jdist.train.state import init_state, make_plan, with_pipeline
 from jdist.train.step import make_eval_step, make_train_step
 from models import get_preset
 
-LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-6
+LOSS_RTOL = 1e-5
 DEEP = get_preset("tiny", n_layers=8)  # 8 layers: pp=4 x 2 virtual stages still divides
-STEPS, BATCH = 10, 32  # BATCH divides data x micro-batches on every mesh below
+BATCH = 32  # divides data x micro-batches on every mesh below
 # Replicated over stage: embedding, head, final norm (vocab 256, d 64).
 SHARED_SHAPES = [(DEEP.vocab_size, DEEP.d_model)] * 2 + [(DEEP.d_model,)]
 
@@ -66,8 +66,8 @@ def test_schedule_grid_reads_like_the_textbook():
 
 
 @pytest.fixture(scope="module")
-def reference(corpus):
-    return train_steps(DEEP, "dp=1", corpus.train, steps=STEPS, batch_size=BATCH)
+def reference(single_device):
+    return single_device(DEEP, batch_size=BATCH)
 
 
 _RUNS: dict = {}
@@ -77,7 +77,7 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
     key = (mesh, schedule, micro, zero)
     if key not in _RUNS:
         virtual = 2 if schedule == "interleaved" else 1
-        _RUNS[key] = train_steps(DEEP, mesh, corpus.train, steps=STEPS, batch_size=BATCH,
+        _RUNS[key] = train_steps(DEEP, mesh, corpus.train, batch_size=BATCH,
                                  zero=zero, pipeline=PipelineConfig(schedule, micro, virtual))
     return _RUNS[key]
 
@@ -92,7 +92,6 @@ MATRIX = [(f"pp={p}", schedule, p * factor, 0) for schedule in ("gpipe", "1f1b",
 def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero):
     run = pipelined(corpus, mesh, schedule, micro, zero)
     assert_matches(run, reference)
-    assert run.losses[-1] < run.losses[0] - 0.5
 
 
 @pytest.mark.parametrize("mesh, schedule", [("pp=4", "1f1b"), ("pp=2", "interleaved")])
@@ -113,22 +112,21 @@ def test_activations_move_with_collective_permutes_only(corpus, mesh, schedule):
 
 
 MOE = get_preset("moe-tiny", n_layers=4)  # dropless routing
-MOE_STEPS, MOE_MICRO = 6, 4
+MOE_MICRO = 4
 
 
 @pytest.fixture(scope="module")
-def moe_reference(corpus):
+def moe_reference(single_device):
     """MoE balancing losses are per micro-batch, so the single-device reference accumulates
     the same strided micro-batches the pipeline streams."""
-    return train_steps(MOE, "dp=1", corpus.train, steps=MOE_STEPS, batch_size=16,
-                       grad_accum=MOE_MICRO)
+    return single_device(MOE, batch_size=16, grad_accum=MOE_MICRO)
 
 
 @pytest.mark.parametrize("mesh, schedule", [("pp=2,ep=2", "interleaved"),
                                             ("dp=2,pp=2,ep=2", "1f1b")])
 def test_moe_pipeline_with_expert_parallelism_matches_single_device(corpus, moe_reference,
                                                                      mesh, schedule):
-    run = train_steps(MOE, mesh, corpus.train, steps=MOE_STEPS, batch_size=16,
+    run = train_steps(MOE, mesh, corpus.train, batch_size=16,
                       pipeline=PipelineConfig(schedule, MOE_MICRO, 1 + (schedule == "interleaved")))
     assert_matches(run, moe_reference)
     # Tokens reach their experts inside the stage: dispatch and return, forward and backward.
@@ -144,9 +142,10 @@ def test_pipelined_moe_reports_load_metrics(corpus):
 
     def metrics(mesh, pipeline=None, grad_accum=1):
         built = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
-        plan = with_pipeline(make_plan(moe, built, DEFAULT_RULES, tx), pipeline)
+        plan = with_pipeline(make_plan(moe, built, DEFAULT_RULES, tx, grad_accum=grad_accum),
+                             pipeline)
         batch = data.global_batch(corpus.train, 0, 0, 16, 32, plan.batch_sharding)
-        _, out = make_train_step(plan, grad_accum=grad_accum)(init_state(plan, 0), batch)
+        _, out = make_train_step(plan)(init_state(plan, 0), batch)
         return {k: float(v) for k, v in out.items()}
 
     plain = metrics("ep=2", grad_accum=MOE_MICRO)
@@ -159,8 +158,8 @@ def test_pipelined_moe_reports_load_metrics(corpus):
 
 
 @pytest.fixture(scope="module")
-def long_reference(corpus):
-    return train_steps(DEEP, "dp=1", corpus.train, steps=6, batch_size=16, seq_len=64)
+def long_reference(single_device):
+    return single_device(DEEP, batch_size=16, seq_len=64)
 
 
 @pytest.mark.parametrize("mesh, schedule, strategy", [
@@ -168,7 +167,7 @@ def long_reference(corpus):
     ("dp=2,pp=2,sp=2", "gpipe", "all_gather")])
 def test_context_parallel_stages_match_single_device(corpus, long_reference, mesh, schedule,
                                                      strategy):
-    run = train_steps(DEEP, mesh, corpus.train, steps=6, batch_size=16, seq_len=64,
+    run = train_steps(DEEP, mesh, corpus.train, batch_size=16, seq_len=64,
                       cp_strategy=strategy,
                       pipeline=PipelineConfig(schedule, 4, 1 + (schedule == "interleaved")))
     assert_matches(run, long_reference)

@@ -8,7 +8,7 @@ from jdist.errors import ConfigError
 from jdist.mesh import build_mesh
 from jdist.rules import (
     DEFAULT_RULES,
-    constrain,
+    constrainer,
     load_rules,
     override,
     resolve,
@@ -64,18 +64,15 @@ def test_bad_rules_files(tmp_path, text, fragment):
         load_rules(path)
 
 
-def test_constrain_is_a_no_op_outside_a_mesh_and_shards_inside():
+def test_constrainer_shards_activations_by_their_logical_names():
     import jax.numpy as jnp
 
-    from jdist.rules import activation_sharding
-
     x = jnp.ones((8, 4, 2))
-    assert constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)) is x
     mesh = build_mesh("dp=8")
+    constrain = constrainer(mesh, DEFAULT_RULES)
 
     @jax.jit
     def f(x):
-        with activation_sharding(mesh, DEFAULT_RULES):
-            return constrain(x * 2, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        return constrain(x * 2, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
     assert f(x).sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 3)

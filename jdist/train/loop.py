@@ -9,11 +9,11 @@ from pathlib import Path
 
 import jax
 
-from jdist import data, memory
+from jdist import data
 from jdist.distributed import is_main_process
 from jdist.parallel.pipeline import show_schedule
 from jdist.sharding import replicated
-from jdist.train import faults, report, resume
+from jdist.train import faults, fit, report, resume
 from jdist.train.optim import updates_applied
 from jdist.train.run import Run
 from jdist.train.setup import Setup, plan_for, prepare
@@ -28,10 +28,10 @@ def train(config) -> list[dict]:
         print(show_schedule(plan.pipeline, plan.mesh.shape["stage"]), flush=True)
         return []
     if config.dry_run:
-        memory.dry_run(config)
+        fit.dry_run(config)
         return []
     setup = prepare(config)
-    memory.check_fits(config, setup.plan)
+    fit.check_fits(config, setup.plan)
     run_dir = Path(config.run_dir or report.default_run_dir())
     data_id = data.fingerprint(setup.corpus)
     found = resume.find(config, setup.model, run_dir, data_id)  # before anything is written

@@ -10,16 +10,15 @@ The plan makes mixed-precision Adam's accounting explicit, per device:
                transient full gradients before their reduce-scatter (ZeRO-2/3); pipelined,
                the schedule's stashed chunk inputs and one chunk's recomputation
 
-`python -m jdist.memory --model 7b --mesh fsdp=8 --zero 3 [--measure] [--json]` prints it;
-`--measure` compiles the real step ahead of time on abstract inputs (nothing allocated)
-and reads `compiled.memory_analysis()`.
+`python -m jdist.memory --model 7b --mesh fsdp=8 --zero 3 [--measure] [--json]` prints it
+(`jdist/memory/__main__.py`); `--measure` compiles the real step ahead of time on abstract
+inputs (nothing allocated) and reads `compiled.memory_analysis()`. The fit check a run
+makes before it starts lives in `jdist.train.fit`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 
 from jdist.sharding import per_device_bytes
 
@@ -201,116 +200,3 @@ def table(predicted: Breakdown, measured: Breakdown | None = None) -> str:
             line += f" {gib(m):>14} {m / p if p else float('nan'):7.3f}"
         rows.append(line)
     return "\n".join(rows)
-
-
-def suggest(config, budget: int) -> str:
-    """The first of a few standard changes whose predicted total fits in `budget` bytes."""
-    from jdist.errors import ConfigError
-    from jdist.train.loop import plan_for
-
-    candidates = []
-    for zero in range(config.zero + 1, 4):
-        candidates.append((f"--zero {zero}", {"zero": zero}))
-    if config.remat in ("none", "everything_saveable"):
-        candidates += [("--remat selective", {"remat": "selective"}),
-                       ("--remat full", {"remat": "full"})]
-    candidates += [(f"--zero 3 --remat full --grad-accum {config.grad_accum * k}",
-                    {"zero": 3, "remat": "full", "grad_accum": config.grad_accum * k})
-                   for k in (2, 4, 8)]
-    for flags, change in candidates:
-        trial = dataclasses.replace(config, **change)
-        try:
-            _, plan, _ = plan_for(trial)
-        except ConfigError:  # e.g. the batch no longer splits: not a suggestion
-            continue
-        need = predict(plan, trial.batch_size // trial.grad_accum, trial.seq_len).total
-        if need <= budget:
-            return f"{flags} (predicted {need / 2**30:.2f} GiB)"
-    return "more fsdp or tensor parallelism (a larger mesh), or a smaller model"
-
-
-def device_budget(config) -> int | None:
-    """Per-device memory limit: --device-memory-gb, else what the accelerator reports."""
-    import jax
-
-    if config.device_memory_gb:
-        return int(config.device_memory_gb * 2**30)
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
-
-
-def plan_breakdown(config, plan) -> Breakdown:
-    return predict(plan, config.batch_size // config.grad_accum, config.seq_len)
-
-
-def check_fits(config, plan) -> None:
-    """Refuse, in one line, a configuration whose plan exceeds the device's memory."""
-    from jdist.errors import ConfigError
-
-    budget = device_budget(config)
-    need = plan_breakdown(config, plan).total
-    if budget and need > budget:
-        raise ConfigError(
-            f"the plan needs {need / 2**30:.2f} GiB per device but a device has "
-            f"{budget / 2**30:.2f} GiB; try {suggest(config, budget)}")
-
-
-def dry_run(config) -> None:
-    """`--dry-run`: compile the step ahead of time, print the plan beside the compiler's
-    numbers, check it fits, and return without allocating anything."""
-    from jdist.train.loop import plan_for
-    from jdist.train.report import layout_table
-
-    _, plan, _ = plan_for(config)
-    print(layout_table(plan), flush=True)
-    measured = measure(plan, config.batch_size, config.seq_len)
-    print(table(plan_breakdown(config, plan), measured), flush=True)
-    check_fits(config, plan)
-    print("dry run: the plan fits; nothing was allocated", flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from jdist.errors import ConfigError
-    from jdist.train.__main__ import configure_devices
-    from jdist.train.config import make_parser
-
-    parser = make_parser("python -m jdist.memory",
-                         "Per-device memory plan of a training configuration.")
-    parser.add_argument("--measure", action="store_true",
-                        help="also compile the step ahead of time and read the compiler's bytes")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    try:
-        args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
-        do_measure, as_json = args.pop("measure"), args.pop("json")
-        from jdist.mesh import parse_mesh
-        from jdist.train.config import TrainConfig
-
-        config = TrainConfig(**args)
-        configure_devices(config.cpu_devices or parse_mesh(config.mesh).n_devices(8))
-        from jdist.train.loop import plan_for
-
-        _, plan, _ = plan_for(config)
-    except ConfigError as e:
-        print(f"jdist: error: {e}", file=sys.stderr)
-        return 2
-    micro = config.batch_size // config.grad_accum
-    predicted = predict(plan, micro, config.seq_len)
-    compiled = compile_step(plan, config.batch_size, config.seq_len) if do_measure else None
-    measured = measure(plan, config.batch_size, config.seq_len, compiled) if do_measure else None
-    if as_json:
-        out = {"model": config.model, "mesh": dict(plan.mesh.shape), "zero": config.zero,
-               "predicted": predicted.as_dict()}
-        if measured:
-            out["measured"] = measured.as_dict()
-            out["measured_peak"] = peak(compiled)
-        print(json.dumps(out))
-    else:
-        print(f"model {config.model}, mesh {config.mesh}, zero {config.zero}, "
-              f"micro-batch {micro} x {config.seq_len}, remat {config.remat}, "
-              f"{config.compute_dtype}")
-        print(table(predicted, measured))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

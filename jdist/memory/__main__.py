@@ -1,0 +1,56 @@
+"""`python -m jdist.memory`: the per-device memory plan of a training configuration,
+optionally beside the compiler's numbers (`--measure`), as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from jdist.memory import compile_step, measure, peak, predict, table
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jdist.errors import ConfigError
+    from jdist.train.__main__ import configure_devices
+    from jdist.train.config import make_parser
+
+    parser = make_parser("python -m jdist.memory",
+                         "Per-device memory plan of a training configuration.")
+    parser.add_argument("--measure", action="store_true",
+                        help="also compile the step ahead of time and read the compiler's bytes")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    try:
+        args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+        do_measure, as_json = args.pop("measure"), args.pop("json")
+        from jdist.mesh import parse_mesh
+        from jdist.train.config import TrainConfig
+
+        config = TrainConfig(**args)
+        configure_devices(config.cpu_devices or parse_mesh(config.mesh).n_devices(8))
+        from jdist.train.setup import plan_for
+
+        _, plan, _ = plan_for(config)
+    except ConfigError as e:
+        print(f"jdist: error: {e}", file=sys.stderr)
+        return 2
+    micro = config.batch_size // config.grad_accum
+    predicted = predict(plan, micro, config.seq_len)
+    compiled = compile_step(plan, config.batch_size, config.seq_len) if do_measure else None
+    measured = measure(plan, config.batch_size, config.seq_len, compiled) if do_measure else None
+    if as_json:
+        out = {"model": config.model, "mesh": dict(plan.mesh.shape), "zero": config.zero,
+               "predicted": predicted.as_dict()}
+        if measured:
+            out["measured"] = measured.as_dict()
+            out["measured_peak"] = peak(compiled)
+        print(json.dumps(out))
+    else:
+        print(f"model {config.model}, mesh {config.mesh}, zero {config.zero}, "
+              f"micro-batch {micro} x {config.seq_len}, remat {config.remat}, "
+              f"{config.compute_dtype}")
+        print(table(predicted, measured))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

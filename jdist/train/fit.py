@@ -1,0 +1,74 @@
+"""Does a run fit? The memory plan (`jdist.memory`) against the device's budget, checked
+before anything is allocated, with a suggestion when it does not; and `--dry-run`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jdist.errors import ConfigError
+from jdist.memory import Breakdown, measure, predict, table
+from jdist.train.setup import plan_for
+
+
+def suggest(config, budget: int) -> str:
+    """The first of a few standard changes whose predicted total fits in `budget` bytes."""
+
+    candidates = []
+    for zero in range(config.zero + 1, 4):
+        candidates.append((f"--zero {zero}", {"zero": zero}))
+    if config.remat in ("none", "everything_saveable"):
+        candidates += [("--remat selective", {"remat": "selective"}),
+                       ("--remat full", {"remat": "full"})]
+    candidates += [(f"--zero 3 --remat full --grad-accum {config.grad_accum * k}",
+                    {"zero": 3, "remat": "full", "grad_accum": config.grad_accum * k})
+                   for k in (2, 4, 8)]
+    for flags, change in candidates:
+        trial = dataclasses.replace(config, **change)
+        try:
+            _, plan, _ = plan_for(trial)
+        except ConfigError:  # e.g. the batch no longer splits: not a suggestion
+            continue
+        need = predict(plan, trial.batch_size // trial.grad_accum, trial.seq_len).total
+        if need <= budget:
+            return f"{flags} (predicted {need / 2**30:.2f} GiB)"
+    return "more fsdp or tensor parallelism (a larger mesh), or a smaller model"
+
+
+def device_budget(config) -> int | None:
+    """Per-device memory limit: --device-memory-gb, else what the accelerator reports."""
+    import jax
+
+    if config.device_memory_gb:
+        return int(config.device_memory_gb * 2**30)
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def plan_breakdown(config, plan) -> Breakdown:
+    return predict(plan, config.batch_size // config.grad_accum, config.seq_len)
+
+
+def check_fits(config, plan) -> None:
+    """Refuse, in one line, a configuration whose plan exceeds the device's memory."""
+
+    budget = device_budget(config)
+    need = plan_breakdown(config, plan).total
+    if budget and need > budget:
+        raise ConfigError(
+            f"the plan needs {need / 2**30:.2f} GiB per device but a device has "
+            f"{budget / 2**30:.2f} GiB; try {suggest(config, budget)}")
+
+
+def dry_run(config) -> None:
+    """`--dry-run`: compile the step ahead of time, print the plan beside the compiler's
+    numbers, check it fits, and return without allocating anything."""
+    from jdist.train.report import layout_table
+
+    _, plan, _ = plan_for(config)
+    print(layout_table(plan), flush=True)
+    measured = measure(plan, config.batch_size, config.seq_len)
+    print(table(plan_breakdown(config, plan), measured), flush=True)
+    check_fits(config, plan)
+    print("dry run: the plan fits; nothing was allocated", flush=True)
+
+
