@@ -25,7 +25,7 @@ from jdist import checkpoint as ckpt
 from jdist import data
 from jdist.train.config import TrainConfig
 from jdist.train.faults import tree_bytes
-from jdist.train.loop import DTYPES, prepare
+from jdist.train.loop import prepare
 from jdist.train.state import TrainState, init_state
 from jdist.train.step import make_train_step
 
@@ -44,7 +44,7 @@ def main() -> None:
     state = init_state(plan, 0)
     batch = data.global_batch(setup.corpus.train, 0, 0, config.batch_size, config.seq_len,
                               plan.batch_sharding)
-    step = make_train_step(plan, setup.schedule, DTYPES[config.compute_dtype])
+    step = make_train_step(plan, setup.schedule)
     step = step.lower(state, batch).compile()
     state, m = step(state, batch)
     jax.block_until_ready(m)

@@ -29,7 +29,7 @@ from jdist.hlo import collective_bytes, loop_bodies
 from jdist.mesh import build_mesh
 from jdist.rules import DEFAULT_RULES
 from jdist.train import init_state, make_optimizer, make_plan, make_train_step
-from jdist.train.step import loss_and_metrics
+from jdist.train.step import gradients, make_eval_step
 from models import get_preset
 
 N = 8
@@ -43,9 +43,7 @@ def plan_for(model, mesh: str):
 def all_to_all_volume(model, batch_size: int, seq_len: int) -> dict:
     plan = plan_for(model, f"ep={N}")
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    batch_sh = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
-    forward = jax.jit(lambda p, b: loss_and_metrics(plan, p, b)[0],
-                      in_shardings=(plan.shardings.params, batch_sh))
+    forward = make_eval_step(plan)
     text = forward.lower(plan.abstract.params, {"inputs": tokens, "targets": tokens}) \
         .compile().as_text()
     per_layer = sum(collective_bytes(b)["all-to-all"] for b in loop_bodies(text))
@@ -75,7 +73,7 @@ def dropped_fraction(model, batch) -> float:
     plan = plan_for(model, f"ep={N}")
     state = init_state(plan, 0)
     b = {k: jax.device_put(v, plan.batch_sharding) for k, v in batch.items()}
-    metrics = jax.jit(lambda p, b: loss_and_metrics(plan, p, b)[1])(state.params, b)
+    metrics = jax.jit(lambda p, b: gradients(plan, p, b)[1])(state.params, b)
     return float(metrics["moe_dropped_fraction"])
 
 

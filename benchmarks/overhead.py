@@ -21,7 +21,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jdist import data
 from jdist.train.config import TrainConfig
-from jdist.train.loop import DTYPES, prepare, train
+from jdist.train.loop import prepare, train
 from jdist.train.state import init_state
 from jdist.train.step import make_train_step
 
@@ -32,7 +32,7 @@ def bare_steps_per_sec(config: TrainConfig, steps: int, warmup: int) -> float:
     state = init_state(plan, config.seed)
     batch = data.global_batch(setup.corpus.train, config.seed, 0, config.batch_size,
                               config.seq_len, plan.batch_sharding)
-    step = make_train_step(plan, setup.schedule, DTYPES[config.compute_dtype])
+    step = make_train_step(plan, setup.schedule)
     step = step.lower(state, batch).compile()
     for _ in range(warmup):
         state, metrics = step(state, batch)

@@ -7,6 +7,7 @@ compiled step, and step time, for each --remat policy, in one run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -39,7 +40,8 @@ def main() -> None:
                               plan.batch_sharding)
     rows = []
     for policy in NAMES:
-        compiled = compile_step(plan, args.batch_size, args.seq_len, remat=policy)
+        plan = dataclasses.replace(plan, remat=policy)
+        compiled = compile_step(plan, args.batch_size, args.seq_len)
         state = init_state(plan, 0)
         state, m = compiled(state, batch)  # warm-up
         jax.block_until_ready(m)
@@ -49,8 +51,8 @@ def main() -> None:
         jax.block_until_ready(m)
         rows.append({"remat": policy,
                      "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                     "predicted_activation_bytes": predict(plan, args.batch_size, args.seq_len,
-                                                           remat=policy).activations,
+                     "predicted_activation_bytes": predict(plan, args.batch_size,
+                                                           args.seq_len).activations,
                      "step_time_s": (time.perf_counter() - start) / args.steps})
         del state
     base = rows[0]

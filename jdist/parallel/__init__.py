@@ -6,14 +6,10 @@ step; `ring_attention`, `all_gather_attention` and `ulysses_attention` are the s
 causal work is even.
 """
 
-# `check_vma` of the kernels' shard_maps, which always run nested inside the step's replica
-# shard_map (itself check_vma=True). Off, for a jax limitation (0.10.2): when autodiff
-# partially evaluates a nested shard_map with the check on, its residuals get out_specs that
-# list the outer manual axes (data, fsdp) before the kernel's own, and Shardy rejects the
-# program ("manual axis sequence after free axis fsdp"). The kernels communicate only with
-# ppermute, all_gather and all_to_all, whose transposes do not depend on the check, and the
-# ring has its own VJP.
-CHECK_VMA = False
+# `check_vma` of the kernels' shard_maps: JAX tracks which manual axes each value varies
+# over, so a missing or doubled reduction is a trace-time error rather than a wrong number.
+# (The step's replica shard_map around them is the one exception: jdist.parallel.grad_sync.)
+CHECK_VMA = True
 
 
 def vma(x) -> tuple:
@@ -31,8 +27,6 @@ def varying(x, axes):
     """`x` typed as differing across `axes` (a loop carry, a local accumulator)."""
     import jax
 
-    if not CHECK_VMA:  # nothing tracks the type; a pcast would only add a copy to keep
-        return x
     axes = tuple(a for a in axes if a not in vma(x))
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 

@@ -15,6 +15,9 @@ Inside the layer loop this is one layer's gather and reduction per iteration, so
 is one layer's unreduced gradient and the collective overlaps the next layer's backward.
 With `defer=True` the all-reduce is left out (micro-batches accumulate locally; the step
 all-reduces once, `finish_reduce`).
+
+The replica shard_map runs with `check_vma=False` (see `REPLICA_CHECK_VMA`): every
+reduction over the replica axes is written here, none is inferred.
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jdist.errors import require
-from jdist.parallel import varying, vma
 from jdist.remat import GATHERED
 from jdist.rules import mesh_axes_of
+
+# `check_vma` of the replica shard_map (jdist.train.grads, jdist.train.pipelined). Off, for
+# a jax limitation (0.10.2): with it on, autodiff's partial evaluation of a kernel shard_map
+# nested inside (ring/ulysses/all-gather attention) gives the kernel's residuals out_specs
+# that list the outer manual axes before its own, and Shardy rejects the program ("manual
+# axis sequence after free axis fsdp"). Nothing is lost: `materialize` writes every
+# reduction over the replica axes, so none has to be inferred from the types.
+REPLICA_CHECK_VMA = False
 
 
 def manual_part(spec, ndim: int, manual: tuple[str, ...], what: str = "") -> tuple:
@@ -63,7 +73,6 @@ class Sync:
     reduce: tuple       # manual axes the gradient is summed over whole (all-reduce)
     replicas: int       # product of the manual axis sizes: the gradient is their mean
     cast: bool          # hand the layer the compute dtype (else float32: norms, embedding)
-    manual: tuple = ()  # all manual axes of the shard_map
 
     @property
     def gathers(self) -> bool:
@@ -79,7 +88,7 @@ def make_sync(stored_spec, grad_spec, ndim: int, mesh, manual: tuple[str, ...], 
     used = {a for axes in grad for a in axes}
     # A sum over a size-1 axis would still be emitted (a trivial all-reduce per layer).
     return Sync(stored, grad, tuple(a for a in manual if a not in used and mesh.shape[a] > 1),
-                math.prod(mesh.shape[a] for a in manual), cast, tuple(manual))
+                math.prod(mesh.shape[a] for a in manual), cast)
 
 
 def stacked(sync: Sync) -> Sync:
@@ -108,10 +117,7 @@ def _gather(stored, sync: Sync, dtype):
     for dim, axes in enumerate(sync.stored):
         if axes:
             x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
-    # Typed as varying over every replica axis: otherwise autodiff would sum the cotangent
-    # over the axes where the value is invariant before `_reduce` sees it (a pvary's
-    # transpose), and do it in the compute dtype.
-    return checkpoint_name(varying(x, missing(x, sync.manual)), GATHERED)
+    return checkpoint_name(x, GATHERED)
 
 
 def _reduce(ct, sync: Sync, defer: bool):
@@ -146,9 +152,3 @@ materialize.defvjp(_fwd, _bwd)
 def finish_reduce(grad, sync: Sync):
     """The all-reduce `defer=True` left out: once per step, after accumulation."""
     return jax.lax.psum(grad, sync.reduce) if sync.reduce else grad
-
-
-def missing(x, axes) -> tuple:
-    """Those of `axes` that `x` does not vary over yet."""
-    have = set(vma(x))
-    return tuple(a for a in axes if a not in have)

@@ -1,14 +1,14 @@
 """Loss and gradients of one global batch: the one gradient path of every layout.
 
 Everything runs inside one `jax.shard_map` that is manual over the replica axes (`data`,
-`fsdp`; `jdist.axes.REPLICA_AXES`) and leaves `stage`... `tensor` to the partitioner and to
-the kernels the model is handed. Each replica differentiates its own tokens with respect to
-its block of the *gradient layout* (`jdist.parallel.grad_sync`): parameters are gathered
-just in time per layer, and each layer's gradient is reduced over the replicas, in float32,
-as the backward produces it (an all-reduce under ZeRO-0/1, a reduce-scatter into the
-sharded layout under ZeRO-2/3 and over fsdp). With `grad_accum` micro-batches a `lax.scan`
-accumulates: under ZeRO-0/1 locally, all-reduced once at the end; under ZeRO-2/3 into the
-sharded accumulator.
+`fsdp`; `jdist.axes.REPLICA_AXES`) and leaves the others (`sequence`, `expert`, `tensor`)
+to the partitioner and to the kernels the model is handed (`jdist.train.context`). Each
+replica differentiates its own tokens with respect to its block of the *gradient layout*
+(`jdist.parallel.grad_sync`): parameters are gathered just in time per layer, and each
+layer's gradient is reduced over the replicas, in float32, as the backward produces it (an
+all-reduce under ZeRO-0/1, a reduce-scatter into the sharded layout under ZeRO-2/3 and over
+fsdp). With `grad_accum` micro-batches a `lax.scan` accumulates: under ZeRO-0/1 locally,
+all-reduced once at the end; under ZeRO-2/3 into the sharded accumulator.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
 from jdist import loss as objective
-from jdist.parallel import CHECK_VMA
 from jdist.parallel import grad_sync as gs
 from jdist.parallel.layer_order import BLOCKS
 from jdist.train.context import context_parallel_of, model_context
@@ -56,6 +55,17 @@ def manual_specs(abstract, shardings, manual: tuple[str, ...] = MANUAL):
     """shard_map specs (manual axes only) of a tree laid out as `shardings`."""
     return jax.tree.map(lambda x, s: gs.in_spec(gs.manual_part(s.spec, x.ndim, manual)),
                         abstract, shardings)
+
+
+def replica_map(plan, local, out_specs, manual: tuple[str, ...] = MANUAL):
+    """`local(stored params, inputs, targets)` as the step's shard_map, manual over
+    `manual`: each replica gets its blocks of the stored parameters and its rows of tokens."""
+    batch_spec = gs.in_spec(gs.manual_part(plan.batch_sharding.spec, 2, manual))
+    return jax.shard_map(
+        local, mesh=plan.mesh,
+        in_specs=(manual_specs(plan.abstract.params, plan.shardings.params, manual),
+                  batch_spec, batch_spec),
+        out_specs=out_specs, axis_names=frozenset(manual), check_vma=gs.REPLICA_CHECK_VMA)
 
 
 def materialized(primal: dict, stored: dict, sync: dict, dtype, defer: bool) -> dict:
@@ -99,8 +109,6 @@ def step_grads(plan, params: dict, batch: dict):
         # Read, never differentiated: else the layer loop's transpose builds a (zero)
         # cotangent for the stored stack too, a full extra gradient buffer.
         stored = jax.lax.stop_gradient(stored)
-        if defer:  # gradients accumulate per replica; all-reduced once below
-            primal = jax.tree.map(lambda p, y: gs.varying(p, gs.missing(p, y.reduce)), primal, sync)
 
         def micro_loss(primal, tok, tgt):
             terms = replica_terms(plan, primal, stored, sync, tok, tgt, defer)
@@ -115,22 +123,16 @@ def step_grads(plan, params: dict, batch: dict):
                 (_, terms), g = grad_fn(primal, *mb)
                 return (terms_sum + terms, jax.tree.map(jnp.add, acc, g)), None
 
-            zeros = jax.tree.map(
-                lambda p: gs.varying(jnp.zeros(p.shape, jnp.float32), gs.vma(p)), primal)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), primal)
             n_terms = len(objective.term_names(plan.model))
-            start = (gs.varying(jnp.zeros(n_terms, jnp.float32), MANUAL), zeros)
+            start = (jnp.zeros(n_terms, jnp.float32), zeros)
             (terms, grads), _ = jax.lax.scan(body, start, micro_batches((tokens, targets), micro))
             terms = terms / micro
             grads = jax.tree.map(gs.finish_reduce, grads, sync)
         return jax.lax.psum(terms, MANUAL) / n_replicas, grads
 
-    batch_spec = gs.in_spec(gs.manual_part(plan.batch_sharding.spec, 2, MANUAL))
-    run = jax.shard_map(
-        local, mesh=plan.mesh,
-        in_specs=(manual_specs(plan.abstract.params, plan.shardings.params), batch_spec,
-                  batch_spec),
-        out_specs=(PartitionSpec(), manual_specs(plan.abstract.params, plan.grad_shardings)),
-        axis_names=frozenset(MANUAL), check_vma=CHECK_VMA)
+    grad_specs = manual_specs(plan.abstract.params, plan.grad_shardings)
+    run = replica_map(plan, local, (PartitionSpec(), grad_specs))
     terms, grads = run(params, batch["inputs"], batch["targets"])
     grads = jax.lax.with_sharding_constraint(grads, plan.grad_shardings)
     loss, metrics = objective.report(plan.model, terms)
@@ -147,13 +149,7 @@ def step_eval(plan, params: dict, batch: dict) -> jax.Array:
             if plan.model.n_experts else terms[0]
         return jax.lax.psum(ce, MANUAL) / _size(plan, MANUAL)
 
-    batch_spec = gs.in_spec(gs.manual_part(plan.batch_sharding.spec, 2, MANUAL))
-    return jax.shard_map(
-        local, mesh=plan.mesh,
-        in_specs=(manual_specs(plan.abstract.params, plan.shardings.params), batch_spec,
-                  batch_spec),
-        out_specs=PartitionSpec(), axis_names=frozenset(MANUAL), check_vma=CHECK_VMA)(
-            params, batch["inputs"], batch["targets"])
+    return replica_map(plan, local, PartitionSpec())(params, batch["inputs"], batch["targets"])
 
 
 def _size(plan, axes) -> int:

@@ -23,11 +23,18 @@ from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
 from jdist import loss as objective
-from jdist.parallel import CHECK_VMA, stage_program
 from jdist.parallel import grad_sync as gs
+from jdist.parallel import stage_program
 from jdist.parallel.layer_order import BLOCKS
 from jdist.train.context import context_parallel_of, model_context
-from jdist.train.grads import MANUAL, manual_specs, materialized, micro_batches, syncs
+from jdist.train.grads import (
+    MANUAL,
+    manual_specs,
+    materialized,
+    micro_batches,
+    replica_map,
+    syncs,
+)
 
 PIPE_MANUAL = (ax.STAGE, *MANUAL)
 
@@ -105,15 +112,12 @@ def _run(plan, params: dict, batch: dict, train: bool):
         grads = {**d_shared, BLOCKS: d_blocks}
         return terms, jax.tree.map(gs.finish_reduce, grads, sync)
 
-    stored_specs = manual_specs(plan.abstract.params, plan.shardings.params, PIPE_MANUAL)
-    batch_spec = gs.in_spec(gs.manual_part(plan.batch_sharding.spec, 2, PIPE_MANUAL))
     out_specs = PartitionSpec()
     if train:
         out_specs = (out_specs, manual_specs(plan.abstract.params, plan.grad_shardings,
                                              PIPE_MANUAL))
-    return jax.shard_map(local, mesh=mesh, in_specs=(stored_specs, batch_spec, batch_spec),
-                         out_specs=out_specs, axis_names=frozenset(PIPE_MANUAL),
-                         check_vma=CHECK_VMA)(params, batch["inputs"], batch["targets"])
+    run = replica_map(plan, local, out_specs, PIPE_MANUAL)
+    return run(params, batch["inputs"], batch["targets"])
 
 
 def pipeline_grads(plan, params: dict, batch: dict):
