@@ -134,7 +134,6 @@ def reference(single_device):
 def test_training_matches_single_device(corpus, reference, mesh, strategy):
     run = train_steps(TINY, mesh_of(mesh), corpus.train, cp_strategy=strategy)
     assert_matches(run, reference)
-    assert run.losses[-1] < run.losses[0] - 0.5
     if mesh == "sp=8":  # the HLO test rides on this run's compiled step (compiles are slow)
         assert_layer_collectives(run.hlo, strategy)
 

@@ -39,16 +39,25 @@ def zeros(shape, dtype, like):
     return varying(jnp.zeros(shape, dtype), vma(like))
 
 
-def kernel_mesh(mesh) -> dict:
-    """`mesh=` and `axis_names=` for a kernel's `shard_map`: the whole mesh, or, nested
-    inside another shard_map (a pipeline stage is manual over `stage` and `data`), the
-    current abstract mesh and only the axes that one left automatic."""
+def manual_axes() -> set[str]:
+    """Mesh axes made manual by the shard_maps being traced around this point."""
     import jax
 
     context = jax.sharding.get_abstract_mesh()
-    manual = set() if context.empty else {  # axis_types: public on jax 0.10 and 0.11
+    return set() if context.empty else {  # axis_types: public on jax 0.10 and 0.11
         name for name, kind in zip(context.axis_names, context.axis_types)
         if kind == jax.sharding.AxisType.Manual}
+
+
+def kernel_mesh(mesh) -> dict:
+    """`mesh=` and `axis_names=` for a kernel's `shard_map`: the whole mesh, or, nested
+    inside another shard_map (the step's is manual over the replica axes, a pipeline
+    stage's over `stage` too), the current abstract mesh and only the axes that one left
+    automatic."""
+    import jax
+
+    manual = manual_axes()
+    context = jax.sharding.get_abstract_mesh()
     if not manual:
         return {"mesh": mesh, "axis_names": frozenset(mesh.axis_names)}
     return {"mesh": context, "axis_names": frozenset(a for a in mesh.axis_names

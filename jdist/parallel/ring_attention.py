@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jdist.parallel import CHECK_VMA, kernel_mesh, varying, vma, zeros
+from jdist.axes import STAGE
+from jdist.parallel import CHECK_VMA, kernel_mesh, manual_axes, varying, vma, zeros
 from jdist.parallel import blockwise as bw
 from jdist.parallel.load_balance import block_kind, chunk_ids
 
@@ -37,7 +38,7 @@ class Ring:
     causal: bool
     balanced: bool            # two chunks per device (j, 2N-1-j) instead of one
     tile: int = bw.KEY_TILE   # keys per score block inside a chunk pair
-    # Nested in another shard_map (a pipeline stage): shift with an all-gather, see `shift`.
+    # Inside a pipeline stage (its tick's lax.switch): shift with an all-gather, see `shift`.
     nested: bool = False
 
     @property
@@ -165,7 +166,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: Pa
     `ring.axis` as `q_spec`/`kv_spec` say (heads may be sharded too: blocks are per head)."""
     lse_spec = PartitionSpec(*q_spec[:3])
     where = kernel_mesh(mesh)
-    if where["mesh"] is not mesh:  # inside another shard_map: see `Ring.shift`
+    if STAGE in manual_axes():  # inside a pipeline stage's branch: see `Ring.shift`
         ring = dataclasses.replace(ring, nested=True)
     smap = partial(jax.shard_map, **where, check_vma=CHECK_VMA)
     fwd = smap(partial(_forward, ring), in_specs=(q_spec, kv_spec, kv_spec),

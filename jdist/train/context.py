@@ -8,6 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+from jax.sharding import PartitionSpec
+
 from jdist import remat
 from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
@@ -24,6 +27,16 @@ def inner_rules(rules: Rules, manual: tuple[str, ...]) -> Rules:
 
 def context_parallel_of(plan, manual: tuple[str, ...]) -> ContextParallel:
     return ContextParallel(plan.mesh, inner_rules(plan.rules, manual), plan.cp_strategy)
+
+
+def reorder_tokens(cp: ContextParallel, x):
+    """Token ids [batch, length] in the context-parallel kernel's order. Taken whole first:
+    inside the step's shard_map, with two automatic axes of size > 1 (sequence and tensor),
+    XLA's SPMD partitioner (jax 0.10.2) aborts on the reorder's gather split along one
+    (CHECK in ExpandDeviceGroupsWithIota); ids are tiny, so gathering them costs nothing."""
+    if not cp.balanced:
+        return x
+    return cp.reorder(jax.lax.with_sharding_constraint(x, PartitionSpec()))
 
 
 def model_context(plan, manual: tuple[str, ...], layer_params: Callable | None = None,

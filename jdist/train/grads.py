@@ -22,7 +22,7 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist.parallel import grad_sync as gs
 from jdist.parallel.layer_order import BLOCKS
-from jdist.train.context import context_parallel_of, model_context
+from jdist.train.context import context_parallel_of, model_context, reorder_tokens
 
 MANUAL = ax.REPLICA_AXES
 
@@ -89,9 +89,10 @@ def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
     model = nnx.merge(plan.graphdef, {**shared, BLOCKS: stored[BLOCKS]})
     cp = context_parallel_of(plan, MANUAL)
     moe = bool(plan.model.n_experts)
-    out = model(cp.reorder(tokens), ctx, positions=cp.positions(tokens.shape[1]), with_aux=moe)
+    out = model(reorder_tokens(cp, tokens), ctx, positions=cp.positions(tokens.shape[1]),
+                with_aux=moe)
     logits, stats = out if moe else (out, None)
-    ce = objective.cross_entropy(logits, cp.reorder(targets)).mean()
+    ce = objective.cross_entropy(logits, reorder_tokens(cp, targets)).mean()
     replicas = tuple(a for a in MANUAL if plan.mesh.shape[a] > 1)
     return objective.loss_terms(plan.model, ce, stats, replicas)
 

@@ -26,7 +26,7 @@ from jdist import loss as objective
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program
 from jdist.parallel.layer_order import BLOCKS
-from jdist.train.context import context_parallel_of, model_context
+from jdist.train.context import context_parallel_of, model_context, reorder_tokens
 from jdist.train.grads import (
     MANUAL,
     manual_specs,
@@ -53,13 +53,8 @@ def _run(plan, params: dict, batch: dict, train: bool):
     def local(stored, inputs, targets):
         positions = cp.positions(inputs.shape[1])
 
-        def reorder(x):  # the token ids whole first: see `jdist.loss.cross_entropy` for why
-            if cp.balanced:
-                x = jax.lax.with_sharding_constraint(x, PartitionSpec())
-            return cp.reorder(x)
-
-        tokens = micro_batches(reorder(inputs), table.micro)
-        labels = micro_batches(reorder(targets), table.micro)
+        tokens = micro_batches(reorder_tokens(cp, inputs), table.micro)
+        labels = micro_batches(reorder_tokens(cp, targets), table.micro)
         primal = jax.tree.map(gs.to_grad_layout, stored, stacked) if train else stored
         stored = jax.lax.stop_gradient(stored)  # read only (see jdist.train.grads)
         stored_chunks = jax.tree.map(
