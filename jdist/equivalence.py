@@ -18,9 +18,9 @@ import numpy as np
 
 from jdist import data
 from jdist.mesh import build_mesh, parse_mesh
-from jdist.parallel.layer_order import to_model_order
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES, Rules
+from jdist.train.layer_order import to_model_order
 from jdist.train.optim import make_optimizer
 from jdist.train.state import init_state, make_plan, with_pipeline
 from jdist.train.step import make_train_step

@@ -19,15 +19,15 @@ from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
 from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel import layer_shuffle
 from jdist.parallel import schedule as sched
-from jdist.parallel.layer_order import (
+from jdist.parallel.pipeline import PipelineConfig, check_pipeline
+from jdist.rules import DEFAULT_RULES
+from jdist.train.layer_order import (
     layer_order,
     order_of,
     permute,
     restore_order,
     to_model_order,
 )
-from jdist.parallel.pipeline import PipelineConfig, check_pipeline
-from jdist.rules import DEFAULT_RULES
 from jdist.train.optim import make_optimizer
 from jdist.train.state import init_state, make_plan, with_pipeline
 from jdist.train.step import make_eval_step, make_train_step
@@ -105,7 +105,7 @@ def test_activations_move_with_collective_permutes_only(corpus, mesh, schedule):
     assert counts["collective-permute"] == 2
     # Outside it, only the sums of the loss and of the embedding/head gradients over stage:
     # block parameters and their gradients never leave their stage (interleaved included,
-    # whose stack is stored in chunk order, see jdist.parallel.layer_order).
+    # whose stack is stored in chunk order, see jdist.train.layer_order).
     assert counts["all-gather"] == counts["all-to-all"] == counts["reduce-scatter"] == 0
     shared = sum(4 * math.prod(shape) for shape in SHARED_SHAPES)
     assert shared <= executed_collective_bytes(hlo)["all-reduce"] <= shared + 1024

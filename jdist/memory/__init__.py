@@ -108,7 +108,7 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     import jax
 
     from jdist import axes as ax
-    from jdist.parallel.layer_order import BLOCKS
+    from jdist.train.layer_order import BLOCKS
 
     def gathered(tree, shardings, itemsize):
         def local(x, s):

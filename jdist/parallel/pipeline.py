@@ -4,7 +4,7 @@ A static schedule table (`jdist.parallel.schedule`) is executed tick by tick ins
 step's shard_map by `jdist.parallel.stage_program`; the training side that hands it a chunk
 function (embedding on the first chunk, the loss on the last, the per-layer gradient
 reductions) is `jdist.train.pipelined`. With V virtual stages (interleaved) the stack is
-*stored* permuted (`jdist.parallel.layer_order`) so that stage s's shard is chunks s, s+P, ...
+*stored* permuted (`jdist.train.layer_order`) so that stage s's shard is chunks s, s+P, ...
 A backward recomputes its chunk from the stashed chunk input (`jax.vjp` per micro-batch, as
 GPipe does), so a stage holds only the inputs of its in-flight micro-batches: all M of them
 under gpipe, about P under 1f1b. Evaluation runs the forwards of the same schedule.

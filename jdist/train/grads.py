@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec
 from jdist import axes as ax
 from jdist import loss as objective
 from jdist.parallel import grad_sync as gs
-from jdist.parallel.layer_order import BLOCKS
 from jdist.train.context import context_parallel_of, model_context, reorder_tokens
+from jdist.train.layer_order import BLOCKS
 
 MANUAL = ax.REPLICA_AXES
 

@@ -4,7 +4,7 @@ reduction by `jdist.parallel.grad_sync`, one objective from `jdist.loss`), with 
 micro-batches run by the stage schedule (`jdist.parallel.stage_program`).
 
 The shard_map is manual over `stage` too. A stage holds its contiguous shard of the stored
-layer stack (its chunks; `jdist.parallel.layer_order`), and the embedding, final norm and
+layer stack (its chunks; `jdist.train.layer_order`), and the embedding, final norm and
 head replicated over stages: the first chunk embeds, the last computes the cross-entropy.
 Their gradients (zero on the stages that do not use them) are summed over `stage` once per
 step; block gradients never leave their stage. Under ZeRO-0/1 the micro-batches accumulate
@@ -25,7 +25,6 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program
-from jdist.parallel.layer_order import BLOCKS
 from jdist.train.context import context_parallel_of, model_context, reorder_tokens
 from jdist.train.grads import (
     MANUAL,
@@ -35,6 +34,7 @@ from jdist.train.grads import (
     replica_map,
     syncs,
 )
+from jdist.train.layer_order import BLOCKS
 
 PIPE_MANUAL = (ax.STAGE, *MANUAL)
 

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from jdist import checkpoint as ckpt
 from jdist import data
-from jdist.parallel.layer_order import order_of
 from jdist.train import faults, resume
+from jdist.train.layer_order import order_of
 from jdist.train.report import StepRecords
 from jdist.train.setup import Setup
 from jdist.train.state import TrainState

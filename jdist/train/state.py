@@ -15,8 +15,8 @@ from jdist import axes as ax
 from jdist import remat as remat_policies
 from jdist import sharding as sh
 from jdist.errors import require
-from jdist.parallel.layer_order import in_model_order, store
 from jdist.rules import Rules, resolve
+from jdist.train.layer_order import in_model_order, store
 from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, STAGES, zero_shardings
 from models import Llama, ModelConfig
 
@@ -103,7 +103,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
 
 def init_state(plan: Plan, seed: int) -> TrainState:
     """Initialise inside `jit` with output shardings: each device computes only its shards;
-    then layers move into the plan's stored order (`jdist.parallel.layer_order`)."""
+    then layers move into the plan's stored order (`jdist.train.layer_order`)."""
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
         return TrainState(jnp.zeros((), jnp.int32), params, plan.tx.init(params))
