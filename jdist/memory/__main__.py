@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from jdist.memory import compile_step, measure, peak, predict, table
+from jdist.memory import compile_step, gib, measure, peak, predict, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
               f"micro-batch {micro} x {config.seq_len}, remat {config.remat}, "
               f"{config.compute_dtype}")
         print(table(predicted, measured))
+        if compiled is not None:
+            print(f"{'peak':12} {'':>14} {gib(peak(compiled)):>14}  (arguments + outputs + "
+                  f"temporaries of the compiled step)")
     return 0
 
 

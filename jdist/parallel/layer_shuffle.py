@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
+from jdist.parallel import CHECK_VMA
 
 Round = tuple[list[tuple[int, int]], list[int], list[int]]  # (perm, send slot, receive slot)
 
@@ -78,5 +79,5 @@ def shuffle(x: jax.Array, change: np.ndarray, mesh) -> jax.Array:
     # partitioner rejects here ("PartitionId ... ambiguous") when other axes stay automatic.
     spec = PartitionSpec(ax.STAGE)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
-                         axis_names=frozenset({ax.STAGE}), check_vma=False)(
+                         axis_names=frozenset({ax.STAGE}), check_vma=CHECK_VMA)(
         x, jnp.arange(mesh.shape[ax.STAGE]))
