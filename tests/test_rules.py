@@ -76,3 +76,14 @@ def test_constrainer_shards_activations_by_their_logical_names():
         return constrain(x * 2, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
     assert f(x).sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 3)
+
+
+def test_a_rule_that_puts_a_replica_axis_second_is_refused_before_compiling():
+    """The step is manual over data and fsdp, which must lead a dimension's sharding."""
+    from jdist.train import make_optimizer, make_plan
+    from models import get_preset
+
+    rules = override(DEFAULT_RULES, {"mlp": [], "embed": [["tensor", "fsdp"]]})
+    tx, _ = make_optimizer(1e-3, 10, 1)
+    with pytest.raises(ConfigError, match="puts fsdp after another mesh axis"):
+        make_plan(get_preset("tiny"), build_mesh("fsdp=2,tp=2", jax.devices()[:4]), rules, tx)

@@ -15,6 +15,7 @@ from jdist import axes as ax
 from jdist import remat as remat_policies
 from jdist import sharding as sh
 from jdist.errors import require
+from jdist.parallel.grad_sync import manual_part
 from jdist.rules import Rules, resolve
 from jdist.train.layer_order import in_model_order, store
 from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, STAGES, zero_shardings
@@ -41,7 +42,6 @@ class Plan:
     shardings: TrainState          # where the state lives between steps
     batch_sharding: Any            # for [batch, length] token arrays
     zero: int = 0                  # ZeRO stage over `data` (see jdist.zero)
-    base_params: Any = None        # parameter shardings before ZeRO (as the rules give them)
     grad_shardings: Any = None     # reduced gradients (sharded over data from ZeRO-2)
     opt_device_shardings: Any = None  # optimizer state while it is being updated
     cp_strategy: str = "ring"      # attention over a sharded sequence (see jdist.parallel)
@@ -87,6 +87,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     names = sh.logical_names(abstract_vars)
     abstract_params = nnx.to_pure_dict(abstract_vars)
     base = sh.param_shardings(abstract_params, names, mesh, rules)
+    check_replica_layout(base, abstract_params, mesh)
     sharded = zero_shardings(abstract_params, base, names, mesh)
     pick = lambda stage: sharded if zero >= stage else base
     opt_device = sh.optimizer_shardings(tx, abstract_params, pick(OPTIMIZER), mesh)
@@ -97,8 +98,17 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
                           opt_state=jax.eval_shape(tx.init, abstract_params))
     batch_sharding = jax.sharding.NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
-                zero, base, pick(GRADIENTS), opt_device, cp_strategy,
+                zero, pick(GRADIENTS), opt_device, cp_strategy,
                 compute_dtype=jnp.dtype(compute_dtype), remat=remat, grad_accum=grad_accum)
+
+
+def check_replica_layout(shardings: dict, abstract: dict, mesh) -> None:
+    """The step's shard_map is manual over the replica axes, which must lead each
+    dimension's sharding: a one-line error naming the rule, before anything compiles."""
+    def one(path, leaf, sharding):
+        manual_part(sharding.spec, leaf.ndim, ax.REPLICA_AXES,
+                    f"parameter {sh.path_str(path)}")
+    jax.tree_util.tree_map_with_path(one, abstract, shardings)
 
 
 def init_state(plan: Plan, seed: int) -> TrainState:
