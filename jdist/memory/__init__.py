@@ -106,24 +106,19 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     gradient before the reduction, and the shared parameters (embedding, head) gathered and
     with their full float32 gradients."""
     import jax
+    from jax.sharding import NamedSharding, PartitionSpec
 
     from jdist import axes as ax
+    from jdist.rules import without_axis
     from jdist.train.layer_order import BLOCKS
 
-    def gathered(tree, shardings, itemsize):
-        def local(x, s):
-            spec = [tuple(a for a in (e if isinstance(e, tuple) else (e,))
-                          if a is not None and a not in ax.REPLICA_AXES) for e in s.spec]
-            n = 1
-            for dim, axes in enumerate(spec):
-                ways = 1
-                for a in axes:
-                    ways *= plan.mesh.shape[a]
-                n *= x.shape[dim] // ways
-            for dim in range(len(spec), x.ndim):
-                n *= x.shape[dim]
-            return n * itemsize
-        return sum(jax.tree.leaves(jax.tree.map(local, tree, shardings)))
+    def gathered(tree, shardings, itemsize):  # as laid out, less the replica axes
+        def strip(s):
+            spec = tuple(s.spec)
+            for a in ax.REPLICA_AXES:
+                spec = tuple(c for _, c in without_axis(tuple(("", e) for e in spec), a))
+            return NamedSharding(s.mesh, PartitionSpec(*spec))
+        return per_device_bytes(tree, jax.tree.map(strip, shardings), itemsize)
 
     blocks = plan.abstract.params[BLOCKS]
     layers = plan.model.n_layers  # a pipeline stage holds its share of them

@@ -13,6 +13,8 @@ all-reduced once at the end; under ZeRO-2/3 into the sharded accumulator.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -49,6 +51,11 @@ def syncs(plan, manual: tuple[str, ...] = MANUAL) -> dict:
     return jax.tree_util.tree_map_with_path(
         one, plan.abstract.params, plan.shardings.params, plan.grad_shardings, plan.names,
         is_leaf=lambda x: isinstance(x, tuple) or isinstance(x, jax.ShapeDtypeStruct))
+
+
+def stacked(sync: dict) -> dict:
+    """`syncs` for whole parameters: the block leaves' with their `layers` dimension."""
+    return {**sync, BLOCKS: jax.tree.map(gs.stacked, sync[BLOCKS])}
 
 
 def manual_specs(abstract, shardings, manual: tuple[str, ...] = MANUAL):
@@ -100,10 +107,10 @@ def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
 def step_grads(plan, params: dict, batch: dict):
     """(objective, metrics, gradients laid out as `plan.grad_shardings`) of one global batch."""
     sync = syncs(plan)
-    stacked_syncs = {**sync, BLOCKS: jax.tree.map(gs.stacked, sync[BLOCKS])}
+    stacked_syncs = stacked(sync)
     micro = plan.grad_accum
     defer = micro > 1
-    n_replicas = _size(plan, MANUAL)
+    n_replicas = replica_count(plan.mesh)
 
     def local(stored, tokens, targets):
         primal = jax.tree.map(gs.to_grad_layout, stored, stacked_syncs)
@@ -148,13 +155,11 @@ def step_eval(plan, params: dict, batch: dict) -> jax.Array:
         terms = replica_terms(plan, stored, stored, sync, tokens, targets, False)
         ce = terms[objective.term_names(plan.model).index(objective.CROSS_ENTROPY)] \
             if plan.model.n_experts else terms[0]
-        return jax.lax.psum(ce, MANUAL) / _size(plan, MANUAL)
+        return jax.lax.psum(ce, MANUAL) / replica_count(plan.mesh)
 
     return replica_map(plan, local, PartitionSpec())(params, batch["inputs"], batch["targets"])
 
 
-def _size(plan, axes) -> int:
-    n = 1
-    for a in axes:
-        n *= plan.mesh.shape[a]
-    return n
+def replica_count(mesh, axes=MANUAL) -> int:
+    """How many replicas `axes` make: the gradient is their mean."""
+    return math.prod(mesh.shape[a] for a in axes)

@@ -14,8 +14,6 @@ in every backward tick, into the sharded accumulator.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -31,7 +29,9 @@ from jdist.train.grads import (
     manual_specs,
     materialized,
     micro_batches,
+    replica_count,
     replica_map,
+    stacked,
     syncs,
 )
 from jdist.train.layer_order import BLOCKS
@@ -43,11 +43,11 @@ def _run(plan, params: dict, batch: dict, train: bool):
     mesh = plan.mesh
     table = plan.pipeline.table(mesh.shape[ax.STAGE], forward_only=not train)
     sync = syncs(plan)
-    stacked = {**sync, BLOCKS: jax.tree.map(gs.stacked, sync[BLOCKS])}
+    stacked_syncs = stacked(sync)
     dtype, model_cfg = plan.compute_dtype, plan.model
     n_terms = len(objective.term_names(model_cfg))
-    replicas = tuple(a for a in MANUAL if mesh.shape[a] > 1)
-    n_replicas = _size(mesh, MANUAL)
+    replica_axes = tuple(a for a in MANUAL if mesh.shape[a] > 1)
+    n_replicas = replica_count(mesh)
     cp = context_parallel_of(plan, PIPE_MANUAL)
 
     def local(stored, inputs, targets):
@@ -55,7 +55,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
 
         tokens = micro_batches(reorder_tokens(cp, inputs), table.micro)
         labels = micro_batches(reorder_tokens(cp, targets), table.micro)
-        primal = jax.tree.map(gs.to_grad_layout, stored, stacked) if train else stored
+        primal = jax.tree.map(gs.to_grad_layout, stored, stacked_syncs) if train else stored
         stored = jax.lax.stop_gradient(stored)  # read only (see jdist.train.grads)
         stored_chunks = jax.tree.map(
             lambda b: b.reshape(table.virtual, -1, *b.shape[1:]), stored[BLOCKS])
@@ -91,7 +91,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
                 lambda: jnp.zeros((), jnp.float32))
             share = stats["tokens"].shape[0] / model_cfg.n_layers if model_cfg.n_experts else 1.0
             return y, objective.loss_terms(model_cfg, ce, stats if model_cfg.n_experts else None,
-                                           replicas, share)
+                                           replica_axes, share)
 
         act_shape = (*tokens.shape[1:], model_cfg.d_model)
         out = stage_program.program(
@@ -130,7 +130,3 @@ def pipeline_eval(plan, params: dict, batch: dict) -> jax.Array:
     terms = _run(plan, params, batch, train=False)
     names = objective.term_names(plan.model)
     return terms[names.index(objective.CROSS_ENTROPY) if plan.model.n_experts else 0]
-
-
-def _size(mesh, axes) -> int:
-    return functools.reduce(lambda n, a: n * mesh.shape[a], axes, 1)
