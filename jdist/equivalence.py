@@ -47,7 +47,8 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
                 steps: int = 3, batch_size: int = 16, seq_len: int = 32, seed: int = 0,
                 lr: float = 3e-3, compute_dtype=jnp.float32, zero: int = 0,
                 grad_accum: int = 1, remat: str = "none", offload: bool = False,
-                cp_strategy: str = "ring", pipeline: PipelineConfig | None = None) -> RunResult:
+                cp_strategy: str = "ring", pipeline: PipelineConfig | None = None,
+                attention: str = "auto", loss: str = "chunked") -> RunResult:
     """Train `steps` steps of `model` on `mesh` (a Mesh or a mesh string); `pipeline`
     (schedule, micro-batches) applies when the mesh has stages."""
     if isinstance(mesh, str):
@@ -55,7 +56,7 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
     tx, schedule = make_optimizer(lr, max(steps, 10), warmup=2)
     plan = make_plan(model, mesh, rules, tx, zero=zero, offload_optimizer=offload,
                      cp_strategy=cp_strategy, compute_dtype=compute_dtype, remat=remat,
-                     grad_accum=grad_accum)
+                     grad_accum=grad_accum, attention=attention, loss=loss)
     plan = with_pipeline(plan, pipeline)
     losses, norms, first = [], [], None
     with jax.default_matmul_precision("highest"):

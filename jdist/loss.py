@@ -15,6 +15,10 @@ import jax.numpy as jnp
 OBJECTIVE, CROSS_ENTROPY = "loss", "ce_loss"  # metrics keys
 AUX_LOSS, Z_LOSS = "moe_aux_loss", "moe_z_loss"
 DROPPED_FRACTION, LOAD_IMBALANCE = "moe_dropped_fraction", "moe_load_imbalance"
+# --loss: cross-entropy over vocab chunks on each device's shard (jdist.parallel.vocab), or
+# from [batch, length, vocab] logits (the reference).
+CHUNKED, FULL_LOGITS = "chunked", "full"
+LOSSES = (CHUNKED, FULL_LOGITS)
 _DROPPED, _ASSIGNED, _LOAD = "dropped", "assigned", "load_of_expert_"  # raw sums, not reported
 
 

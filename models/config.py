@@ -1,10 +1,30 @@
-"""Model shapes: `ModelConfig` and the named presets (`tiny`, `small`, `1b`, `7b`, `70b`)."""
+"""Model shapes: `ModelConfig` and the named presets.
+
+Presets: `tiny`, `small` (byte vocabulary, runnable on a CPU); `moe-tiny`, `moe-small`, `8x7b`
+(mixture of experts); and shape-only ones with the public Llama shapes (HF config.json):
+`llama2-7b`, `llama3-8b`, `llama3.1-8b`, `llama3.1-70b`, `llama3.2-1b`, `llama3.2-3b`.
+Aliases: `1b` = `llama3.2-1b`, `7b` = `llama2-7b`, `70b` = `llama3.1-70b`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 from jdist.errors import require
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x rotary frequency scaling (HF `rope_scaling` with rope_type "llama3").
+
+    Frequencies whose wavelength exceeds original_max_position / low_freq_factor are divided
+    by `factor`; those with a wavelength under original_max_position / high_freq_factor are
+    kept; the ones in between are blended smoothly.
+    """
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192  # HF original_max_position_embeddings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +37,7 @@ class ModelConfig:
     d_ff: int
     head_dim: int = 0  # 0: d_model // n_heads
     rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     shape_only: bool = False  # too big to allocate on a CPU: planning and AOT compiles only
@@ -62,9 +83,22 @@ class ModelConfig:
                     f"unknown gating {self.gating!r}; use softmax or sigmoid")
         require(self.dim_per_head % 2 == 0,
                 f"head dimension {self.dim_per_head} is odd; rotary embeddings need an even one")
+        require(self.rope_theta > 1, f"rope_theta={self.rope_theta} must be greater than 1")
+        if (rs := self.rope_scaling) is not None:
+            require(rs.factor >= 1, f"rope scaling factor={rs.factor} must be at least 1")
+            require(rs.low_freq_factor > 0,
+                    f"rope low_freq_factor={rs.low_freq_factor} must be positive")
+            require(rs.high_freq_factor > rs.low_freq_factor,
+                    f"rope high_freq_factor={rs.high_freq_factor} must exceed "
+                    f"low_freq_factor={rs.low_freq_factor}")
+            require(rs.original_max_position > 0,
+                    f"rope original_max_position={rs.original_max_position} must be positive")
 
 
 BYTE_VOCAB = 256
+
+_LLAMA3_8B = ModelConfig(vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         d_ff=14_336, rope_theta=500_000.0, shape_only=True)
 
 PRESETS: dict[str, ModelConfig] = {
     # Unit tests: compiles in seconds; every dimension divides 8 ways.
@@ -73,11 +107,6 @@ PRESETS: dict[str, ModelConfig] = {
     # CPU demo: ~3.3M parameters, learns visible structure of Python source in minutes.
     "small": ModelConfig(vocab_size=BYTE_VOCAB, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
                          d_ff=768),
-    # Public Llama shapes, for planning only.
-    "1b": ModelConfig(vocab_size=128_256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                      d_ff=8192, rope_theta=500_000.0, tie_embeddings=True, shape_only=True),
-    "7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                      d_ff=11_008, shape_only=True),
     # Mixtral-style: every block's MLP is a top-2 mixture of experts.
     "moe-tiny": ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, n_layers=2, n_heads=8,
                             n_kv_heads=4, d_ff=64, n_experts=8, top_k=2),
@@ -86,14 +115,36 @@ PRESETS: dict[str, ModelConfig] = {
     "8x7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                         d_ff=14_336, rope_theta=1_000_000.0, n_experts=8, top_k=2,
                         shape_only=True),
-    "70b": ModelConfig(vocab_size=128_256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                       d_ff=28_672, rope_theta=500_000.0, shape_only=True),
+    # Public Llama shapes (HF config.json), for planning only. HF's head_dim (64 for
+    # llama3.2-1b, 128 for the rest) is d_model // n_heads, so it is left to the default.
+    "llama2-7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32,
+                             n_kv_heads=32, d_ff=11_008, shape_only=True),
+    "llama3-8b": _LLAMA3_8B,
+    "llama3.1-8b": dataclasses.replace(_LLAMA3_8B, rope_scaling=RopeScaling(factor=8.0)),
+    "llama3.1-70b": ModelConfig(vocab_size=128_256, d_model=8192, n_layers=80, n_heads=64,
+                                n_kv_heads=8, d_ff=28_672, rope_theta=500_000.0,
+                                rope_scaling=RopeScaling(factor=8.0), shape_only=True),
+    "llama3.2-1b": ModelConfig(vocab_size=128_256, d_model=2048, n_layers=16, n_heads=32,
+                               n_kv_heads=8, d_ff=8192, rope_theta=500_000.0,
+                               rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+                               shape_only=True),
+    "llama3.2-3b": ModelConfig(vocab_size=128_256, d_model=3072, n_layers=28, n_heads=24,
+                               n_kv_heads=8, d_ff=8192, rope_theta=500_000.0,
+                               rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+                               shape_only=True),
 }
 
 
+# Older short names, kept for scripts and tests that use them.
+ALIASES: dict[str, str] = {"1b": "llama3.2-1b", "7b": "llama2-7b", "70b": "llama3.1-70b"}
+
+
 def get_preset(name: str, **overrides) -> ModelConfig:
-    """A preset by name, with optional shape overrides (None values are ignored)."""
-    require(name in PRESETS, f"unknown model preset {name!r}; use one of {', '.join(PRESETS)}")
+    """A preset (or alias) by name, with optional shape overrides (None values are ignored)."""
+    name = ALIASES.get(name, name)
+    aliases = ", ".join(f"{a} ({t})" for a, t in ALIASES.items())
+    require(name in PRESETS,
+            f"unknown model preset {name!r}; use one of {', '.join(PRESETS)}; aliases: {aliases}")
     changes = {k: v for k, v in overrides.items() if v is not None}
     config = dataclasses.replace(PRESETS[name], **changes)
     config.validate()

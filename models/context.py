@@ -35,6 +35,9 @@ class ModelContext:
     # this layer's slice of `layer_stream` (scanned alongside the stacked blocks).
     layer_params: Callable = _identity
     layer_stream: Any = None
+    # embed_lookup(tokens [b, s]) -> rows [b, s, embed] in compute dtype, from a table the
+    # step keeps sharded; None: rows of the model's own table.
+    embed_lookup: Callable | None = None
     # wraps the per-layer function (activation checkpointing, see jdist.remat).
     remat_layer: Callable = _no_remat
     # dtype of matmuls and of the residual stream (parameters arrive in float32).

@@ -3,11 +3,15 @@ and the attention core (a plain function, so context-parallel kernels can replac
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jdist.axes import NORM
+from models.config import RopeScaling
 
 INIT_STD = 0.02
 
@@ -33,11 +37,40 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, ...]:
-    """cos/sin tables [length, head_dim/2] for rotary position embeddings."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+@functools.lru_cache(maxsize=64)
+def rope_inv_freq(head_dim: int, theta: float,
+                  scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] of rotary embeddings, float64 (read-only), with the
+    Llama 3.x scaling (HF rope_type "llama3") when `scaling` is given."""
+    inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is not None:
+        s = scaling
+        wavelen = 2 * np.pi / inv_freq
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+        inv_freq = np.where(wavelen > s.original_max_position / s.low_freq_factor,
+                            inv_freq / s.factor,
+                            np.where(wavelen < s.original_max_position / s.high_freq_factor,
+                                     inv_freq, blended))
+    inv_freq.setflags(write=False)
+    return inv_freq
+
+
+def rotary_tables(positions: jax.Array | np.ndarray, head_dim: int, theta: float,
+                  scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
+    """float32 cos/sin tables [length, head_dim/2] for rotary position embeddings.
+
+    Frequencies are computed on the host in float64. Concrete positions (numpy, or a jax
+    array outside a trace) get their angles, cos and sin in float64 too, so long positions
+    come out the same under jit and eagerly; traced positions use float32 angles.
+    """
+    inv_freq = rope_inv_freq(head_dim, float(theta), scaling)
+    if isinstance(positions, jax.core.Tracer):
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+        return jnp.cos(angles), jnp.sin(angles)
+    angles = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
+    return (jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -137,6 +138,8 @@ class Llama(nnx.Module):
         """tokens [batch, length] -> residual stream [batch, length, embed], in the compute
         dtype. Rows are taken from the float32 table, so the gradient's scatter-add
         accumulates in float32."""
+        if ctx.embed_lookup is not None:  # the step's, on the table it keeps sharded
+            return ctx.constrain(ctx.embed_lookup(tokens), RESIDUAL)
         # Gathering rows of a vocab/fsdp-sharded table makes GSPMD replicate it clumsily
         # ("involuntary full rematerialization"); all-gather it explicitly instead.
         table = ctx.constrain(self.embed[...], (None, ACT_EMBED))
@@ -149,8 +152,9 @@ class Llama(nnx.Module):
         Each layer's parameters pass through `ctx.layer_params` inside the loop, with
         that layer's slice of `ctx.layer_stream`."""
         cfg = self.config
-        positions = jnp.arange(x.shape[1]) if positions is None else positions
-        cos, sin = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta)
+        # Concrete positions: rotary tables computed on the host in float64 (models.layers).
+        positions = np.arange(x.shape[1]) if positions is None else positions
+        cos, sin = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
         graphdef, layers = nnx.split(self.blocks)
 
         def layer(x, scanned):
@@ -160,11 +164,18 @@ class Llama(nnx.Module):
 
         return jax.lax.scan(ctx.remat_layer(layer), x, (layers, ctx.layer_stream))
 
+    def output_head(self, x: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+        """What the logits are made of: (final-normed hidden states [batch, length, embed],
+        the output weight in their dtype, its vocab dimension: 1 for the head [embed,
+        vocab], 0 for a tied table [vocab, embed]). A step's loss takes these, so that it
+        need not hold [batch, length, vocab] logits (`jdist.parallel.vocab`)."""
+        h = self.final_norm(x)
+        if self.config.tie_embeddings:
+            return h, weight(self.embed, h), 0
+        return h, weight(self.head, h), 1
+
     def logits(self, x: jax.Array, ctx: ModelContext = LOCAL) -> jax.Array:
         """Final norm and output head: [batch, length, embed] -> [batch, length, vocab]."""
-        x = self.final_norm(x)
-        if self.config.tie_embeddings:
-            logits = jnp.einsum("bse,ve->bsv", x, weight(self.embed, x))
-        else:
-            logits = jnp.einsum("bse,ev->bsv", x, weight(self.head, x))
+        h, w, vocab_dim = self.output_head(x)
+        logits = jnp.einsum("bse,ev->bsv" if vocab_dim else "bse,ve->bsv", h, w)
         return ctx.constrain(logits, (BATCH, LENGTH, VOCAB))

@@ -27,12 +27,15 @@ def corpus() -> data.Corpus:
 def single_device(corpus):
     """`single_device(model, **settings)`: the one-device run of the equivalence harness
     (jdist.equivalence.train_steps on dp=1), computed once per test session and shared by
-    every test that compares a layout against it."""
+    every test that compares a layout against it. The reference computes the plain way:
+    dense (xla) attention and the loss from full logits, unless `settings` say otherwise,
+    so every layout's flash blocks, chunked loss and sharded embedding are checked too."""
     from jdist.equivalence import train_steps
 
     cache: dict = {}
 
     def run(model, **settings):
+        settings = {"attention": "xla", "loss": "full", **settings}
         key = (model, tuple(sorted(settings.items())))
         if key not in cache:
             cache[key] = train_steps(model, "dp=1", corpus.train, **settings)

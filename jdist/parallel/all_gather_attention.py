@@ -1,9 +1,9 @@
 """All-gather attention: every device gathers the whole sequence's keys and values once per
-layer and attends its local queries to them.
+layer and attends its local queries to them with the flash block kernel.
 
 The simplest context-parallel strategy: one all-gather of K/V forward (a reduce-scatter of
-their gradients backward, by autodiff). Per-device memory holds all S keys and an
-[S/N, S] score block, so it grows with S where ring attention's does not.
+their gradients backward, by autodiff). Per-device memory holds all S keys, so it grows
+with S where ring attention's does not; scores stay [Q_TILE, KEY_TILE] blocks.
 """
 
 from __future__ import annotations
@@ -11,21 +11,17 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
 from jdist.parallel import CHECK_VMA, kernel_mesh
-from jdist.parallel import blockwise as bw
+from jdist.parallel.flash import flash_attention
 
 
 def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v):
     k, v = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
-    size = q.shape[1]  # the layout is contiguous: device j holds positions [j*size, (j+1)*size)
-    q_pos = lax.axis_index(axis) * size + jnp.arange(size)
-    mask = bw.causal_mask(q_pos, jnp.arange(n * size)) if causal else None
-    out = bw.dense(bw.group_heads(q, k.shape[2]), k, v, mask)
-    return bw.ungroup_heads(out).astype(q.dtype)
+    # The layout is contiguous: device j holds positions [j*size, (j+1)*size).
+    return flash_attention(q, k, v, causal, query_offset=lax.axis_index(axis) * q.shape[1])
 
 
 def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh,

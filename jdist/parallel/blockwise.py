@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jdist.parallel import varying, vma, zeros
 
@@ -23,6 +24,7 @@ MASKED = float(jnp.finfo(jnp.float32).min)
 # Keys per score block in the tiled functions: bounds a live score block to [queries, 512]
 # (memory linear in the local sequence) while keeping each matmul large.
 KEY_TILE = 512
+Q_TILE = 512  # queries per score block: with KEY_TILE, a live block is [512, 512] per head
 
 
 class Acc(NamedTuple):
@@ -78,33 +80,42 @@ def attend(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array |
     return Acc(out, new_max, acc.norm * rescale + p.sum(axis=-1))
 
 
-def attend_tiled(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, diagonal: bool,
-                 tile: int = KEY_TILE) -> Acc:
-    """`attend` over key tiles of at most `tile` positions, so only an [s, tile] score block
-    is ever live. `diagonal`: q and k cover the same positions; mask causally."""
+def attend_tiled(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, offset=None,
+                 q_tile: int = Q_TILE, k_tile: int = KEY_TILE) -> Acc:
+    """`attend` over [q_tile, k_tile] score blocks, so only one such block is ever live.
+
+    `offset` None: no mask. Else causal: query i sits at position `offset + i` (a traced
+    integer is fine), key j at position j; key tiles entirely after a query tile's last
+    position are never computed (the loop over them stops early)."""
     s, t = q.shape[1], k.shape[1]
-    tile = _divisor_at_most(t, tile)
+    tq, tk = _divisor_at_most(s, q_tile), _divisor_at_most(t, k_tile)
 
-    def body(acc, xs):
-        k_tile, v_tile, start = xs
-        mask = causal_mask(jnp.arange(s), start + jnp.arange(tile)) if diagonal else None
-        return attend(acc, q, k_tile, v_tile, mask), None
+    def q_block(i, acc_i, q_i):
+        def k_block(j, acc_i):
+            k_j, v_j = (lax.dynamic_slice_in_dim(x, j * tk, tk, 1) for x in (k, v))
+            mask = None if offset is None else causal_mask(
+                offset + i * tq + jnp.arange(tq), j * tk + jnp.arange(tk))
+            return attend(acc_i, q_i, k_j, v_j, mask)
+        n_keys = t // tk if offset is None else jnp.clip((offset + (i + 1) * tq - 1) // tk + 1,
+                                                          0, t // tk)
+        return lax.fori_loop(0, n_keys, k_block, _varying_acc(acc_i, q_i, k))
 
-    if tile == t:
-        return body(acc, (k, v, 0))[0]
-    acc, _ = jax.lax.scan(body, acc, (_tiles(k, tile), _tiles(v, tile), jnp.arange(0, t, tile)))
-    return acc
+    if tq == s:
+        return q_block(0, acc, q)
+
+    def body(_, xs):
+        i, out, m, norm, q_i = xs
+        return None, q_block(i, Acc(out, m, norm), q_i)
+
+    tiles = (jnp.arange(s // tq), _tiles(acc.out, tq), _stat_tiles(acc.max, tq),
+             _stat_tiles(acc.norm, tq), _tiles(q, tq))
+    _, new = lax.scan(body, None, tiles)
+    return Acc(_untile(new.out), _stat_untile(new.max), _stat_untile(new.norm))
 
 
 def finish(acc: Acc) -> tuple[jax.Array, jax.Array]:
     """(normalised output [b, s, kv, g, d] float32, log-sum-exp [b, kv, g, s])."""
     return acc.out / _to_rows(acc.norm), acc.max + jnp.log(acc.norm)
-
-
-def dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """Exact attention of q against all of k/v in one block (differentiable by autodiff)."""
-    out, _ = finish(attend(empty(q), q, k, v, mask))
-    return out
 
 
 def block_grads(q, k, v, dout, lse, delta, mask) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -120,23 +131,35 @@ def block_grads(q, k, v, dout, lse, delta, mask) -> tuple[jax.Array, jax.Array, 
     return dq, dk, dv
 
 
-def grads_tiled(q, k, v, dout, lse, delta, diagonal: bool,
-                tile: int = KEY_TILE) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`block_grads` over key tiles of at most `tile` positions (see `attend_tiled`)."""
+def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
+                k_tile: int = KEY_TILE) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`block_grads` over [q_tile, k_tile] blocks (masking and skipping as `attend_tiled`):
+    an outer loop over key tiles, whose dk/dv accumulate in the inner loop over the query
+    tiles that see them, and dq accumulated in place."""
     s, t = q.shape[1], k.shape[1]
-    tile = _divisor_at_most(t, tile)
+    tq, tk = _divisor_at_most(s, q_tile), _divisor_at_most(t, k_tile)
+    rows = lambda x, i: lax.dynamic_slice_in_dim(x, i * tq, tq, 1)
+    stat = lambda x, i: lax.dynamic_slice_in_dim(x, i * tq, tq, x.ndim - 1)
 
-    def body(dq, xs):
-        k_tile, v_tile, start = xs
-        mask = causal_mask(jnp.arange(s), start + jnp.arange(tile)) if diagonal else None
-        dq_tile, dk, dv = block_grads(q, k_tile, v_tile, dout, lse, delta, mask)
-        return dq + dq_tile, (dk, dv)
+    def k_block(dq, xs):
+        j, k_j, v_j = xs
 
-    if tile == t:
-        dq, (dk, dv) = body(0.0, (k, v, 0))
-        return dq, dk, dv
-    dq, (dk, dv) = jax.lax.scan(body, zeros(q.shape, jnp.float32, q),
-                                (_tiles(k, tile), _tiles(v, tile), jnp.arange(0, t, tile)))
+        def q_block(i, carry):
+            dq, dk, dv = carry
+            mask = None if offset is None else causal_mask(
+                offset + i * tq + jnp.arange(tq), j * tk + jnp.arange(tk))
+            dq_i, dk_i, dv_i = block_grads(rows(q, i), k_j, v_j, rows(dout, i), stat(lse, i),
+                                           stat(delta, i), mask)
+            dq = lax.dynamic_update_slice_in_dim(dq, rows(dq, i) + dq_i, i * tq, 1)
+            return dq, dk + dk_i, dv + dv_i
+
+        first = 0 if offset is None else jnp.clip((j * tk - offset) // tq, 0, s // tq)
+        dkv = _zeros_like_all(k_j.shape, q, k, dout)
+        dq, dk, dv = lax.fori_loop(first, s // tq, q_block, (dq, dkv, dkv))
+        return dq, (dk, dv)
+
+    dq0 = _zeros_like_all(q.shape, q, k, dout)
+    dq, (dk, dv) = lax.scan(k_block, dq0, (jnp.arange(t // tk), _tiles(k, tk), _tiles(v, tk)))
     return dq, _untile(dk), _untile(dv)
 
 
@@ -159,6 +182,28 @@ def _tiles(x: jax.Array, tile: int) -> jax.Array:
 def _untile(x: jax.Array) -> jax.Array:
     n, b, tile = x.shape[:3]
     return jnp.swapaxes(x, 0, 1).reshape(b, n * tile, *x.shape[3:])
+
+
+def _stat_tiles(x: jax.Array, tile: int) -> jax.Array:
+    """Statistics [b, kv, g, s] -> [s/tile, b, kv, g, tile]."""
+    n = x.shape[-1] // tile
+    return jnp.moveaxis(x.reshape(*x.shape[:-1], n, tile), -2, 0)
+
+
+def _stat_untile(x: jax.Array) -> jax.Array:
+    x = jnp.moveaxis(x, 0, -2)
+    return x.reshape(*x.shape[:-2], -1)
+
+
+def _zeros_like_all(shape, *like) -> jax.Array:
+    """float32 zeros varying over every manual axis any of `like` varies over (a loop
+    carry that the loop body makes depend on all of them)."""
+    return varying(jnp.zeros(shape, jnp.float32), tuple({a for x in like for a in vma(x)}))
+
+
+def _varying_acc(acc: Acc, *like) -> Acc:
+    axes = tuple({a for x in (acc.out, *like) for a in vma(x)})
+    return Acc(*(varying(x, axes) for x in acc))
 
 
 def _to_rows(stat: jax.Array) -> jax.Array:

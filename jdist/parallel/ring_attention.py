@@ -10,8 +10,9 @@ memory stays O(S/N) in forward and backward alike.
 
 Causal masking works on chunks (see `load_balance`): a block whose keys all follow its
 queries is skipped with `lax.switch`, a block on the diagonal gets the triangular mask,
-every other block is computed unmasked. Within a block, keys are taken in tiles
-(`blockwise.KEY_TILE`), so scores never exceed [S/2N, tile] per head.
+every other block is computed unmasked. Within a chunk pair the local block kernel
+(`blockwise.attend_tiled`, the one `flash` attention runs) takes [Q_TILE, KEY_TILE] score
+blocks and skips those above a diagonal chunk's diagonal.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def _dispatch(ring: Ring, kind, block: Callable, acc, *args):
 def _forward(ring: Ring, q, k, v):
     """Local blocks q [b, L, h, d], k/v [b, L, kv, d] -> (out [b, L, h, d], lse [b, L, h])."""
     q_chunks = ring.split(bw.group_heads(q, k.shape[2]))
-    attend = partial(bw.attend_tiled, tile=ring.tile)
+
+    def attend(acc, qc, kc, vc, diagonal):  # a chunk against itself: causal from 0
+        return bw.attend_tiled(acc, qc, kc, vc, 0 if diagonal else None, k_tile=ring.tile)
 
     def compute(step, kv, accs):
         kinds = ring.kinds(step)
@@ -125,7 +128,8 @@ def _backward(ring: Ring, q, k, v, out, lse, dout):
                              axis=-1)
 
     def block(acc, qc, kc, vc, doc, lsec, deltac, diagonal):
-        dq, dk, dv = bw.grads_tiled(qc, kc, vc, doc, lsec, deltac, diagonal, ring.tile)
+        dq, dk, dv = bw.grads_tiled(qc, kc, vc, doc, lsec, deltac,
+                                     0 if diagonal else None, k_tile=ring.tile)
         return acc[0] + dq, acc[1] + dk, acc[2] + dv
 
     def compute(step, travelling, dqs):

@@ -1,5 +1,5 @@
 """Ulysses attention: all-to-all from sequence sharding to head sharding, full-sequence
-attention on H/N heads per device, then all-to-all back.
+attention on H/N heads per device (the flash block kernel), then all-to-all back.
 
 Each device trades its sequence slice of every head for the full sequence of 1/N of the
 heads, attends locally, and trades back. Communication per layer is four all-to-alls of
@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jdist.parallel import CHECK_VMA, kernel_mesh
-from jdist.parallel import blockwise as bw
+from jdist.parallel.flash import flash_attention
 
 
 def kv_repeats(local_kv_heads: int, n: int) -> int:
@@ -33,11 +33,8 @@ def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v):
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     to_heads = partial(lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True)
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    size = q.shape[1]  # now the whole sequence, in order
-    mask = bw.causal_mask(jnp.arange(size), jnp.arange(size)) if causal else None
-    out = bw.ungroup_heads(bw.dense(bw.group_heads(q, k.shape[2]), k, v, mask))
-    out = lax.all_to_all(out.astype(q.dtype), axis, split_axis=1, concat_axis=2, tiled=True)
-    return out
+    out = flash_attention(q, k, v, causal)  # now the whole sequence, in order
+    return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: PartitionSpec,

@@ -7,6 +7,8 @@ import dataclasses
 import sys
 
 from jdist.errors import ConfigError
+from jdist.loss import LOSSES
+from jdist.parallel.attention import IMPLEMENTATIONS
 from jdist.parallel.schedule import SCHEDULES
 
 
@@ -30,6 +32,8 @@ class TrainConfig:
     rules: str = ""
     sequence_parallel: bool = False
     cp_strategy: str = "ring"
+    attention: str = "auto"
+    loss: str = "chunked"
     # Pipeline parallelism over the stage axis (see jdist.parallel.pipeline).
     microbatches: int = 0  # 0: one per stage
     pp_schedule: str = "1f1b"
@@ -79,7 +83,9 @@ class TrainConfig:
 
 
 HELP = {
-    "model": "model preset: tiny, small, 1b, 7b, 70b",
+    "model": "model preset: tiny, small, moe-tiny, moe-small; shape-only llama2-7b, llama3-8b, "
+             "llama3.1-8b, llama3.1-70b, llama3.2-1b, llama3.2-3b, 8x7b "
+             "(aliases 1b, 7b, 70b)",
     "mesh": "mesh as AXIS=SIZE pairs (dp, pp, fsdp, sp/cp, ep, tp; one may be -1) or a preset "
             "name from meshes/",
     "batch_size": "global batch size in sequences (split over data x fsdp)",
@@ -90,6 +96,11 @@ HELP = {
     "sequence_parallel": "shard activations' sequence dim over tensor between TP regions",
     "cp_strategy": "attention when the mesh has sp>1: ring (K/V pass around, load-balanced), "
                    "all_gather (gather K/V), or ulysses (all-to-all to heads)",
+    "attention": "attention kernel: auto (cudnn on NVIDIA GPUs in bf16, else flash from "
+                 "1024 tokens, else xla), xla (dense reference), flash (pure-JAX blockwise, "
+                 "O(S) memory), cudnn",
+    "loss": "chunked (cross-entropy over vocab chunks, never [batch, length, vocab] "
+            "logits) or full (the reference)",
     "microbatches": "micro-batches per step that stream through the pipeline stages "
                     "(default: one per stage)",
     "pp_schedule": "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b "
@@ -126,7 +137,8 @@ HELP = {
 }
 
 
-CHOICES = {"compute_dtype": ["float32", "bfloat16"], "zero": [0, 1, 2, 3],
+CHOICES = {"compute_dtype": ["float32", "bfloat16"], "attention": list(IMPLEMENTATIONS),
+           "loss": list(LOSSES), "zero": [0, 1, 2, 3],
            "offload": ["none", "optimizer"], "pp_schedule": list(SCHEDULES)}
 
 

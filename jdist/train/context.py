@@ -1,20 +1,27 @@
 """The `ModelContext` a training step hands the model: activation constraints from the
-rules, the context-parallel attention kernel, expert dispatch, per-layer parameter
-handling and the remat wrapper, all for code running inside the step's `shard_map`
-(whose manual axes the rules no longer mention)."""
+rules, the attention kernel (`--attention`, or the context-parallel one), expert
+dispatch, per-layer parameter handling and the remat wrapper; and the step's loss from
+the model's output head. All for code running inside the step's `shard_map` (whose manual
+axes the rules no longer mention)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec
 
+from jdist import axes as ax
+from jdist import loss as objective
 from jdist import remat
+from jdist.parallel import attention as attn
+from jdist.parallel import embedding
 from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
-from jdist.rules import Rules, constrainer, without_axis
+from jdist.parallel.vocab import vocab_parallel_cross_entropy
+from jdist.rules import Rules, constrainer, mesh_axes_of, resolve, without_axis
 from models.context import ModelContext
 
 
@@ -39,15 +46,62 @@ def reorder_tokens(cp: ContextParallel, x):
     return cp.reorder(jax.lax.with_sharding_constraint(x, PartitionSpec()))
 
 
-def model_context(plan, manual: tuple[str, ...], layer_params: Callable | None = None,
-                  layer_stream: Any = None) -> ModelContext:
+def attention_of(plan, seq_len: int) -> str:
+    """The attention implementation the step runs (`--attention`, `auto` resolved)."""
+    cp = ContextParallel(plan.mesh, plan.rules, plan.cp_strategy)
+    return attn.choose(plan.attention, backend=jax.default_backend(), dtype=plan.compute_dtype,
+                       head_dim=plan.model.dim_per_head, seq_len=seq_len,
+                       context_parallel=cp.size > 1)
+
+
+def model_context(plan, manual: tuple[str, ...], seq_len: int,
+                  layer_params: Callable | None = None, layer_stream: Any = None,
+                  embed_lookup: Callable | None = None) -> ModelContext:
     rules = inner_rules(plan.rules, manual)
     cp = ContextParallel(plan.mesh, rules, plan.cp_strategy)
     extra = {} if layer_params is None else {"layer_params": layer_params,
                                              "layer_stream": layer_stream}
+    name = attention_of(plan, seq_len)
     return ModelContext(
         constrain=constrainer(plan.mesh, rules),
-        attention=cp.attention if cp.size > 1 else None,
+        attention=cp.attention if cp.size > 1 else attn.kernel(
+            name, mesh=plan.mesh, q_spec=cp.q_spec, kv_spec=cp.kv_spec),
         moe=expert_dispatch(plan.mesh, rules) if plan.model.n_experts else None,
         remat_layer=remat.wrapper(plan.remat),
-        compute_dtype=plan.compute_dtype, **extra)
+        embed_lookup=embed_lookup, compute_dtype=plan.compute_dtype, **extra)
+
+
+def token_losses(plan, manual: tuple[str, ...], model, x, labels, ctx: ModelContext):
+    """Per-token cross-entropy [batch, length] of the residual stream `x` after the last
+    block: from vocab chunks on each device's vocab shard (`--loss chunked`), or from the
+    full logits (`--loss full`, the reference)."""
+    if plan.loss == objective.FULL_LOGITS:
+        return objective.cross_entropy(model.logits(x, ctx), labels)
+    rules = inner_rules(plan.rules, manual)
+    h, w, vocab_dim = model.output_head(x)
+    w_names = (ax.EMBED, ax.VOCAB) if vocab_dim == 1 else (ax.VOCAB, ax.EMBED)
+    w_spec = list(resolve(w_names, rules, plan.mesh)) + [None] * 2
+    w_spec[1 - vocab_dim] = None  # the embed dim whole: each device dots full rows
+    vocab_axes = set(mesh_axes_of(w_spec[vocab_dim]))
+    tokens = resolve((ax.BATCH, ax.LENGTH), rules, plan.mesh)
+    # Tokens replicated over the vocab axes (each device scores them on its shard).
+    label_spec = PartitionSpec(*(_without(e, vocab_axes) for e in tokens))
+    return vocab_parallel_cross_entropy(
+        h, w, labels, vocab_dim=vocab_dim, mesh=plan.mesh,
+        h_spec=PartitionSpec(*label_spec, None), w_spec=PartitionSpec(*w_spec[:2]),
+        label_spec=label_spec)
+
+
+def _without(entry, axes: set):
+    kept = tuple(a for a in mesh_axes_of(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def embed_lookup(plan, manual: tuple[str, ...], primal, stored, sync, defer: bool):
+    """`ModelContext.embed_lookup` on the table's stored block (`jdist.parallel.embedding`),
+    or None where its layout needs the plain gather."""
+    if not embedding.supports(sync):
+        return None
+    vocab = resolve((ax.VOCAB, ax.EMBED), inner_rules(plan.rules, manual), plan.mesh)[0]
+    return partial(embedding.lookup, primal, stored, sync=sync, dtype=plan.compute_dtype,
+                   defer=defer, mesh=plan.mesh, vocab_axes=mesh_axes_of(vocab))

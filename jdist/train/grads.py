@@ -13,6 +13,7 @@ all-reduced once at the end; under ZeRO-2/3 into the sharded accumulator.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -22,9 +23,16 @@ from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
 from jdist import loss as objective
+from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
-from jdist.train.context import context_parallel_of, model_context, reorder_tokens
-from jdist.train.layer_order import BLOCKS
+from jdist.train.context import (
+    context_parallel_of,
+    embed_lookup,
+    model_context,
+    reorder_tokens,
+    token_losses,
+)
+from jdist.train.layer_order import BLOCKS, EMBED
 
 MANUAL = ax.REPLICA_AXES
 
@@ -45,9 +53,13 @@ def syncs(plan, manual: tuple[str, ...] = MANUAL) -> dict:
         drop = 1 if block else 0
         if block:
             assert not gs.manual_part(stored.spec, leaf.ndim, manual)[0], "layers on replicas"
-        cast = leaf.ndim - drop >= 2 and tuple(names) != (ax.VOCAB, ax.EMBED)
-        return gs.make_sync(tuple(stored.spec)[drop:], tuple(grad.spec)[drop:],
-                            leaf.ndim - drop, plan.mesh, manual, cast, what)
+        sync = gs.make_sync(tuple(stored.spec)[drop:], tuple(grad.spec)[drop:],
+                            leaf.ndim - drop, plan.mesh, manual, leaf.ndim - drop >= 2, what)
+        if path[0].key == EMBED and not embedding.supports(sync):
+            # Looked up from the gathered table: rows from float32, so the gradient's
+            # scatter-add accumulates in float32. (Else only a tied head uses the copy.)
+            return dataclasses.replace(sync, cast=False)
+        return sync
     return jax.tree_util.tree_map_with_path(
         one, plan.abstract.params, plan.shardings.params, plan.grad_shardings, plan.names,
         is_leaf=lambda x: isinstance(x, tuple) or isinstance(x, jax.ShapeDtypeStruct))
@@ -85,21 +97,23 @@ def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
     """This replica's `jdist.loss.loss_terms` for its tokens. The shared parameters are
     materialized here, each block's inside the layer loop (`ModelContext.layer_params`)."""
     dtype = plan.compute_dtype
+    lookup = embed_lookup(plan, MANUAL, primal[EMBED], stored[EMBED], sync[EMBED], defer)
+    # Untied, the table is only looked up: never gathered (jdist.parallel.embedding).
+    skip = {BLOCKS} | ({EMBED} if lookup and not plan.model.tie_embeddings else set())
     shared = {k: materialized(primal[k], stored[k], sync[k], dtype, defer)
-              for k in stored if k != BLOCKS}
+              if k not in skip else stored[k] for k in stored if k != BLOCKS}
 
     def layer_params(layer_state, layer_primal):
         return materialized(layer_primal, nnx.to_pure_dict(layer_state), sync[BLOCKS], dtype,
                             defer)
 
-    ctx = model_context(plan, MANUAL, layer_params, primal[BLOCKS])
+    ctx = model_context(plan, MANUAL, tokens.shape[1], layer_params, primal[BLOCKS], lookup)
     model = nnx.merge(plan.graphdef, {**shared, BLOCKS: stored[BLOCKS]})
     cp = context_parallel_of(plan, MANUAL)
-    moe = bool(plan.model.n_experts)
-    out = model(reorder_tokens(cp, tokens), ctx, positions=cp.positions(tokens.shape[1]),
-                with_aux=moe)
-    logits, stats = out if moe else (out, None)
-    ce = objective.cross_entropy(logits, reorder_tokens(cp, targets)).mean()
+    x, stats = model.run_blocks(model.embed_tokens(reorder_tokens(cp, tokens), ctx), ctx,
+                                cp.positions(tokens.shape[1]))
+    ce = token_losses(plan, MANUAL, model, x, reorder_tokens(cp, targets), ctx).mean()
+    stats = stats if plan.model.n_experts else None
     replicas = tuple(a for a in MANUAL if plan.mesh.shape[a] > 1)
     return objective.loss_terms(plan.model, ce, stats, replicas)
 

@@ -25,6 +25,7 @@ from jdist.errors import require
 from jdist.parallel.layer_shuffle import shuffle
 
 BLOCKS = "blocks"  # the stacked-layer subtree of the parameters (models.Llama.blocks)
+EMBED = "embed"    # the token embedding table (models.Llama.embed)
 CHECKPOINT_KEY = "layer_order"  # in checkpoint metadata: stored position -> model layer
 
 

@@ -23,7 +23,13 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program
-from jdist.train.context import context_parallel_of, model_context, reorder_tokens
+from jdist.train.context import (
+    context_parallel_of,
+    embed_lookup,
+    model_context,
+    reorder_tokens,
+    token_losses,
+)
 from jdist.train.grads import (
     MANUAL,
     manual_specs,
@@ -34,7 +40,7 @@ from jdist.train.grads import (
     stacked,
     syncs,
 )
-from jdist.train.layer_order import BLOCKS
+from jdist.train.layer_order import BLOCKS, EMBED
 
 PIPE_MANUAL = (ax.STAGE, *MANUAL)
 
@@ -70,12 +76,18 @@ def _run(plan, params: dict, batch: dict, train: bool):
                 return materialized(layer_primal, nnx.to_pure_dict(layer_state), sync[BLOCKS],
                                     dtype, defer)
 
+            lookup = embed_lookup(plan, PIPE_MANUAL, shared[EMBED], stored_shared[EMBED],
+                                  sync[EMBED], defer)
+            # Untied, the table is only looked up: never gathered (jdist.parallel.embedding).
+            skip = {EMBED} if lookup and not model_cfg.tie_embeddings else set()
+
             def shared_values():
                 return {k: materialized(shared[k], stored_shared[k], sync[k], dtype, defer)
-                        for k in stored_shared}
+                        if k not in skip else stored_shared[k] for k in stored_shared}
 
             block_stored = jax.tree.map(lambda b: b[v], stored_chunks)
-            ctx = model_context(plan, PIPE_MANUAL, layer_params, block)
+            ctx = model_context(plan, PIPE_MANUAL, inputs.shape[1], layer_params, block,
+                                lookup)
 
             def model(shared_now):
                 return nnx.merge(plan.graphdef, {**shared_now, BLOCKS: block_stored})
@@ -86,8 +98,8 @@ def _run(plan, params: dict, batch: dict, train: bool):
                              lambda: x_in)
             y, stats = model(stored_shared).run_blocks(x, ctx, positions)
             ce = jax.lax.cond(
-                last, lambda: objective.cross_entropy(
-                    model(shared_values()).logits(y, ctx), labels[m]).mean(),
+                last, lambda: token_losses(plan, PIPE_MANUAL, model(shared_values()), y,
+                                           labels[m], ctx).mean(),
                 lambda: jnp.zeros((), jnp.float32))
             share = stats["tokens"].shape[0] / model_cfg.n_layers if model_cfg.n_experts else 1.0
             return y, objective.loss_terms(model_cfg, ce, stats if model_cfg.n_experts else None,

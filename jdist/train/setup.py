@@ -26,6 +26,7 @@ from jdist.rules import (
 from jdist.sharding import check_divisible, check_model_fits
 from jdist.train import faults
 from jdist.train.config import TrainConfig
+from jdist.train.context import attention_of
 from jdist.train.optim import make_optimizer
 from jdist.train.state import Plan, make_plan, with_pipeline
 from models import ModelConfig, get_preset
@@ -98,7 +99,9 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     plan = make_plan(model, mesh, rules, tx, zero=config.zero,
                      offload_optimizer=config.offload == "optimizer",
                      cp_strategy=config.cp_strategy, compute_dtype=DTYPES[config.compute_dtype],
-                     remat=config.remat, grad_accum=config.grad_accum)
+                     remat=config.remat, grad_accum=config.grad_accum,
+                     attention=config.attention, loss=config.loss)
+    attention_of(plan, config.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
     return model, with_pipeline(plan, pipeline), schedule
 
 

@@ -15,6 +15,8 @@ from jdist import axes as ax
 from jdist import remat as remat_policies
 from jdist import sharding as sh
 from jdist.errors import require
+from jdist.loss import CHUNKED, LOSSES
+from jdist.parallel.attention import AUTO, IMPLEMENTATIONS
 from jdist.parallel.grad_sync import manual_part
 from jdist.rules import Rules, resolve
 from jdist.train.layer_order import in_model_order, store
@@ -51,6 +53,8 @@ class Plan:
     compute_dtype: Any = jnp.float32
     remat: str = "none"
     grad_accum: int = 1
+    attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
+    loss: str = CHUNKED            # jdist.loss.LOSSES
 
     @property
     def offload(self) -> bool:
@@ -76,13 +80,17 @@ def build_model(cfg: ModelConfig, seed: int) -> Llama:
 
 def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation,
               zero: int = 0, offload_optimizer: bool = False, cp_strategy: str = "ring",
-              compute_dtype=jnp.float32, remat: str = "none", grad_accum: int = 1) -> Plan:
+              compute_dtype=jnp.float32, remat: str = "none", grad_accum: int = 1,
+              attention: str = AUTO, loss: str = CHUNKED) -> Plan:
     """Shapes and shardings of the whole training state, from the model's logical names,
     the ZeRO stage, and whether optimizer state lives in host memory between steps; and
     how the step computes (dtype, remat policy, micro-batches)."""
     require(zero in STAGES, f"--zero {zero} is not a ZeRO stage; use 0, 1, 2 or 3")
     require(grad_accum >= 1, f"--grad-accum {grad_accum} must be at least 1")
     remat_policies.check(remat)
+    require(attention in IMPLEMENTATIONS,
+            f"unknown --attention {attention!r}; use {', '.join(IMPLEMENTATIONS)}")
+    require(loss in LOSSES, f"unknown --loss {loss!r}; use {', '.join(LOSSES)}")
     graphdef, abstract_vars = nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)))
     names = sh.logical_names(abstract_vars)
     abstract_params = nnx.to_pure_dict(abstract_vars)
@@ -99,7 +107,8 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     batch_sharding = jax.sharding.NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
                 zero, pick(GRADIENTS), opt_device, cp_strategy,
-                compute_dtype=jnp.dtype(compute_dtype), remat=remat, grad_accum=grad_accum)
+                compute_dtype=jnp.dtype(compute_dtype), remat=remat, grad_accum=grad_accum,
+                attention=attention, loss=loss)
 
 
 def check_replica_layout(shardings: dict, abstract: dict, mesh) -> None:

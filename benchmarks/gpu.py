@@ -1,0 +1,162 @@
+"""Training throughput on one accelerator: tokens/s, TFLOP/s, MFU, peak memory, compile time,
+for each attention implementation that can run.
+
+    python benchmarks/gpu.py [--json] [--models llama3.2-1b,llama3-8b] [--budget-s 420]
+    python benchmarks/gpu.py --tiny [--json]     # CPU: the same path on the tiny model
+
+On a GPU: `llama3.2-1b` and `llama3-8b` in bfloat16, full remat, one device. Each
+configuration is compiled ahead of time first; if the compiled step's peak exceeds the
+device's memory the model is cut to fewer layers until it fits (the row says so; per-layer
+throughput is what MFU measures). MFU is against the bf16 matmul peak *measured* here (a
+large matmul timed on the device), and against the datasheet peak where known. Rows stop
+being started once `--budget-s` has passed, so the whole run stays inside its time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jdist import data  # noqa: E402
+from jdist.mesh import build_mesh  # noqa: E402
+from jdist.parallel.attention import CUDNN, FLASH, XLA, cudnn_refusal  # noqa: E402
+from jdist.rules import DEFAULT_RULES  # noqa: E402
+from jdist.train import init_state, make_optimizer, make_plan  # noqa: E402
+from jdist.train.step import make_train_step  # noqa: E402
+from jdist.train.throughput import PEAK_TFLOPS, flops_per_token, peak_tflops  # noqa: E402
+from models import get_preset  # noqa: E402
+
+GPU_RUNS = {"llama3.2-1b": (8, 4096), "llama3-8b": (1, 4096)}  # batch, sequence length
+TINY_RUNS = {"tiny": (8, 256)}
+
+
+def measured_peak_tflops(dtype, n: int, repeats: int) -> float:
+    """bf16 (or the run's dtype) matmul throughput of this device: the MFU denominator."""
+    a = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = matmul(a)
+    out.block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def compiled_step(model, batch: int, seq: int, attention: str, dtype):
+    tx, schedule = make_optimizer(1e-4, 100, 10)
+    mesh = build_mesh("dp=1", jax.devices()[:1])
+    plan = make_plan(model, mesh, DEFAULT_RULES, tx, compute_dtype=dtype, remat="full",
+                     attention=attention)
+    step = make_train_step(plan, schedule)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    start = time.perf_counter()
+    compiled = step.lower(plan.abstract, {"inputs": tokens, "targets": tokens}).compile()
+    return plan, compiled, time.perf_counter() - start
+
+
+def peak_bytes(compiled) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes \
+        + m.temp_size_in_bytes
+
+
+def device_memory() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit", 0)
+
+
+def run_one(name: str, batch: int, seq: int, attention: str, dtype, steps: int) -> dict:
+    model = get_preset(name)
+    limit = device_memory()
+    while True:
+        plan, compiled, compile_s = compiled_step(model, batch, seq, attention, dtype)
+        peak = peak_bytes(compiled)
+        if not limit or peak <= 0.95 * limit or model.n_layers <= 1:
+            break
+        model = dataclasses.replace(model, n_layers=model.n_layers // 2)  # halve until it fits
+    state = init_state(plan, seed=0)
+    corpus = data.load_corpus(None, seq)
+    batches = [data.global_batch(corpus.train, 0, i, batch, seq, plan.batch_sharding)
+               for i in range(2)]
+    state, metrics = compiled(state, batches[0])  # warm-up
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for i in range(steps):
+        state, metrics = compiled(state, batches[i % 2])
+    loss = float(metrics["loss"])
+    elapsed = time.perf_counter() - start
+    tokens_per_s = batch * seq * steps / elapsed
+    tflops = tokens_per_s * flops_per_token(model, seq) / 1e12
+    used = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
+    return {"model": name, "layers": model.n_layers, "of_layers": get_preset(name).n_layers,
+            "attention": attention, "batch": batch, "seq_len": seq, "steps": steps,
+            "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+            "compiled_peak_bytes": peak, "device_peak_bytes": used, "compile_s": compile_s,
+            "final_loss": loss, "loss_finite": math.isfinite(loss)}
+
+
+def attentions(dtype, head_dim: int) -> list[str]:
+    runnable = [XLA, FLASH]
+    if cudnn_refusal(jax.default_backend(), dtype, head_dim) is None:
+        runnable.append(CUDNN)
+    return runnable
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU: the tiny model, few steps")
+    parser.add_argument("--models", default="", help="comma-separated presets")
+    parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    runs = TINY_RUNS if args.tiny or jax.default_backend() == "cpu" else GPU_RUNS
+    if args.models:
+        runs = {m: runs.get(m, (1, 4096)) for m in args.models.split(",")}
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    steps = args.steps or (3 if jax.default_backend() == "cpu" else 20)
+    n = 1024 if jax.default_backend() == "cpu" else 8192
+    measured = measured_peak_tflops(dtype, n, 3 if jax.default_backend() == "cpu" else 50)
+    kind = jax.devices()[0].device_kind
+    datasheet = peak_tflops(kind)
+    began, rows, skipped = time.perf_counter(), [], []
+    for name, (batch, seq) in runs.items():
+        for attention in attentions(dtype, get_preset(name).dim_per_head):
+            if time.perf_counter() - began > args.budget_s:
+                skipped.append(f"{name}/{attention}")
+                continue
+            row = run_one(name, batch, seq, attention, dtype, steps)
+            row["mfu_measured_peak"] = row["tflops_per_device"] / measured
+            row["mfu_datasheet"] = row["tflops_per_device"] / datasheet if datasheet else None
+            rows.append(row)
+    result = {"device": kind, "backend": jax.default_backend(), "dtype": jnp.dtype(dtype).name,
+              "measured_matmul_tflops": measured, "datasheet_tflops": datasheet or None,
+              "known_peaks": PEAK_TFLOPS, "rows": rows, "skipped_for_time": skipped}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{kind} ({jax.default_backend()}, {result['dtype']}): measured matmul peak "
+          f"{measured:,.1f} TFLOP/s" + (f", datasheet {datasheet:,.0f}" if datasheet else ""))
+    print(f"{'model':14} {'layers':>7} {'attention':9} {'tokens/s':>10} {'TFLOP/s':>8} "
+          f"{'MFU':>6} {'peak GiB':>9} {'compile s':>9}")
+    for r in rows:
+        print(f"{r['model']:14} {r['layers']:>3}/{r['of_layers']:<3} {r['attention']:9} "
+              f"{r['tokens_per_s']:10,.0f} {r['tflops_per_device']:8.2f} "
+              f"{r['mfu_measured_peak']:6.1%} {r['compiled_peak_bytes'] / 2**30:9.2f} "
+              f"{r['compile_s']:9.1f}")
+    if skipped:
+        print(f"not run (time budget): {', '.join(skipped)}")
+
+
+if __name__ == "__main__":
+    main()
