@@ -35,6 +35,13 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     return out
 
 
+def collective_shapes(hlo_text: str, op: str) -> list[tuple[int, ...]]:
+    """Result shapes of every `op` collective (each tuple element separately)."""
+    return [tuple(int(d) for d in filter(None, dims.split(",")))
+            for result in _op_pattern(op).findall(hlo_text)
+            for _, dims in _SHAPE.findall(result)]
+
+
 def computation(hlo_text: str, name: str) -> str:
     """The text of one named computation (e.g. a while-loop body) of HLO module text."""
     lines = hlo_text.splitlines()

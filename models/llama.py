@@ -164,18 +164,18 @@ class Llama(nnx.Module):
 
         return jax.lax.scan(ctx.remat_layer(layer), x, (layers, ctx.layer_stream))
 
-    def output_head(self, x: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+    def output_head(self, x: jax.Array) -> tuple[jax.Array, nnx.Param, int]:
         """What the logits are made of: (final-normed hidden states [batch, length, embed],
-        the output weight in their dtype, its vocab dimension: 1 for the head [embed,
-        vocab], 0 for a tied table [vocab, embed]). A step's loss takes these, so that it
-        need not hold [batch, length, vocab] logits (`jdist.parallel.vocab`)."""
+        the output weight parameter, its vocab dimension: 1 for the head [embed, vocab], 0
+        for a tied table [vocab, embed]). A step's loss takes these, so that it need not
+        hold [batch, length, vocab] logits (`jdist.parallel.vocab`)."""
         h = self.final_norm(x)
         if self.config.tie_embeddings:
-            return h, weight(self.embed, h), 0
-        return h, weight(self.head, h), 1
+            return h, self.embed, 0
+        return h, self.head, 1
 
     def logits(self, x: jax.Array, ctx: ModelContext = LOCAL) -> jax.Array:
         """Final norm and output head: [batch, length, embed] -> [batch, length, vocab]."""
-        h, w, vocab_dim = self.output_head(x)
-        logits = jnp.einsum("bse,ev->bsv" if vocab_dim else "bse,ve->bsv", h, w)
+        h, p, vocab_dim = self.output_head(x)
+        logits = jnp.einsum("bse,ev->bsv" if vocab_dim else "bse,ve->bsv", h, weight(p, h))
         return ctx.constrain(logits, (BATCH, LENGTH, VOCAB))

@@ -18,16 +18,19 @@ def test_run_writes_config_and_metrics(tmp_path):
     rules = tmp_path / "rules.toml"
     rules.write_text('[rules]\nembed = []\n')  # replicate the model dimension of parameters
     result = run_cli(*TINY, "--mesh", "dp=2,fsdp=2,tp=2", "--eval-every", "2",
-                     "--rules", str(rules), "--run-dir", str(tmp_path / "run"))
+                     "--rules", str(rules), "--run-dir", str(tmp_path / "run"),
+                     "--attention", "flash")
     assert result.returncode == 0, result.stderr
     assert "mesh: data=2 fsdp=2 tensor=2 (8 devices, cpu)" in result.stdout
     assert "blocks.mlp.w_up" in result.stdout and "per-device bytes" in result.stdout
+    assert "attention: flash (--attention flash); loss: chunked" in result.stdout
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["mesh"]["tensor"] == 2 and config["train"]["steps"] == 4
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s"):
         assert all(key in x for x in lines)
+    assert all(x["attention"] == "flash" for x in lines)
     assert "val_loss" in lines[1] and "val_loss" in lines[3] and "val_loss" not in lines[0]
     assert "step 4/4" in result.stderr
 
@@ -50,6 +53,8 @@ BAD = [
     (["--data", "EMPTY"], "too few for --seq-len"),
     (["--rules", "/nonexistent/rules.toml"], "rules file '/nonexistent/rules.toml' does not exist"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--attention", "cudnn"], "cuDNN attention needs an NVIDIA GPU"),
+    (["--mesh", "sp=2", "--attention", "xla"], "cannot run on a sequence-sharded mesh"),
     (["--mesh", "dp=2", "--vocab-size", "128"], "pass --vocab-size 256 or larger"),
 ]
 

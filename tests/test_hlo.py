@@ -4,8 +4,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist.hlo import collective_counts, loop_bodies
+from jdist.hlo import collective_counts, collective_shapes, loop_bodies, partitioned
 from jdist.mesh import build_mesh
+from jdist.parallel import embedding
 from jdist.rules import DEFAULT_RULES
 from jdist.train import make_eval_step, make_optimizer, make_plan, make_train_step
 from models import get_preset
@@ -50,3 +51,21 @@ def test_tensor_parallel_block_has_two_all_reduces_per_forward():
     assert collective_counts(tp_body)["all-reduce"] == 2
     (dp_body,) = loop_bodies(forward_hlo("dp=8"))
     assert collective_counts(dp_body)["all-reduce"] == 0
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "tp=4", "dp=2,fsdp=2,tp=2"])
+def test_embedding_table_is_never_gathered(mesh, monkeypatch):
+    # The table [512, 64] stays sharded (vocab over tensor, embed over fsdp): tokens and
+    # rows move instead. The old path (the table gathered for a local take) is caught.
+    model = get_preset("tiny", vocab_size=512)
+    tx, _ = make_optimizer(1e-3, 10, 1)
+    mesh_ = build_mesh(mesh, jax.devices()[:4] if mesh == "tp=4" else None)
+
+    def table_gathers() -> list:
+        plan = make_plan(model, mesh_, DEFAULT_RULES, tx)
+        text = partitioned(make_train_step(plan).lower(plan.abstract, BATCH))
+        return [s for s in collective_shapes(text, "all-gather") if s[:1] == (512,)]
+
+    assert table_gathers() == []
+    monkeypatch.setattr(embedding, "supports", lambda sync: False)
+    assert table_gathers()  # the plain gather of the whole table

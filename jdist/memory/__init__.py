@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jdist.loss import CHUNKED
+from jdist.parallel.blockwise import KEY_TILE, Q_TILE
+from jdist.parallel.vocab import chunk_size
 from jdist.sharding import per_device_bytes
 
 COMPONENTS = ("params", "grads", "optimizer", "activations")
@@ -75,6 +78,8 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     matmuls = tokens * ((heads + 2 * kv) * hd + d + 3 * f + d) * compute_bytes
     elementwise = tokens * (2 * d + heads * hd + f) * compute_bytes  # norms, context, silu
     scores = b * heads * s * seq_len * 4 * 2                        # float32 scores + probs
+    if _attention(plan, seq_len) != "xla":  # blockwise: [Q_TILE, KEY_TILE] blocks, O(S) stats
+        scores = b * heads * (min(s, Q_TILE) * min(seq_len, KEY_TILE) * 4 * 3 + s * 4 * 3)
     per_layer = {"none": matmuls + elementwise + scores + residual,
                  "everything_saveable": matmuls + elementwise + scores + residual,
                  "full": residual,
@@ -85,7 +90,15 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     recompute = 0 if remat in ("none", "everything_saveable") else \
         matmuls + elementwise + scores  # one block rematerialised at a time
     logits = tokens * (cfg.vocab_size // tp) * 4 * 2                # float32 logits + grad
+    if plan.loss == CHUNKED:  # a few [tokens, chunk] float32 blocks, dh in float32
+        chunk = chunk_size(tokens, cfg.vocab_size // tp)
+        logits = tokens * chunk * 4 * 3 + tokens * d * 4
     return layers * per_layer + recompute + logits + stashed * residual
+
+
+def _attention(plan, seq_len: int) -> str:
+    from jdist.train.context import attention_of
+    return attention_of(plan, seq_len)
 
 
 def predict(plan, micro_batch: int, seq_len: int) -> Breakdown:
@@ -110,7 +123,7 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
 
     from jdist import axes as ax
     from jdist.rules import without_axis
-    from jdist.train.layer_order import BLOCKS
+    from jdist.train.layer_order import BLOCKS, EMBED
 
     def gathered(tree, shardings, itemsize):  # as laid out, less the replica axes
         def strip(s):
@@ -125,8 +138,10 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     if plan.pipeline is not None:
         layers //= plan.mesh.shape[ax.STAGE]
     layer = gathered(blocks, plan.shardings.params[BLOCKS], compute_bytes + 4) // layers
-    shared = {k: v for k, v in plan.abstract.params.items() if k != BLOCKS}
-    shared_sh = {k: v for k, v in plan.shardings.params.items() if k != BLOCKS}
+    # An untied table is looked up where it lies (jdist.parallel.embedding), never gathered.
+    skip = {BLOCKS} | (set() if plan.model.tie_embeddings else {EMBED})
+    shared = {k: v for k, v in plan.abstract.params.items() if k not in skip}
+    shared_sh = {k: v for k, v in plan.shardings.params.items() if k not in skip}
     return layer + gathered(shared, shared_sh, 4 + 4)
 
 

@@ -112,7 +112,8 @@ def _sizes(axes):
     return [jax.lax.axis_size(a) for a in axes]
 
 
-def _gather(stored, sync: Sync, dtype):
+def gather(stored, sync: Sync, dtype):
+    """The forward of `materialize`: the full value from the stored block."""
     x = stored.astype(dtype) if sync.cast else stored
     for dim, axes in enumerate(sync.stored):
         if axes:
@@ -120,7 +121,8 @@ def _gather(stored, sync: Sync, dtype):
     return checkpoint_name(x, GATHERED)
 
 
-def _reduce(ct, sync: Sync, defer: bool):
+def reduce(ct, sync: Sync, defer: bool):
+    """The backward of `materialize`: the gradient-layout block of a full cotangent."""
     g = ct.astype(jnp.float32)  # every gradient collective runs in float32
     if sync.reduce and not defer:
         g = jax.lax.psum(g, sync.reduce)
@@ -135,15 +137,15 @@ def materialize(primal, stored, sync: Sync, dtype, defer: bool = False):
     """The full value a layer computes with. `primal` (the gradient-layout block, from
     `to_grad_layout` or the stored block itself) is what receives the reduced gradient;
     the forward reads only `stored`."""
-    return _gather(stored, sync, dtype)
+    return gather(stored, sync, dtype)
 
 
 def _fwd(primal, stored, sync, dtype, defer):
-    return _gather(stored, sync, dtype), None
+    return gather(stored, sync, dtype), None
 
 
 def _bwd(sync, dtype, defer, _, ct):
-    return _reduce(ct, sync, defer), None
+    return reduce(ct, sync, defer), None
 
 
 materialize.defvjp(_fwd, _bwd)

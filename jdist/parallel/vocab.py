@@ -18,14 +18,17 @@ Peak: [tokens, chunk] float32 blocks (`CHUNK_BYTES`) plus [tokens, embed] float3
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jdist.parallel import CHECK_VMA, kernel_mesh, varying, vma
+from jdist.parallel import grad_sync as gs
 
 # Bytes of one float32 [tokens, chunk] logits block: bounds the loss's temporaries (a few
 # such blocks are live) whatever the vocabulary.
@@ -38,77 +41,96 @@ def chunk_size(n_tokens: int, vocab: int, budget: int = CHUNK_BYTES) -> int:
     return max(d for d in range(1, min(vocab, limit) + 1) if vocab % d == 0)
 
 
-def _logits(h, w, start, size, vocab_dim):
-    """float32 logits [b, s, size] of vocabulary rows start..start+size."""
-    w_c = lax.dynamic_slice_in_dim(w, start, size, vocab_dim)
-    eq = "bse,ev->bsv" if vocab_dim == 1 else "bse,ve->bsv"
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """How the loss reads the output weight (static, hashable): its vocab dimension, the
+    mesh axes the vocabulary and the tokens are split over inside the kernel, the chunk,
+    and the replica-axis `Sync` of the stored block (gathered chunk by chunk)."""
+
+    vocab_dim: int
+    vocab_axes: tuple[str, ...]
+    token_axes: tuple[str, ...]
+    chunk: int
+    sync: gs.Sync
+    dtype: Any
+    defer: bool = False
+
+
+def _weight_chunk(head: Head, stored, i):
+    """Vocabulary rows i*chunk.. of the stored float32 block, gathered over the replica axes
+    in the compute dtype: the whole head is never gathered at once. (Casting a chunk inside
+    the loop, not the whole weight before it, also keeps the CPU backend, which runs bf16
+    dots in f32, from widening the whole head to f32 up front; jax 0.10.2.)"""
+    w_c = lax.dynamic_slice_in_dim(stored, i * head.chunk, head.chunk, head.vocab_dim)
+    return gs.gather(w_c, head.sync, head.dtype)
+
+
+def _logits(head: Head, h, w_c):
+    eq = "bse,ev->bsv" if head.vocab_dim == 1 else "bse,ve->bsv"
     return jnp.einsum(eq, h, w_c, preferred_element_type=jnp.float32)
 
 
-def _local_labels(labels, w, vocab_dim, axes):
-    """Labels relative to this device's vocabulary slice (outside [0, local) if elsewhere)."""
-    local = w.shape[vocab_dim]
-    index = lax.axis_index(axes) if axes else 0
-    return labels - index * local
+def _hits(head: Head, labels, local: int, i, shape):
+    """Where chunk i holds each token's label (a one-hot [b, s, chunk] mask)."""
+    offset = lax.axis_index(head.vocab_axes) * local if head.vocab_axes else 0
+    rel = labels - offset - i * head.chunk
+    return rel[..., None] == lax.broadcasted_iota(jnp.int32, shape, 2)
 
 
-def _forward(axes, chunk, vocab_dim, h, w, labels):
+def _forward(head: Head, h, stored, labels):
     """(per-token cross-entropy [b, s], log-sum-exp [b, s])."""
     b, s = labels.shape
-    local = w.shape[vocab_dim]
-    rel = _local_labels(labels, w, vocab_dim, axes)
-    like = tuple({*vma(h), *vma(w), *vma(labels)})
-    start = (varying(jnp.full((b, s), -jnp.inf, jnp.float32), like),
-             varying(jnp.zeros((b, s), jnp.float32), like),
-             varying(jnp.zeros((b, s), jnp.float32), like))
+    local = stored.shape[head.vocab_dim]
+    like = tuple({*vma(h), *vma(stored), *vma(labels)})
+    start = tuple(varying(jnp.full((b, s), x, jnp.float32), like) for x in (-jnp.inf, 0.0, 0.0))
 
     def body(carry, i):
         m, norm, picked = carry
-        logits = _logits(h, w, i * chunk, chunk, vocab_dim)
+        logits = _logits(head, h, _weight_chunk(head, stored, i))
         new_m = jnp.maximum(m, logits.max(-1))
         norm = norm * jnp.exp(m - new_m) + jnp.exp(logits - new_m[..., None]).sum(-1)
-        hit = (rel - i * chunk)[..., None] == lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+        hit = _hits(head, labels, local, i, logits.shape)
         return (new_m, norm, picked + jnp.where(hit, logits, 0.0).sum(-1)), None
 
-    (m, norm, picked), _ = _over_chunks(body, start, local // chunk)
-    if axes:
-        top = lax.pmax(m, axes)
-        norm = lax.psum(norm * jnp.exp(m - top), axes)
-        m, picked = top, lax.psum(picked, axes)
+    (m, norm, picked), _ = _over_chunks(body, start, local // head.chunk)
+    if head.vocab_axes:
+        top = lax.pmax(m, head.vocab_axes)
+        norm = lax.psum(norm * jnp.exp(m - top), head.vocab_axes)
+        m, picked = top, lax.psum(picked, head.vocab_axes)
     lse = m + jnp.log(norm)
     return lse - picked, lse
 
 
-def _backward(axes, token_axes, chunk, vocab_dim, h, w, labels, lse, g):
-    local = w.shape[vocab_dim]
-    # Tokens split over `token_axes` (sequence, expert) each give part of dW, summed below
-    # in float32; without such a sum each chunk of dW is final and kept in w's dtype.
-    dw_dtype = jnp.float32 if token_axes else w.dtype
-    rel = _local_labels(labels, w, vocab_dim, axes)
+def _backward(head: Head, h, primal, stored, labels, lse, g):
+    """(dh, gradient of `primal`): each chunk's dW reduced as soon as it exists, in
+    float32: over the token axes (sequence, expert), then over the replica axes as
+    `grad_sync` reduces every parameter, into the gradient layout."""
+    local = stored.shape[head.vocab_dim]
     g = g.astype(jnp.float32)
+    eq_h = "bsv,ev->bse" if head.vocab_dim == 1 else "bsv,ve->bse"
+    eq_w = "bse,bsv->ev" if head.vocab_dim == 1 else "bse,bsv->ve"
 
     def body(carry, i):
         dh, dw = carry
-        logits = _logits(h, w, i * chunk, chunk, vocab_dim)
-        hit = (rel - i * chunk)[..., None] == lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+        w_c = _weight_chunk(head, stored, i)
+        logits = _logits(head, h, w_c)
+        hit = _hits(head, labels, local, i, logits.shape)
         dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * g[..., None]).astype(h.dtype)
-        w_c = lax.dynamic_slice_in_dim(w, i * chunk, chunk, vocab_dim)
-        eq_h = "bsv,ev->bse" if vocab_dim == 1 else "bsv,ve->bse"
-        eq_w = "bse,bsv->ev" if vocab_dim == 1 else "bse,bsv->ve"
         dh = dh + jnp.einsum(eq_h, dlogits, w_c, preferred_element_type=jnp.float32)
         dw_c = jnp.einsum(eq_w, h, dlogits, preferred_element_type=jnp.float32)
-        dw = lax.dynamic_update_slice_in_dim(dw, dw_c.astype(dw_dtype), i * chunk, vocab_dim)
+        if head.token_axes:
+            dw_c = lax.psum(dw_c, head.token_axes)
+        dw_c = gs.reduce(dw_c, head.sync, head.defer).astype(primal.dtype)
+        dw = lax.dynamic_update_slice_in_dim(dw, dw_c, i * head.chunk, head.vocab_dim)
         return (dh, dw), None
 
-    like = tuple({*vma(h), *vma(w), *vma(labels)})
+    like = tuple({*vma(h), *vma(stored), *vma(labels)})
     start = (varying(jnp.zeros(h.shape, jnp.float32), like),
-             varying(jnp.zeros(w.shape, dw_dtype), like))
-    (dh, dw), _ = _over_chunks(body, start, local // chunk)
-    if axes:  # every vocab slice contributed to each token's hidden-state gradient
-        dh = lax.psum(dh, axes)
-    if token_axes:
-        dw = lax.psum(dw, token_axes)
-    return dh.astype(h.dtype), dw.astype(w.dtype)
+             varying(jnp.zeros(primal.shape, primal.dtype), like))
+    (dh, dw), _ = _over_chunks(body, start, local // head.chunk)
+    if head.vocab_axes:  # every vocab slice contributed to each token's hidden-state gradient
+        dh = lax.psum(dh, head.vocab_axes)
+    return dh.astype(h.dtype), dw
 
 
 def _over_chunks(body, start, n: int):
@@ -116,39 +138,61 @@ def _over_chunks(body, start, n: int):
     return body(start, 0) if n == 1 else lax.scan(body, start, jnp.arange(n))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _loss(axes, token_axes, chunk, vocab_dim, h, w, labels):
-    return _forward(axes, chunk, vocab_dim, h, w, labels)[0]
-
-
-def _fwd(axes, token_axes, chunk, vocab_dim, h, w, labels):
-    ce, lse = _forward(axes, chunk, vocab_dim, h, w, labels)
-    return ce, (h, w, labels, lse)
-
-
-def _bwd(axes, token_axes, chunk, vocab_dim, residuals, g):
-    h, w, labels, lse = residuals
-    dh, dw = _backward(axes, token_axes, chunk, vocab_dim, h, w, labels, lse, g)
-    return dh, dw, None
-
-
-_loss.defvjp(_fwd, _bwd)
-
-
 def vocab_parallel_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
                                  vocab_dim: int, mesh, h_spec, w_spec, label_spec,
+                                 sync: gs.Sync | None = None, primal: jax.Array | None = None,
+                                 defer: bool = False,
                                  chunk_bytes: int = CHUNK_BYTES) -> jax.Array:
     """Per-token -log softmax(h @ w)[label], float32 [b, s], exact. h [b, s, embed] (its
     spec must not use the vocab axes), w [embed, vocab] (`vocab_dim` 1) or [vocab, embed]
-    (0, a tied table), labels [b, s] global ids."""
-    axes = tuple(a for a in _axes_of(w_spec, vocab_dim) if mesh.shape[a] > 1)
+    (0, a tied table), labels [b, s] global ids.
+
+    With `sync` (inside the step's replica shard_map), `w` is the stored float32 block of
+    the weight and `primal` its gradient-layout block (`grad_sync.to_grad_layout`), which
+    receives the reduced float32 gradient: each chunk of rows is gathered over the replica
+    axes when used and its gradient reduced right away. Without, `w` is used as it is."""
+    vocab_axes = tuple(a for a in _axes_of(w_spec, vocab_dim) if mesh.shape[a] > 1)
     token_axes = tuple(a for d in (0, 1) for a in _axes_of(label_spec, d) if mesh.shape[a] > 1)
-    n = math.prod(mesh.shape[a] for a in axes)
+    n = math.prod(mesh.shape[a] for a in vocab_axes)
     local_tokens = labels.size // math.prod(mesh.shape[a] for a in token_axes)
-    chunk = chunk_size(local_tokens, w.shape[vocab_dim] // n, chunk_bytes)
-    return jax.shard_map(partial(_loss, axes, token_axes, chunk, vocab_dim), **kernel_mesh(mesh),
-                         in_specs=(h_spec, w_spec, label_spec), out_specs=label_spec,
-                         check_vma=CHECK_VMA)(h, w, labels)
+    if sync is None:
+        sync = gs.Sync(((),) * 2, ((),) * 2, (), 1, cast=True)
+    head = Head(vocab_dim, vocab_axes, token_axes,
+                chunk_size(local_tokens, w.shape[vocab_dim] // n, chunk_bytes),
+                dataclasses.replace(sync, cast=True), jnp.dtype(h.dtype), defer)
+    # The custom VJP sits outside the two kernels (as in ring attention), so neither is
+    # transposed by autodiff: each reduction in them is the one written here. Gathering over
+    # the replica axes of the unchecked shard_map around them would type their outputs as
+    # varying over those axes, which cotangents from that map are not (jax 0.10.2), so
+    # there they run unchecked too.
+    replica = any(sync.stored) or any(sync.grad) or bool(sync.reduce)
+    smap = partial(jax.shard_map, **kernel_mesh(mesh), check_vma=CHECK_VMA and not replica)
+    fwd = smap(partial(_forward, head), in_specs=(h_spec, w_spec, label_spec),
+               out_specs=(label_spec, label_spec))
+    bwd = smap(partial(_backward, head),
+               in_specs=(h_spec, w_spec, w_spec, label_spec, label_spec, label_spec),
+               out_specs=(h_spec, w_spec))
+
+    @jax.custom_vjp
+    def loss(h, primal, stored, labels):
+        return fwd(h, stored, labels)[0]
+
+    def loss_fwd(h, primal, stored, labels):
+        ce, lse = fwd(h, stored, labels)
+        return ce, (h, primal, stored, labels, lse)
+
+    def loss_bwd(residuals, g):
+        h, primal, stored, labels, lse = residuals
+        dh, d_primal = bwd(h, primal, stored, labels, lse, g)
+        return dh, d_primal, None, None
+
+    loss.defvjp(loss_fwd, loss_bwd)
+    return loss(h, w if primal is None else primal, w, labels)
+
+
+def supports(sync: gs.Sync, vocab_dim: int) -> bool:
+    """Chunks are cut along the vocabulary, which must not be split over replica axes."""
+    return not sync.stored[vocab_dim] and not sync.grad[vocab_dim]
 
 
 def _axes_of(spec, dim: int) -> tuple[str, ...]:

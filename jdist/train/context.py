@@ -20,9 +20,12 @@ from jdist.parallel import attention as attn
 from jdist.parallel import embedding
 from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
+from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
 from jdist.rules import Rules, constrainer, mesh_axes_of, resolve, without_axis
+from jdist.train.layer_order import EMBED, HEAD
 from models.context import ModelContext
+from models.layers import weight
 
 
 def inner_rules(rules: Rules, manual: tuple[str, ...]) -> Rules:
@@ -71,14 +74,17 @@ def model_context(plan, manual: tuple[str, ...], seq_len: int,
         embed_lookup=embed_lookup, compute_dtype=plan.compute_dtype, **extra)
 
 
-def token_losses(plan, manual: tuple[str, ...], model, x, labels, ctx: ModelContext):
+def token_losses(plan, manual: tuple[str, ...], model, x, labels, ctx: ModelContext,
+                 head: tuple | None = None):
     """Per-token cross-entropy [batch, length] of the residual stream `x` after the last
     block: from vocab chunks on each device's vocab shard (`--loss chunked`), or from the
-    full logits (`--loss full`, the reference)."""
+    full logits (`--loss full`, the reference). `head`: (gradient-layout block, stored
+    block, Sync, defer) of the output weight, gathered chunk by chunk inside the loss
+    (`head_of`); None: the model's weight as it is."""
     if plan.loss == objective.FULL_LOGITS:
         return objective.cross_entropy(model.logits(x, ctx), labels)
     rules = inner_rules(plan.rules, manual)
-    h, w, vocab_dim = model.output_head(x)
+    h, param, vocab_dim = model.output_head(x)
     w_names = (ax.EMBED, ax.VOCAB) if vocab_dim == 1 else (ax.VOCAB, ax.EMBED)
     w_spec = list(resolve(w_names, rules, plan.mesh)) + [None] * 2
     w_spec[1 - vocab_dim] = None  # the embed dim whole: each device dots full rows
@@ -86,10 +92,28 @@ def token_losses(plan, manual: tuple[str, ...], model, x, labels, ctx: ModelCont
     tokens = resolve((ax.BATCH, ax.LENGTH), rules, plan.mesh)
     # Tokens replicated over the vocab axes (each device scores them on its shard).
     label_spec = PartitionSpec(*(_without(e, vocab_axes) for e in tokens))
+    primal, stored, sync, defer = head if head else (None, weight(param, h), None, False)
     return vocab_parallel_cross_entropy(
-        h, w, labels, vocab_dim=vocab_dim, mesh=plan.mesh,
+        h, stored, labels, vocab_dim=vocab_dim, mesh=plan.mesh,
         h_spec=PartitionSpec(*label_spec, None), w_spec=PartitionSpec(*w_spec[:2]),
-        label_spec=label_spec)
+        label_spec=label_spec, sync=sync, primal=primal, defer=defer)
+
+
+def head_key(plan) -> str:
+    """The parameter the output head multiplies by: the head, or the tied table."""
+    return EMBED if plan.model.tie_embeddings else HEAD
+
+
+def head_of(plan, primal: dict, stored: dict, sync: dict, defer: bool) -> tuple | None:
+    """`token_losses`' `head` for the chunked loss, where the weight's layout allows it
+    (vocabulary not split over replica axes); None: the step gathers it whole."""
+    key = head_key(plan)
+    vocab_dim = 0 if plan.model.tie_embeddings else 1
+    if plan.loss != objective.CHUNKED or not vocab_supports(sync[key], vocab_dim):
+        return None
+    if plan.model.tie_embeddings and not embedding.supports(sync[key]):
+        return None  # the table is gathered whole for the lookup anyway
+    return primal[key], stored[key], sync[key], defer
 
 
 def _without(entry, axes: set):
@@ -105,3 +129,11 @@ def embed_lookup(plan, manual: tuple[str, ...], primal, stored, sync, defer: boo
     vocab = resolve((ax.VOCAB, ax.EMBED), inner_rules(plan.rules, manual), plan.mesh)[0]
     return partial(embedding.lookup, primal, stored, sync=sync, dtype=plan.compute_dtype,
                    defer=defer, mesh=plan.mesh, vocab_axes=mesh_axes_of(vocab))
+
+
+def unmaterialized(plan, lookup, head) -> set[str]:
+    """Shared parameters the step does not gather whole: an untied table that is only looked
+    up (`embed_lookup`), an output weight the loss gathers chunk by chunk (`head_of`)."""
+    tied = plan.model.tie_embeddings
+    skip = {head_key(plan)} if head else set()
+    return skip | ({EMBED} if lookup and not tied else set())

@@ -62,10 +62,11 @@ def check_fits(config, plan) -> None:
 def dry_run(config) -> None:
     """`--dry-run`: compile the step ahead of time, print the plan beside the compiler's
     numbers, check it fits, and return without allocating anything."""
-    from jdist.train.report import layout_table
+    from jdist.train.report import compute_line, layout_table
 
     _, plan, _ = plan_for(config)
     print(layout_table(plan), flush=True)
+    print(compute_line(plan, config.seq_len), flush=True)
     measured = measure(plan, config.batch_size, config.seq_len)
     print(table(plan_breakdown(config, plan), measured), flush=True)
     check_fits(config, plan)

@@ -28,9 +28,11 @@ from jdist.parallel import grad_sync as gs
 from jdist.train.context import (
     context_parallel_of,
     embed_lookup,
+    head_of,
     model_context,
     reorder_tokens,
     token_losses,
+    unmaterialized,
 )
 from jdist.train.layer_order import BLOCKS, EMBED
 
@@ -98,8 +100,8 @@ def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
     materialized here, each block's inside the layer loop (`ModelContext.layer_params`)."""
     dtype = plan.compute_dtype
     lookup = embed_lookup(plan, MANUAL, primal[EMBED], stored[EMBED], sync[EMBED], defer)
-    # Untied, the table is only looked up: never gathered (jdist.parallel.embedding).
-    skip = {BLOCKS} | ({EMBED} if lookup and not plan.model.tie_embeddings else set())
+    head = head_of(plan, primal, stored, sync, defer)
+    skip = unmaterialized(plan, lookup, head)
     shared = {k: materialized(primal[k], stored[k], sync[k], dtype, defer)
               if k not in skip else stored[k] for k in stored if k != BLOCKS}
 
@@ -112,7 +114,7 @@ def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
     cp = context_parallel_of(plan, MANUAL)
     x, stats = model.run_blocks(model.embed_tokens(reorder_tokens(cp, tokens), ctx), ctx,
                                 cp.positions(tokens.shape[1]))
-    ce = token_losses(plan, MANUAL, model, x, reorder_tokens(cp, targets), ctx).mean()
+    ce = token_losses(plan, MANUAL, model, x, reorder_tokens(cp, targets), ctx, head).mean()
     stats = stats if plan.model.n_experts else None
     replicas = tuple(a for a in MANUAL if plan.mesh.shape[a] > 1)
     return objective.loss_terms(plan.model, ce, stats, replicas)

@@ -26,6 +26,7 @@ from jdist.parallel.layer_shuffle import shuffle
 
 BLOCKS = "blocks"  # the stacked-layer subtree of the parameters (models.Llama.blocks)
 EMBED = "embed"    # the token embedding table (models.Llama.embed)
+HEAD = "head"      # the untied output head (models.Llama.head)
 CHECKPOINT_KEY = "layer_order"  # in checkpoint metadata: stored position -> model layer
 
 

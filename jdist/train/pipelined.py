@@ -26,9 +26,11 @@ from jdist.parallel import stage_program
 from jdist.train.context import (
     context_parallel_of,
     embed_lookup,
+    head_of,
     model_context,
     reorder_tokens,
     token_losses,
+    unmaterialized,
 )
 from jdist.train.grads import (
     MANUAL,
@@ -78,8 +80,8 @@ def _run(plan, params: dict, batch: dict, train: bool):
 
             lookup = embed_lookup(plan, PIPE_MANUAL, shared[EMBED], stored_shared[EMBED],
                                   sync[EMBED], defer)
-            # Untied, the table is only looked up: never gathered (jdist.parallel.embedding).
-            skip = {EMBED} if lookup and not model_cfg.tie_embeddings else set()
+            head = head_of(plan, shared, stored_shared, sync, defer)
+            skip = unmaterialized(plan, lookup, head)
 
             def shared_values():
                 return {k: materialized(shared[k], stored_shared[k], sync[k], dtype, defer)
@@ -99,7 +101,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
             y, stats = model(stored_shared).run_blocks(x, ctx, positions)
             ce = jax.lax.cond(
                 last, lambda: token_losses(plan, PIPE_MANUAL, model(shared_values()), y,
-                                           labels[m], ctx).mean(),
+                                           labels[m], ctx, head).mean(),
                 lambda: jnp.zeros((), jnp.float32))
             share = stats["tokens"].shape[0] / model_cfg.n_layers if model_cfg.n_experts else 1.0
             return y, objective.loss_terms(model_cfg, ce, stats if model_cfg.n_experts else None,

@@ -13,6 +13,7 @@ import jax
 
 from jdist import sharding as sh
 from jdist.mesh import describe
+from jdist.train.context import attention_of
 from jdist.train.state import Plan
 from jdist.train.throughput import flops_per_token, peak_tflops, utilisation
 
@@ -39,6 +40,12 @@ def layout_table(plan: Plan) -> str:
     opt = sh.per_device_bytes(plan.abstract.opt_state, plan.shardings.opt_state)
     lines.append(f"per-device bytes: parameters {_mb(params)}, optimizer state {_mb(opt)}")
     return "\n".join(lines)
+
+
+def compute_line(plan: Plan, seq_len: int) -> str:
+    """Which kernels the step runs: the attention implementation (auto resolved) and loss."""
+    return (f"attention: {attention_of(plan, seq_len)} (--attention {plan.attention}); "
+            f"loss: {plan.loss}; compute dtype: {plan.compute_dtype.name}; remat: {plan.remat}")
 
 
 class Progress:
@@ -108,6 +115,7 @@ class StepRecords:
         self.devices = plan.mesh.size if plan else 1
         self.peak = peak_tflops(plan.mesh.devices.flat[0].device_kind,
                                 config.peak_tflops) if plan else 0.0
+        self.attention = attention_of(plan, config.seq_len) if plan else None
         self.progress = Progress(config.steps, config.log_every, show)
         self.log, self.history = log, []
         self.last_done = time.perf_counter()
@@ -118,6 +126,7 @@ class StepRecords:
         elapsed = time.perf_counter() - self.last_done
         tokens_per_sec = self.tokens_per_step / max(elapsed, 1e-9)
         return {"step": step, **values, "step_time_s": elapsed, "tokens_per_sec": tokens_per_sec,
+                **({"attention": self.attention} if self.attention else {}),
                 **(utilisation(tokens_per_sec, self.flops, self.devices, self.peak)
                    if self.flops else {})}
 
@@ -147,6 +156,7 @@ def open_run_dir(run_dir: Path, setup, resume_step: int) -> MetricsLog:
         "mesh": dict(plan.mesh.shape), "data": corpus.source,
         "processes": jax.process_count(), "jax": jax.__version__}, indent=2))
     print(layout_table(plan), flush=True)
+    print(compute_line(plan, config.seq_len), flush=True)
     print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
           f"tokens; run dir: {run_dir}", flush=True)
     return log

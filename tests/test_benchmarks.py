@@ -1,0 +1,21 @@
+"""The GPU benchmark's path runs on CPU (tiny model), so it is known to work before a GPU
+session spends its minutes on it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_benchmark_runs_each_attention_on_the_tiny_model():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny",
+                          "--steps", "2", "--json"], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    result = json.loads(out)
+    assert [r["attention"] for r in result["rows"]] == ["xla", "flash"]  # no cuDNN on CPU
+    for row in result["rows"]:
+        assert row["loss_finite"] and row["tokens_per_s"] > 0 and row["compiled_peak_bytes"] > 0
+        assert 0 < row["mfu_measured_peak"] and row["layers"] == row["of_layers"]
+    assert result["measured_matmul_tflops"] > 0
