@@ -125,8 +125,9 @@ def _backward(head: Head, h, primal, stored, labels, lse, g):
         return (dh, dw), None
 
     like = tuple({*vma(h), *vma(stored), *vma(labels)})
+    # dW chunks are summed over the token axes: the gradient varies only as the weight does.
     start = (varying(jnp.zeros(h.shape, jnp.float32), like),
-             varying(jnp.zeros(primal.shape, primal.dtype), like))
+             varying(jnp.zeros(primal.shape, primal.dtype), (*vma(stored), *vma(primal))))
     (dh, dw), _ = _over_chunks(body, start, local // head.chunk)
     if head.vocab_axes:  # every vocab slice contributed to each token's hidden-state gradient
         dh = lax.psum(dh, head.vocab_axes)
