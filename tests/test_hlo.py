@@ -67,5 +67,6 @@ def test_embedding_table_is_never_gathered(mesh, monkeypatch):
         return [s for s in collective_shapes(text, "all-gather") if s[:1] == (512,)]
 
     assert table_gathers() == []
-    monkeypatch.setattr(embedding, "supports", lambda sync: False)
-    assert table_gathers()  # the plain gather of the whole table
+    if mesh == "fsdp=8":  # the check sees the old path: the whole table gathered
+        monkeypatch.setattr(embedding, "supports", lambda sync: False)
+        assert table_gathers()

@@ -116,14 +116,14 @@ def predict(plan, micro_batch: int, seq_len: int) -> Breakdown:
 def in_flight_bytes(plan, compute_bytes: int) -> int:
     """What the per-layer gradient path holds besides the state (jdist.parallel.grad_sync):
     one layer's parameters gathered over the replica axes (compute dtype) and its float32
-    gradient before the reduction, and the shared parameters (embedding, head) gathered and
-    with their full float32 gradients."""
+    gradient before the reduction, and the shared parameters the step gathers whole (none
+    with an untied table and the chunked loss) with their full float32 gradients."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jdist import axes as ax
     from jdist.rules import without_axis
-    from jdist.train.layer_order import BLOCKS, EMBED
+    from jdist.train.layer_order import BLOCKS, EMBED, HEAD
 
     def gathered(tree, shardings, itemsize):  # as laid out, less the replica axes
         def strip(s):
@@ -138,8 +138,11 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     if plan.pipeline is not None:
         layers //= plan.mesh.shape[ax.STAGE]
     layer = gathered(blocks, plan.shardings.params[BLOCKS], compute_bytes + 4) // layers
-    # An untied table is looked up where it lies (jdist.parallel.embedding), never gathered.
+    # An untied table is looked up where it lies (jdist.parallel.embedding), never gathered;
+    # the chunked loss gathers the output weight a chunk at a time (jdist.parallel.vocab).
     skip = {BLOCKS} | (set() if plan.model.tie_embeddings else {EMBED})
+    if plan.loss == CHUNKED:
+        skip |= {EMBED if plan.model.tie_embeddings else HEAD}
     shared = {k: v for k, v in plan.abstract.params.items() if k not in skip}
     shared_sh = {k: v for k, v in plan.shardings.params.items() if k not in skip}
     return layer + gathered(shared, shared_sh, 4 + 4)
