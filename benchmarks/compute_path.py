@@ -52,7 +52,7 @@ def attention_rows() -> list[dict]:
         q = jax.ShapeDtypeStruct((1, seq, cfg.n_heads, cfg.dim_per_head), BF16)
         kv = jax.ShapeDtypeStruct((1, seq, cfg.n_kv_heads, cfg.dim_per_head), BF16)
         for name, attend in (("xla", dot_product_attention), ("flash", flash_attention)):
-            grad = jax.grad(lambda q, k, v: attend(q, k, v, True).astype(jnp.float32).sum(),
+            grad = jax.grad(lambda q, k, v, f=attend: f(q, k, v, True).astype(jnp.float32).sum(),
                             (0, 1, 2))
             rows.append({"what": "attention", "impl": name, "seq_len": seq,
                          "temp_bytes": temp_bytes(grad, q, kv, kv)})

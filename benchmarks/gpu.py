@@ -52,6 +52,36 @@ def measured_peak_tflops(dtype, n: int, repeats: int) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
+def attention_errors(dtype) -> dict[str, float]:
+    """Max relative error (output and dq, dk, dv) of each runnable attention against the
+    dense float32 reference, on 8B-shaped heads (GQA 32/8, head_dim 128), causal."""
+    from jdist.parallel.attention import cudnn_attention
+    from jdist.parallel.flash import flash_attention
+    from models.layers import dot_product_attention
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    s = 256 if jax.default_backend() == "cpu" else 2048
+    shapes = ((1, s, 32, 128), (1, s, 8, 128), (1, s, 8, 128), (1, s, 32, 128))
+    q, k, v, ct = (jax.random.normal(key, shape) for key, shape in zip(keys, shapes))
+
+    def out_and_grads(attend, cast):
+        def f(q, k, v):
+            out = attend(*(x.astype(cast) for x in (q, k, v))).astype(jnp.float32)
+            return jnp.sum(out * ct), out
+        (_, out), grads = jax.jit(jax.value_and_grad(f, (0, 1, 2), has_aux=True))(q, k, v)
+        return [out, *grads]
+
+    with jax.default_matmul_precision("highest"):
+        ref = out_and_grads(lambda q, k, v: dot_product_attention(q, k, v, True), jnp.float32)
+    kernels = {FLASH: flash_attention, XLA: dot_product_attention, CUDNN: cudnn_attention}
+    errors = {}
+    for name in attentions(dtype, 128):
+        got = out_and_grads(lambda q, k, v, f=kernels[name]: f(q, k, v, True), dtype)
+        errors[name] = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+                           for a, b in zip(got, ref))
+    return errors
+
+
 def compiled_step(model, batch: int, seq: int, attention: str, dtype):
     tx, schedule = make_optimizer(1e-4, 100, 10)
     mesh = build_mesh("dp=1", jax.devices()[:1])
@@ -129,6 +159,7 @@ def main() -> None:
     measured = measured_peak_tflops(dtype, n, 3 if jax.default_backend() == "cpu" else 50)
     kind = jax.devices()[0].device_kind
     datasheet = peak_tflops(kind)
+    errors = attention_errors(dtype)
     began, rows, skipped = time.perf_counter(), [], []
     for name, (batch, seq) in runs.items():
         for attention in attentions(dtype, get_preset(name).dim_per_head):
@@ -141,7 +172,8 @@ def main() -> None:
             rows.append(row)
     result = {"device": kind, "backend": jax.default_backend(), "dtype": jnp.dtype(dtype).name,
               "measured_matmul_tflops": measured, "datasheet_tflops": datasheet or None,
-              "known_peaks": PEAK_TFLOPS, "rows": rows, "skipped_for_time": skipped}
+              "known_peaks": PEAK_TFLOPS, "attention_max_rel_error_vs_f32_dense": errors,
+              "rows": rows, "skipped_for_time": skipped}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -154,6 +186,8 @@ def main() -> None:
               f"{r['tokens_per_s']:10,.0f} {r['tflops_per_device']:8.2f} "
               f"{r['mfu_measured_peak']:6.1%} {r['compiled_peak_bytes'] / 2**30:9.2f} "
               f"{r['compile_s']:9.1f}")
+    print("attention vs float32 dense (output, dq, dk, dv; max relative error): " +
+          ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     if skipped:
         print(f"not run (time budget): {', '.join(skipped)}")
 

@@ -1,9 +1,12 @@
 """Explicit `jax.shard_map` kernels: the few computations GSPMD cannot shard well by itself.
 
-Context parallelism over `sequence`: `context` chooses the attention strategy of a training
-step; `ring_attention`, `all_gather_attention` and `ulysses_attention` are the strategies;
-`blockwise` holds the attention arithmetic they share; `load_balance` reorders tokens so
-causal work is even.
+Attention: `flash` (blockwise, O(S) memory; its arithmetic in `blockwise`) and `attention`
+(which implementation a step runs: xla, flash, cudnn). Context parallelism over `sequence`:
+`context` chooses the strategy; `ring_attention`, `all_gather_attention` and
+`ulysses_attention` run flash blocks; `load_balance` reorders tokens so causal work is even.
+The vocabulary: `vocab` (chunked, vocab-parallel cross-entropy), `embedding` (the lookup of
+a table that stays sharded). Parameters and gradients: `grad_sync`. Experts: `moe`.
+Pipelines: `pipeline`, `schedule`, `stage_program`, `layer_shuffle`.
 """
 
 # `check_vma` of the kernels' shard_maps: JAX tracks which manual axes each value varies
