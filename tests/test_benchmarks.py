@@ -19,3 +19,4 @@ def test_gpu_benchmark_runs_each_attention_on_the_tiny_model():
         assert row["loss_finite"] and row["tokens_per_s"] > 0 and row["compiled_peak_bytes"] > 0
         assert 0 < row["mfu_measured_peak"] and row["layers"] == row["of_layers"]
     assert result["measured_matmul_tflops"] > 0
+    assert result["attention_max_rel_error_vs_f32_dense"]["flash"] < 1e-5
