@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jdist import data  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
-from jdist.parallel.attention import CUDNN, FLASH, XLA, cudnn_refusal  # noqa: E402
+from jdist.parallel.attention import CUDNN, FLASH, XLA, accelerator, cudnn_refusal  # noqa: E402
 from jdist.rules import DEFAULT_RULES  # noqa: E402
 from jdist.train import init_state, make_optimizer, make_plan  # noqa: E402
 from jdist.train.step import make_train_step  # noqa: E402
@@ -105,8 +105,13 @@ def device_memory() -> int:
     return stats.get("bytes_limit", 0)
 
 
+FITS: dict[str, int] = {}  # layers of each model that fit, found by its first row
+
+
 def run_one(name: str, batch: int, seq: int, attention: str, dtype, steps: int) -> dict:
     model = get_preset(name)
+    if name in FITS:
+        model = dataclasses.replace(model, n_layers=FITS[name])
     limit = device_memory()
     while True:
         plan, compiled, compile_s = compiled_step(model, batch, seq, attention, dtype)
@@ -114,6 +119,7 @@ def run_one(name: str, batch: int, seq: int, attention: str, dtype, steps: int) 
         if not limit or peak <= 0.95 * limit or model.n_layers <= 1:
             break
         model = dataclasses.replace(model, n_layers=model.n_layers // 2)  # halve until it fits
+    FITS.setdefault(name, model.n_layers)
     state = init_state(plan, seed=0)
     corpus = data.load_corpus(None, seq)
     batches = [data.global_batch(corpus.train, 0, i, batch, seq, plan.batch_sharding)
@@ -131,13 +137,14 @@ def run_one(name: str, batch: int, seq: int, attention: str, dtype, steps: int) 
     return {"model": name, "layers": model.n_layers, "of_layers": get_preset(name).n_layers,
             "attention": attention, "batch": batch, "seq_len": seq, "steps": steps,
             "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
-            "compiled_peak_bytes": peak, "device_peak_bytes": used, "compile_s": compile_s,
+            # The device's high-water mark since the process started (all rows so far).
+            "compiled_peak_bytes": peak, "device_peak_bytes_so_far": used, "compile_s": compile_s,
             "final_loss": loss, "loss_finite": math.isfinite(loss)}
 
 
 def attentions(dtype, head_dim: int) -> list[str]:
     runnable = [XLA, FLASH]
-    if cudnn_refusal(jax.default_backend(), dtype, head_dim) is None:
+    if cudnn_refusal(*accelerator()[:1], dtype, head_dim, accelerator()[1]) is None:
         runnable.append(CUDNN)
     return runnable
 

@@ -82,17 +82,24 @@ def test_auto_picks_by_backend_dtype_and_length():
                                                "context_parallel": False, **kw})
     assert pick() == "flash"
     assert pick(seq_len=256) == "xla"
-    assert pick(backend="gpu", dtype=jnp.bfloat16) == "cudnn"
-    assert pick(backend="gpu", dtype=jnp.float32) == "flash"   # cuDNN needs half precision
-    assert pick(backend="gpu", dtype=jnp.bfloat16, head_dim=256) == "flash"
-    assert pick(backend="gpu", dtype=jnp.bfloat16, context_parallel=True) == "flash"
+    h100 = {"backend": "cuda", "capability": (9, 0), "dtype": jnp.bfloat16}
+    assert pick(**h100) == "cudnn"
+    assert pick(**{**h100, "dtype": jnp.float32}) == "flash"   # cuDNN needs half precision
+    assert pick(**{**h100, "head_dim": 256}) == "cudnn"        # Hopper: up to 256
+    assert pick(**{**h100, "head_dim": 256, "capability": (8, 0)}) == "flash"
+    assert pick(**{**h100, "capability": (7, 0)}) == "flash"   # cuDNN flash needs Ampere
+    assert pick(backend="gpu", dtype=jnp.bfloat16) == "flash"  # a GPU that is not CUDA
+    assert pick(**h100, context_parallel=True) == "flash"
+    assert pick(**h100, heads_match=False) == "xla"
 
 
 @pytest.mark.parametrize("kw, message", [
     ({"requested": "cudnn"}, "needs an NVIDIA GPU"),
-    ({"requested": "cudnn", "backend": "gpu"}, "pass --compute-dtype bfloat16"),
-    ({"requested": "cudnn", "backend": "gpu", "dtype": jnp.bfloat16, "head_dim": 192},
-     "multiple of 8 up to 128"),
+    ({"requested": "cudnn", "backend": "cuda", "capability": (9, 0)},
+     "pass --compute-dtype bfloat16"),
+    ({"requested": "cudnn", "backend": "cuda", "capability": (8, 6), "dtype": jnp.bfloat16,
+      "head_dim": 192}, "multiple of 8 up to 128"),
+    ({"requested": "flash", "heads_match": False}, "heads and kv_heads sharded alike"),
     ({"requested": "xla", "context_parallel": True}, "sequence-sharded"),
     ({"requested": "fused"}, "unknown --attention"),
 ])

@@ -23,29 +23,41 @@ IMPLEMENTATIONS = (AUTO, XLA, FLASH, CUDNN)
 # Below this many tokens the dense [S, S] scores are small (1024^2 float32 = 4 MiB per
 # head), and one block beats a loop of tiles; above it, flash's O(S) memory wins.
 FLASH_MIN_SEQ = 1024
-# cuDNN's fused attention (cuDNN 9, jax 0.10/0.11): half precision, head_dim a multiple
-# of 8 up to 128.
+# cuDNN's fused attention as jax 0.10/0.11 runs it: an NVIDIA GPU from Ampere (8.0), half
+# precision, head_dim a multiple of 8 up to 128 (256 from Hopper, 9.0).
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-CUDNN_MAX_HEAD_DIM = 128
 
 
-def cudnn_refusal(backend: str, dtype, head_dim: int) -> str | None:
+def accelerator() -> tuple[str, tuple[int, ...]]:
+    """("cuda", compute capability) on an NVIDIA GPU; else (the backend's name, ())."""
+    device = jax.devices()[0]
+    if device.platform == "gpu" and "cuda" in device.client.platform_version.lower():
+        return "cuda", tuple(int(x) for x in device.compute_capability.split("."))
+    return jax.default_backend(), ()
+
+
+def cudnn_refusal(backend: str, dtype, head_dim: int, capability: tuple = ()) -> str | None:
     """Why cuDNN attention cannot run this, or None if it can."""
-    if backend not in ("gpu", "cuda"):
+    if backend != "cuda":
         return f"cuDNN attention needs an NVIDIA GPU (this backend is {backend})"
+    if capability < (8, 0):
+        return (f"cuDNN attention needs compute capability 8.0 or newer (this GPU has "
+                f"{'.'.join(map(str, capability))})")
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CUDNN_DTYPES]:
         return (f"cuDNN attention needs bfloat16 or float16 compute (this run uses "
                 f"{jnp.dtype(dtype).name}; pass --compute-dtype bfloat16)")
-    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+    limit = 256 if capability >= (9, 0) else 128
+    if head_dim % 8 or head_dim > limit:
         return (f"cuDNN attention needs a head dimension that is a multiple of 8 up to "
-                f"{CUDNN_MAX_HEAD_DIM} (this model's is {head_dim})")
+                f"{limit} on this GPU (this model's is {head_dim})")
     return None
 
 
 def choose(requested: str, *, backend: str, dtype, head_dim: int, seq_len: int,
-           context_parallel: bool) -> str:
+           context_parallel: bool, capability: tuple = (), heads_match: bool = True) -> str:
     """The implementation that runs: `requested`, or what `auto` resolves to. One-line
-    ConfigError where the request cannot run."""
+    ConfigError where the request cannot run. `heads_match`: the rules shard heads and
+    kv_heads alike (the kernels pair each device's query heads with its kv heads)."""
     require(requested in IMPLEMENTATIONS,
             f"unknown --attention {requested!r}; use {', '.join(IMPLEMENTATIONS)}")
     if context_parallel:
@@ -53,14 +65,19 @@ def choose(requested: str, *, backend: str, dtype, head_dim: int, seq_len: int,
                 f"--attention {requested} cannot run on a sequence-sharded mesh (the "
                 "context-parallel kernel runs flash blocks); use --attention flash or auto")
         return FLASH
+    if not heads_match:
+        require(requested in (AUTO, XLA),
+                f"--attention {requested} needs heads and kv_heads sharded alike, which the "
+                "rules do not do; give both the same rules or use --attention xla")
+        return XLA
     if requested == CUDNN:
-        why = cudnn_refusal(backend, dtype, head_dim)
+        why = cudnn_refusal(backend, dtype, head_dim, capability)
         if why:
             raise ConfigError(f"--attention cudnn: {why}; use --attention flash or auto")
         return CUDNN
     if requested != AUTO:
         return requested
-    if cudnn_refusal(backend, dtype, head_dim) is None:
+    if cudnn_refusal(backend, dtype, head_dim, capability) is None:
         return CUDNN
     return FLASH if seq_len >= FLASH_MIN_SEQ else XLA
 

@@ -122,12 +122,14 @@ def block_grads(q, k, v, dout, lse, delta, mask) -> tuple[jax.Array, jax.Array, 
     """Gradients (float32) w.r.t. q, k, v of one block, given the whole row's log-sum-exp
     `lse` and delta = sum(dout * out) per row [b, kv, g, s]."""
     p = jnp.exp(scores(q, k, mask) - lse[..., None])  # final probabilities of this block
-    dout32 = dout.astype(jnp.float32)
-    dv = jnp.einsum("bkgst,bskgd->btkd", p, dout32)
-    dp = jnp.einsum("bskgd,btkd->bkgst", dout32, v, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[..., None]) * (q.shape[-1] ** -0.5)
-    dq = jnp.einsum("bkgst,btkd->bskgd", ds, k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bkgst,bskgd->btkd", ds, q, preferred_element_type=jnp.float32)
+    # Matmul operands in the inputs' dtype (bf16 runs on tensor cores, as in the forward),
+    # every product accumulated in float32.
+    f32 = jnp.float32
+    dv = jnp.einsum("bkgst,bskgd->btkd", p.astype(dout.dtype), dout, preferred_element_type=f32)
+    dp = jnp.einsum("bskgd,btkd->bkgst", dout, v.astype(dout.dtype), preferred_element_type=f32)
+    ds = (p * (dp - delta[..., None]) * (q.shape[-1] ** -0.5)).astype(q.dtype)
+    dq = jnp.einsum("bkgst,btkd->bskgd", ds, k, preferred_element_type=f32)
+    dk = jnp.einsum("bkgst,bskgd->btkd", ds, q, preferred_element_type=f32)
     return dq, dk, dv
 
 

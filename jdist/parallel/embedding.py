@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jdist.parallel import CHECK_VMA, kernel_mesh
+from jdist.parallel import grad_sync as gs
 from jdist.parallel.grad_sync import Sync
 
 
@@ -100,12 +101,10 @@ def _backward(table: Table, tokens, ct, sync: Sync, defer: bool):
     if split:
         grad = lax.all_to_all(grad, split, split_axis=2, concat_axis=0, tiled=True)
     grad = table.scatter(tokens, grad)  # already summed over `split`: all their tokens
-    if sync.reduce and not defer:
-        grad = lax.psum(grad, sync.reduce)
-    for dim, (s, g) in enumerate(zip(sync.stored, sync.grad)):
-        if g[len(s):]:  # ZeRO-2: the gradient is split further than the table
-            grad = lax.psum_scatter(grad, g[len(s):], scatter_dimension=dim, tiled=True)
-    return grad / sync.replicas
+    # The rest as for every parameter, over what the table's split has not summed: the
+    # other replica axes, and under ZeRO-2 the axes the gradient is split further over.
+    further = tuple(g[len(s):] for s, g in zip(sync.stored, sync.grad))
+    return gs.reduce(grad, dataclasses.replace(sync, grad=further), defer)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))

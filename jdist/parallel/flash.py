@@ -53,6 +53,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = Tru
                     query_offset=0, q_tile: int = bw.Q_TILE,
                     k_tile: int = bw.KEY_TILE) -> jax.Array:
     """Grouped-query attention q [b, s, h, d], k/v [b, t, kv, d] -> [b, s, h, d], exact.
-    Causal: query i (at position `query_offset + i`, possibly traced) sees keys 0..that."""
+    Causal: query i (at position `query_offset + i`, possibly traced, >= 0) sees keys
+    0..that, so every query sees at least key 0."""
     offset = jnp.asarray(query_offset, jnp.int32)
     return _flash(q, k, v, offset, causal, q_tile, k_tile)

@@ -29,6 +29,7 @@ from jax import lax
 
 from jdist.parallel import CHECK_VMA, kernel_mesh, varying, vma
 from jdist.parallel import grad_sync as gs
+from jdist.rules import mesh_axes_of
 
 # Bytes of one float32 [tokens, chunk] logits block: bounds the loss's temporaries (a few
 # such blocks are live) whatever the vocabulary.
@@ -36,9 +37,15 @@ CHUNK_BYTES = 32 * 2**20
 
 
 def chunk_size(n_tokens: int, vocab: int, budget: int = CHUNK_BYTES) -> int:
-    """The largest divisor of `vocab` whose float32 [n_tokens, chunk] block fits `budget`."""
+    """Vocabulary rows per chunk: the largest divisor of `vocab` whose float32 [n_tokens,
+    chunk] block fits `budget`; if that is under half the rows the budget allows (a vocab
+    like 50257 = 29 x 1733), the rows the budget allows, the last chunk overlapping the one
+    before it and counting only its new rows (`_fresh`)."""
     limit = max(1, budget // (4 * max(n_tokens, 1)))
-    return max(d for d in range(1, min(vocab, limit) + 1) if vocab % d == 0)
+    if limit >= vocab:
+        return vocab
+    best = max(d for d in range(1, limit + 1) if vocab % d == 0)
+    return best if 2 * best >= limit else limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,25 +63,44 @@ class Head:
     defer: bool = False
 
 
-def _weight_chunk(head: Head, stored, i):
-    """Vocabulary rows i*chunk.. of the stored float32 block, gathered over the replica axes
-    in the compute dtype: the whole head is never gathered at once. (Casting a chunk inside
-    the loop, not the whole weight before it, also keeps the CPU backend, which runs bf16
-    dots in f32, from widening the whole head to f32 up front; jax 0.10.2.)"""
-    w_c = lax.dynamic_slice_in_dim(stored, i * head.chunk, head.chunk, head.vocab_dim)
+def _n_chunks(head: Head, local: int) -> int:
+    return -(-local // head.chunk)
+
+
+def _start(head: Head, local: int, i):
+    """First vocabulary row of chunk i: the last chunk ends at the last row."""
+    return jnp.minimum(i * head.chunk, local - head.chunk)
+
+
+def _fresh(head: Head, local: int, i, start):
+    """Which of chunk i's rows no earlier chunk covered ([chunk] booleans), or None when
+    the chunks tile the vocabulary exactly."""
+    if local % head.chunk == 0:
+        return None
+    return start + jnp.arange(head.chunk) >= i * head.chunk
+
+
+def _weight_chunk(head: Head, stored, start):
+    """Vocabulary rows start..start+chunk of the stored float32 block, gathered over the
+    replica axes in the compute dtype: the whole head is never gathered at once. (Casting a
+    chunk inside the loop, not the whole weight before it, also keeps the CPU backend, which
+    runs bf16 dots in f32, from widening the whole head to f32 up front; jax 0.10.2.)"""
+    w_c = lax.dynamic_slice_in_dim(stored, start, head.chunk, head.vocab_dim)
     return gs.gather(w_c, head.sync, head.dtype)
 
 
-def _logits(head: Head, h, w_c):
+def _logits(head: Head, h, w_c, fresh):
     eq = "bse,ev->bsv" if head.vocab_dim == 1 else "bse,ve->bsv"
-    return jnp.einsum(eq, h, w_c, preferred_element_type=jnp.float32)
+    logits = jnp.einsum(eq, h, w_c, preferred_element_type=jnp.float32)
+    return logits if fresh is None else jnp.where(fresh, logits, -jnp.inf)
 
 
-def _hits(head: Head, labels, local: int, i, shape):
-    """Where chunk i holds each token's label (a one-hot [b, s, chunk] mask)."""
+def _hits(head: Head, labels, local: int, start, fresh, shape):
+    """Where the chunk at `start` holds each token's label (a one-hot [b, s, chunk] mask)."""
     offset = lax.axis_index(head.vocab_axes) * local if head.vocab_axes else 0
-    rel = labels - offset - i * head.chunk
-    return rel[..., None] == lax.broadcasted_iota(jnp.int32, shape, 2)
+    rel = labels - offset - start
+    hit = rel[..., None] == lax.broadcasted_iota(jnp.int32, shape, 2)
+    return hit if fresh is None else hit & fresh
 
 
 def _forward(head: Head, h, stored, labels):
@@ -86,13 +112,15 @@ def _forward(head: Head, h, stored, labels):
 
     def body(carry, i):
         m, norm, picked = carry
-        logits = _logits(head, h, _weight_chunk(head, stored, i))
+        first = _start(head, local, i)
+        fresh = _fresh(head, local, i, first)
+        logits = _logits(head, h, _weight_chunk(head, stored, first), fresh)
         new_m = jnp.maximum(m, logits.max(-1))
         norm = norm * jnp.exp(m - new_m) + jnp.exp(logits - new_m[..., None]).sum(-1)
-        hit = _hits(head, labels, local, i, logits.shape)
+        hit = _hits(head, labels, local, first, fresh, logits.shape)
         return (new_m, norm, picked + jnp.where(hit, logits, 0.0).sum(-1)), None
 
-    (m, norm, picked), _ = _over_chunks(body, start, local // head.chunk)
+    (m, norm, picked), _ = _over_chunks(body, start, _n_chunks(head, local))
     if head.vocab_axes:
         top = lax.pmax(m, head.vocab_axes)
         norm = lax.psum(norm * jnp.exp(m - top), head.vocab_axes)
@@ -112,23 +140,27 @@ def _backward(head: Head, h, primal, stored, labels, lse, g):
 
     def body(carry, i):
         dh, dw = carry
-        w_c = _weight_chunk(head, stored, i)
-        logits = _logits(head, h, w_c)
-        hit = _hits(head, labels, local, i, logits.shape)
+        first = _start(head, local, i)
+        fresh = _fresh(head, local, i, first)
+        w_c = _weight_chunk(head, stored, first)
+        logits = _logits(head, h, w_c, fresh)
+        hit = _hits(head, labels, local, first, fresh, logits.shape)
         dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * g[..., None]).astype(h.dtype)
         dh = dh + jnp.einsum(eq_h, dlogits, w_c, preferred_element_type=jnp.float32)
         dw_c = jnp.einsum(eq_w, h, dlogits, preferred_element_type=jnp.float32)
         if head.token_axes:
             dw_c = lax.psum(dw_c, head.token_axes)
         dw_c = gs.reduce(dw_c, head.sync, head.defer).astype(primal.dtype)
-        dw = lax.dynamic_update_slice_in_dim(dw, dw_c, i * head.chunk, head.vocab_dim)
+        if fresh is not None:  # the overlap already holds the earlier chunk's rows (+ 0 here)
+            dw_c = dw_c + lax.dynamic_slice_in_dim(dw, first, head.chunk, head.vocab_dim)
+        dw = lax.dynamic_update_slice_in_dim(dw, dw_c, first, head.vocab_dim)
         return (dh, dw), None
 
     like = tuple({*vma(h), *vma(stored), *vma(labels)})
     # dW chunks are summed over the token axes: the gradient varies only as the weight does.
     start = (varying(jnp.zeros(h.shape, jnp.float32), like),
              varying(jnp.zeros(primal.shape, primal.dtype), (*vma(stored), *vma(primal))))
-    (dh, dw), _ = _over_chunks(body, start, local // head.chunk)
+    (dh, dw), _ = _over_chunks(body, start, _n_chunks(head, local))
     if head.vocab_axes:  # every vocab slice contributed to each token's hidden-state gradient
         dh = lax.psum(dh, head.vocab_axes)
     return dh.astype(h.dtype), dw
@@ -152,8 +184,11 @@ def vocab_parallel_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, 
     the weight and `primal` its gradient-layout block (`grad_sync.to_grad_layout`), which
     receives the reduced float32 gradient: each chunk of rows is gathered over the replica
     axes when used and its gradient reduced right away. Without, `w` is used as it is."""
-    vocab_axes = tuple(a for a in _axes_of(w_spec, vocab_dim) if mesh.shape[a] > 1)
-    token_axes = tuple(a for d in (0, 1) for a in _axes_of(label_spec, d) if mesh.shape[a] > 1)
+    def split(spec, *dims):  # mesh axes (of size > 1) that split these dims of `spec`
+        entries = tuple(spec) + (None,) * 3
+        return tuple(a for d in dims for a in mesh_axes_of(entries[d]) if mesh.shape[a] > 1)
+
+    vocab_axes, token_axes = split(w_spec, vocab_dim), split(label_spec, 0, 1)
     n = math.prod(mesh.shape[a] for a in vocab_axes)
     local_tokens = labels.size // math.prod(mesh.shape[a] for a in token_axes)
     if sync is None:
@@ -195,7 +230,3 @@ def supports(sync: gs.Sync, vocab_dim: int) -> bool:
     """Chunks are cut along the vocabulary, which must not be split over replica axes."""
     return not sync.stored[vocab_dim] and not sync.grad[vocab_dim]
 
-
-def _axes_of(spec, dim: int) -> tuple[str, ...]:
-    entry = tuple(spec)[dim] if dim < len(spec) else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

@@ -52,9 +52,11 @@ def reorder_tokens(cp: ContextParallel, x):
 def attention_of(plan, seq_len: int) -> str:
     """The attention implementation the step runs (`--attention`, `auto` resolved)."""
     cp = ContextParallel(plan.mesh, plan.rules, plan.cp_strategy)
-    return attn.choose(plan.attention, backend=jax.default_backend(), dtype=plan.compute_dtype,
-                       head_dim=plan.model.dim_per_head, seq_len=seq_len,
-                       context_parallel=cp.size > 1)
+    backend, capability = attn.accelerator()
+    return attn.choose(plan.attention, backend=backend, capability=capability,
+                       dtype=plan.compute_dtype, head_dim=plan.model.dim_per_head,
+                       seq_len=seq_len, context_parallel=cp.size > 1,
+                       heads_match=cp.q_spec[:3] == cp.kv_spec[:3])
 
 
 def model_context(plan, manual: tuple[str, ...], seq_len: int,
@@ -109,10 +111,9 @@ def head_of(plan, primal: dict, stored: dict, sync: dict, defer: bool) -> tuple 
     (vocabulary not split over replica axes); None: the step gathers it whole."""
     key = head_key(plan)
     vocab_dim = 0 if plan.model.tie_embeddings else 1
+    # (Tied, this is the condition of the table's lookup too: both read the stored block.)
     if plan.loss != objective.CHUNKED or not vocab_supports(sync[key], vocab_dim):
         return None
-    if plan.model.tie_embeddings and not embedding.supports(sync[key]):
-        return None  # the table is gathered whole for the lookup anyway
     return primal[key], stored[key], sync[key], defer
 
 
