@@ -66,10 +66,12 @@ def rotary_tables(positions: jax.Array | np.ndarray, head_dim: int, theta: float
     come out the same under jit and eagerly; traced positions use float32 angles.
     """
     inv_freq = rope_inv_freq(head_dim, float(theta), scaling)
-    if isinstance(positions, jax.core.Tracer):
+    try:  # numpy or a concrete array; `jax.core.Tracer` is deprecated from jax 0.10
+        host = np.asarray(positions, np.float64)
+    except jax.errors.TracerArrayConversionError:
         angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
         return jnp.cos(angles), jnp.sin(angles)
-    angles = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
+    angles = host[:, None] * inv_freq[None, :]
     return (jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
 
 
