@@ -127,8 +127,8 @@ def reference(single_device):
 
 @pytest.mark.parametrize("mesh, strategy", [
     ("sp=2", RING), ("sp=4", RING), ("sp=8", RING),
-    ("sp=2", ALL_GATHER), ("sp=4", ALL_GATHER), ("sp=8", ALL_GATHER),
-    ("sp=2", ULYSSES), ("sp=4", ULYSSES), ("sp=8", ULYSSES),
+    ("sp=2", ALL_GATHER), ("sp=8", ALL_GATHER),  # sp=4: no case sp=2 and sp=8 do not cover
+    ("sp=2", ULYSSES), ("sp=8", ULYSSES),
     ("dp=2,sp=2,tp=2", RING),
 ])
 def test_training_matches_single_device(corpus, reference, mesh, strategy):
