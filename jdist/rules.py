@@ -46,6 +46,12 @@ def mesh_axes_of(candidate: Candidate) -> tuple[str, ...]:
     return (candidate,) if isinstance(candidate, str) else tuple(candidate)
 
 
+def as_candidate(axes: Sequence[str]) -> Candidate:
+    """Mesh axes as a rule candidate / PartitionSpec entry: None, a name, or a tuple."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def resolve(names: Sequence[str | None], rules: Rules = DEFAULT_RULES, mesh=None):
     """Logical names -> `PartitionSpec`. With `mesh`, size-1 mesh axes are dropped."""
     from jax.sharding import PartitionSpec
@@ -67,7 +73,7 @@ def resolve(names: Sequence[str | None], rules: Rules = DEFAULT_RULES, mesh=None
 
 def _drop_trivial(candidate: Candidate, shape: Mapping[str, int]) -> Candidate:
     kept = tuple(a for a in mesh_axes_of(candidate) if shape[a] > 1)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+    return as_candidate(kept)
 
 
 def override(rules: Rules, updates: Mapping[str, Sequence[Candidate]]) -> Rules:
@@ -111,7 +117,7 @@ def without_axis(rules: Rules, mesh_axis: str) -> Rules:
     out = []
     for logical, candidate in rules:
         kept = tuple(a for a in mesh_axes_of(candidate) if a != mesh_axis)
-        out.append((logical, None if not kept else kept[0] if len(kept) == 1 else kept))
+        out.append((logical, as_candidate(kept)))
     return tuple(out)
 
 
@@ -123,7 +129,7 @@ def _canonical(candidate) -> Candidate:
         require(isinstance(name, str) and name.lower() in ax.MESH_AXIS_ALIASES,
                 f"rule names unknown mesh axis {name!r}; use one of {', '.join(ax.MESH_AXES)}")
     canon = tuple(ax.MESH_AXIS_ALIASES[n.lower()] for n in names)
-    return canon[0] if len(canon) == 1 else canon
+    return as_candidate(canon)
 
 
 def load_rules(path: str | Path, base: Rules = DEFAULT_RULES) -> Rules:

@@ -15,7 +15,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import axes as ax
-from jdist.rules import mesh_axes_of
+from jdist.rules import as_candidate, mesh_axes_of
 
 STAGES = (0, 1, 2, 3)
 OPTIMIZER, GRADIENTS, PARAMETERS = 1, 2, 3  # the first stage that shards each component
@@ -54,7 +54,7 @@ def zero_spec(shape: tuple[int, ...], spec: PartitionSpec, names: tuple, mesh) -
         return spec
     entries = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
     parts = mesh_axes_of(entries[dim]) + (ax.DATA,)
-    entries[dim] = parts[0] if len(parts) == 1 else parts
+    entries[dim] = as_candidate(parts)
     return PartitionSpec(*entries)
 
 

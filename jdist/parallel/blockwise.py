@@ -21,10 +21,10 @@ from jdist.parallel import varying, vma, zeros
 
 # A masked score. Finite, so exp(MASKED - max) is exactly 0 and an all-masked row is never NaN.
 MASKED = float(jnp.finfo(jnp.float32).min)
-# Keys per score block in the tiled functions: bounds a live score block to [queries, 512]
-# (memory linear in the local sequence) while keeping each matmul large.
+# Keys and queries per score block in the tiled functions: a live block is [512, 512] per
+# head (memory linear in the sequence) while each matmul stays large.
 KEY_TILE = 512
-Q_TILE = 512  # queries per score block: with KEY_TILE, a live block is [512, 512] per head
+Q_TILE = 512
 
 
 class Acc(NamedTuple):

@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jdist.errors import require
 from jdist.remat import GATHERED
-from jdist.rules import mesh_axes_of
+from jdist.rules import as_candidate, mesh_axes_of
 
 # `check_vma` of the replica shard_map (jdist.train.grads, jdist.train.pipelined). Off, for
 # a jax limitation (0.10.2): with it on, autodiff's partial evaluation of a kernel shard_map
@@ -61,7 +61,7 @@ def manual_part(spec, ndim: int, manual: tuple[str, ...], what: str = "") -> tup
 def in_spec(parts: tuple):
     """The shard_map spec of per-dimension manual axes."""
     from jax.sharding import PartitionSpec
-    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in parts))
+    return PartitionSpec(*(as_candidate(a) for a in parts))
 
 
 @dataclasses.dataclass(frozen=True)

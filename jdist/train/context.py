@@ -22,7 +22,7 @@ from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
 from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
-from jdist.rules import Rules, constrainer, mesh_axes_of, resolve, without_axis
+from jdist.rules import Rules, as_candidate, constrainer, mesh_axes_of, resolve, without_axis
 from jdist.train.layer_order import EMBED, HEAD
 from models.context import ModelContext
 from models.layers import weight
@@ -93,7 +93,8 @@ def token_losses(plan, manual: tuple[str, ...], model, x, labels, ctx: ModelCont
     vocab_axes = set(mesh_axes_of(w_spec[vocab_dim]))
     tokens = resolve((ax.BATCH, ax.LENGTH), rules, plan.mesh)
     # Tokens replicated over the vocab axes (each device scores them on its shard).
-    label_spec = PartitionSpec(*(_without(e, vocab_axes) for e in tokens))
+    label_spec = PartitionSpec(*(as_candidate(a for a in mesh_axes_of(e) if a not in vocab_axes)
+                                 for e in tokens))
     primal, stored, sync, defer = head if head else (None, weight(param, h), None, False)
     return vocab_parallel_cross_entropy(
         h, stored, labels, vocab_dim=vocab_dim, mesh=plan.mesh,
@@ -115,11 +116,6 @@ def head_of(plan, primal: dict, stored: dict, sync: dict, defer: bool) -> tuple 
     if plan.loss != objective.CHUNKED or not vocab_supports(sync[key], vocab_dim):
         return None
     return primal[key], stored[key], sync[key], defer
-
-
-def _without(entry, axes: set):
-    kept = tuple(a for a in mesh_axes_of(entry) if a not in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def embed_lookup(plan, manual: tuple[str, ...], primal, stored, sync, defer: bool):
