@@ -18,6 +18,7 @@ newest `keep` good checkpoints always survive.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -134,7 +135,7 @@ def latest_good(root: Path) -> Found | None:
     return None
 
 
-def resolve_explicit(text: str) -> Found:
+def resolve_explicit(text: str, flag: str = "--resume") -> Found:
     """`--resume PATH`: a step directory, or a run/checkpoint directory meaning its newest
     step. It must be good: an explicit request never falls back."""
     path = Path(text)
@@ -142,16 +143,16 @@ def resolve_explicit(text: str) -> Found:
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         steps = step_dirs(root)
         if not steps:
-            raise ConfigError(f"--resume {text}: no checkpoints found there; pass a checkpoint "
-                              "directory such as RUN_DIR/checkpoints/100, or --resume auto")
+            raise ConfigError(f"{flag} {text}: no checkpoints found there; pass a checkpoint "
+                              "directory such as RUN_DIR/checkpoints/100")
         path = steps[-1][1]
     if not path.exists():
-        raise ConfigError(f"--resume {text}: no such checkpoint; pass an existing checkpoint "
-                          "directory, or --resume auto")
+        raise ConfigError(f"{flag} {text}: no such checkpoint; pass an existing checkpoint "
+                          "directory")
     problem = validate(path)
     if problem is not None:
-        raise ConfigError(f"--resume {text}: checkpoint is not usable: {problem}; pass an "
-                          "earlier checkpoint, or --resume auto to take the newest good one")
+        raise ConfigError(f"{flag} {text}: checkpoint is not usable: {problem}; pass an "
+                          "earlier checkpoint (or --resume auto to take the newest good one)")
     return Found(path, int(read_meta(path)["step"]), read_meta(path))
 
 
@@ -183,6 +184,23 @@ def restore(path: Path, abstract: Any, shardings: Any) -> tuple[dict, dict]:
     _say(f"restored step {out[META]['step']} from {path} ({_mib(size)}) onto mesh {layout} "
          f"in {time.perf_counter() - start:.2f}s")
     return state, out[META]
+
+
+def restore_leaf(path: Path, keys: tuple[str, ...], abstract: jax.ShapeDtypeStruct,
+                 sharding: jax.sharding.Sharding):
+    """One array of the state saved at `path` (e.g. ("params", "embed")), alone: an Orbax
+    partial restore reads only its files, so tools can walk a checkpoint one array at a
+    time without holding the rest."""
+    import orbax.checkpoint as ocp
+
+    item = jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
+    args = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=abstract.shape,
+                                dtype=abstract.dtype)
+    nest = lambda leaf: functools.reduce(lambda tree, k: {k: tree}, reversed(keys), leaf)
+    out = ocp.PyTreeCheckpointer().restore(
+        (path / STATE).absolute(), args=ocp.args.PyTreeRestore(
+            item=nest(item), restore_args=nest(args), partial_restore=True))
+    return functools.reduce(lambda tree, k: tree[k], keys, out)
 
 
 def set_aside(found: Found, root: Path) -> None:

@@ -135,6 +135,12 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def config_from_dict(fields: dict) -> ModelConfig:
+    """A `ModelConfig` from `dataclasses.asdict` of one (as checkpoint metadata stores it)."""
+    scaling = fields.get("rope_scaling")
+    return ModelConfig(**{**fields, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+
+
 # Older short names, kept for scripts and tests that use them.
 ALIASES: dict[str, str] = {"1b": "llama3.2-1b", "7b": "llama2-7b", "70b": "llama3.1-70b"}
 

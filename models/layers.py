@@ -59,12 +59,18 @@ def rope_inv_freq(head_dim: int, theta: float,
 
 def rotary_tables(positions: jax.Array | np.ndarray, head_dim: int, theta: float,
                   scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
-    """float32 cos/sin tables [length, head_dim/2] for rotary position embeddings.
+    """float32 cos/sin tables [length, head_dim/2] for rotary position embeddings of
+    `positions` [length] ([batch, length, head_dim/2] for positions [batch, length]).
 
     Frequencies are computed on the host in float64. Concrete positions (numpy, or a jax
     array outside a trace) get their angles, cos and sin in float64 too, so long positions
     come out the same under jit and eagerly; traced positions use float32 angles.
     """
+    if np.ndim(positions) == 2:  # [batch, length], e.g. restarting at each packed document
+        # Rows of the table for 0..length-1 (no position exceeds its index): the same values
+        # a document gets when it is run on its own.
+        cos, sin = rotary_tables(np.arange(positions.shape[1]), head_dim, theta, scaling)
+        return jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
     inv_freq = rope_inv_freq(head_dim, float(theta), scaling)
     try:  # numpy or a concrete array; `jax.core.Tracer` is deprecated from jax 0.10
         host = np.asarray(positions, np.float64)
@@ -78,13 +84,24 @@ def rotary_tables(positions: jax.Array | np.ndarray, head_dim: int, theta: float
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate pairs (first half, second half) of the last dim of x [batch, length, heads, dim]."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.ndim == 2:  # one table for every row
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True):
-    """Grouped-query attention. q [b, s, heads, d]; k, v [b, t, kv_heads, d] -> [b, s, heads, d]."""
+def same_segment(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:
+    """[b, s, t] booleans: query i and key j lie in the same packed document."""
+    return q_segments[:, :, None] == k_segments[:, None, :]
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True,
+                          segment_ids: jax.Array | None = None,
+                          visible: jax.Array | None = None):
+    """Grouped-query attention. q [b, s, heads, d]; k, v [b, t, kv_heads, d] -> [b, s, heads, d].
+    `segment_ids` [b, s] (s == t): a query sees only keys of its own document.
+    `visible` [b, s, t] booleans: the keys each query may see (decoding over a KV cache)."""
     b, s, h, d = q.shape
     t, kv = k.shape[1], k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)  # heads h = kv_head * group + g share one kv head
@@ -93,6 +110,11 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool
     if causal:
         mask = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    if segment_ids is not None:
+        same = same_segment(segment_ids, segment_ids)[:, None, None]
+        scores = jnp.where(same, scores, jnp.finfo(jnp.float32).min)
+    if visible is not None:
+        scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)

@@ -38,7 +38,7 @@ def train(config) -> list[dict]:
     first = found.step if found else 0
     main = is_main_process()
     log = report.open_run_dir(run_dir, setup, first) if main else report.MetricsLog(None)
-    state = resume.start_state(setup.plan, config.seed, found)
+    state = resume.start_state(setup.plan, config.seed, found, config.init_from)
     step_fn = compile_step(setup, state)
     eval_fn = make_eval_step(setup.plan)
     run = Run(setup, run_dir, data_id, state, step_fn, eval_fn,

@@ -12,12 +12,12 @@ import jax
 from jdist import checkpoint as ckpt
 from jdist.errors import require
 from jdist.train.layer_order import CHECKPOINT_KEY, restore_order
-from jdist.train.state import Plan, TrainState, init_state
+from jdist.train.state import Plan, TrainState, init_state, state_from_params
 
 # Flags that decide *what* is computed. A resumed run must keep them; everything else
 # (mesh, ZeRO stage, process count, remat, ...) only decides *how* and may change.
 RESULT_FLAGS = ("seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",
-                "clip_norm", "data", "data_dtype")
+                "clip_norm", "data", "data_dtype", "init_from")
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -95,9 +95,14 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "") -> ckpt.Found
     return found if found.step >= 0 else None
 
 
-def start_state(plan: Plan, seed: int, found: ckpt.Found | None) -> TrainState:
-    """The initial state, or the state restored from `found` laid out for this plan's mesh
-    (and its stored layer order)."""
+def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
+                init_from: str = "") -> TrainState:
+    """The initial state (random, or the Hugging Face checkpoint `init_from`), or the state
+    restored from `found` laid out for this plan's mesh (and its stored layer order)."""
+    if found is None and init_from:
+        from jdist.hf import load_params
+
+        return state_from_params(plan, load_params(init_from, plan))
     if found is None:
         return init_state(plan, seed)
     tree, _ = ckpt.restore(found.path, plan.abstract, plan.shardings)

@@ -146,7 +146,8 @@ class Run:
         if origin is not None and (good is None or origin.step > good.step) \
                 and ckpt.validate(origin.path) is None:
             good = origin  # resumed from elsewhere; nothing as recent saved here yet
-        self.state = resume.start_state(self.plan, self.config.seed, good)
+        self.state = resume.start_state(self.plan, self.config.seed, good,
+                                         self.config.init_from)
         first = good.step if good else 0
         self.passed_over.add(bad_step - 1)
         print(f"jdist: step {bad_step}: non-finite loss; rolled back to step {first} and will "

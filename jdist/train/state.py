@@ -120,6 +120,13 @@ def check_replica_layout(shardings: dict, abstract: dict, mesh) -> None:
     jax.tree_util.tree_map_with_path(one, abstract, shardings)
 
 
+def state_from_params(plan: Plan, params: dict) -> TrainState:
+    """Step 0 from given parameters (already laid out as `plan.shardings.params`, in the
+    stored layer order): the optimizer state is initialised next to them."""
+    opt = jax.jit(plan.tx.init, out_shardings=plan.shardings.opt_state)(params)
+    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), plan.shardings.step), params, opt)
+
+
 def init_state(plan: Plan, seed: int) -> TrainState:
     """Initialise inside `jit` with output shardings: each device computes only its shards;
     then layers move into the plan's stored order (`jdist.train.layer_order`)."""

@@ -1,0 +1,103 @@
+"""Hugging Face `config.json` <-> `ModelConfig` for the Llama family (Llama 2, 3, 3.1, 3.2,
+3.3): GQA, tied or untied embeddings, `rope_theta`, `rope_scaling` of type `llama3`,
+`rms_norm_eps`, `head_dim`. A field the model cannot represent (biases, another rope type,
+another activation) is refused in one line that names it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jdist.errors import require
+from models.config import ModelConfig, RopeScaling
+
+CONFIG = "config.json"
+ARCHITECTURE = "LlamaForCausalLM"
+# HF LlamaConfig's defaults where config.json leaves a field out.
+HF_DEFAULT_EPS, HF_DEFAULT_THETA = 1e-6, 10_000.0
+
+
+def read_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / CONFIG
+    require(Path(hf_dir).is_dir(), f"--init-from {hf_dir}: not a directory; pass a Hugging Face "
+                                   "model directory (config.json + *.safetensors)")
+    require(path.is_file(), f"--init-from {hf_dir}: no {CONFIG} there; pass the directory "
+                            "save_pretrained wrote (config.json + *.safetensors)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        require(False, f"{path} is not valid JSON ({e}); re-download or re-export it")
+
+
+def _refuse_unsupported(c: dict, where: str) -> None:
+    archs = c.get("architectures") or [ARCHITECTURE]
+    require(c.get("model_type", "llama") == "llama" and archs == [ARCHITECTURE],
+            f"{where}: architecture {archs} (model_type {c.get('model_type')!r}) is not "
+            f"supported; only {ARCHITECTURE} checkpoints can be imported")
+    for field in ("attention_bias", "mlp_bias"):
+        require(not c.get(field, False), f"{where}: {field}=true is not supported (jdist's "
+                                         "Llama has no biases); use a checkpoint without them")
+    act = c.get("hidden_act", "silu")
+    require(act == "silu", f"{where}: hidden_act={act!r} is not supported; jdist's MLP is "
+                           "SwiGLU (silu)")
+    require(c.get("pretraining_tp", 1) == 1, f"{where}: pretraining_tp="
+            f"{c.get('pretraining_tp')} is not supported; re-save with pretraining_tp=1")
+    scaling = c.get("rope_scaling")
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        require(kind in ("llama3", "default"), f"{where}: rope_scaling type {kind!r} is not "
+                                               "supported; only 'llama3' (or none) is")
+
+
+def model_config(hf_dir: str | Path) -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face Llama directory, validated."""
+    c = read_config(hf_dir)
+    where = str(Path(hf_dir) / CONFIG)
+    _refuse_unsupported(c, where)
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size"):
+        require(field in c, f"{where}: missing field {field!r}; not a complete Llama config")
+    scaling = c.get("rope_scaling") or {}
+    rope = None
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        rope = RopeScaling(factor=float(scaling["factor"]),
+                           low_freq_factor=float(scaling["low_freq_factor"]),
+                           high_freq_factor=float(scaling["high_freq_factor"]),
+                           original_max_position=int(
+                               scaling["original_max_position_embeddings"]))
+    heads = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
+    cfg = ModelConfig(
+        vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]),
+        n_layers=int(c["num_hidden_layers"]), n_heads=heads,
+        n_kv_heads=int(c.get("num_key_value_heads") or heads), d_ff=int(c["intermediate_size"]),
+        head_dim=0 if head_dim * heads == int(c["hidden_size"]) else head_dim,
+        rope_theta=float(c.get("rope_theta", HF_DEFAULT_THETA)), rope_scaling=rope,
+        norm_eps=float(c.get("rms_norm_eps", HF_DEFAULT_EPS)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+    cfg.validate()
+    return cfg
+
+
+def hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict:
+    """config.json for `cfg`, as `LlamaConfig` writes it."""
+    require(not cfg.n_experts, "export to Hugging Face supports dense Llama models only; this "
+                               "model has experts")
+    rope = None
+    if (s := cfg.rope_scaling) is not None:
+        rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position}
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.dim_per_head, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": rope,
+        "max_position_embeddings": max(8192, rope["original_max_position_embeddings"]
+                                       if rope else 0),
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
+        "use_cache": True, "torch_dtype": torch_dtype,
+    }

@@ -1,0 +1,78 @@
+"""Where each jdist parameter lives in a Hugging Face Llama checkpoint, and how its layout
+differs: HF stores `Linear.weight` as [out, in] with heads flattened into rows or columns;
+jdist keeps [in, out] with heads as their own dimension (`models.llama`). Both use
+rotate-half rotary embeddings, so q/k need no permutation, and query head h uses kv head
+h // group in both.
+
+Every conversion works on a *slice*: `read` maps a jdist index (the block one device holds)
+to the HF rows and columns it needs, so a sharded parameter is read piece by piece."""
+
+from __future__ import annotations
+
+import numpy as np
+
+SAME, TRANSPOSE, HEADS_IN, HEADS_OUT = "same", "transpose", "heads_in", "heads_out"
+LAYER = "model.layers.{i}."
+
+# jdist parameter path -> (HF tensor name, layout). Names under `blocks` are per layer.
+TENSORS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("embed",): ("model.embed_tokens.weight", SAME),
+    ("head",): ("lm_head.weight", TRANSPOSE),
+    ("final_norm", "scale"): ("model.norm.weight", SAME),
+    ("blocks", "attn_norm", "scale"): (LAYER + "input_layernorm.weight", SAME),
+    ("blocks", "mlp_norm", "scale"): (LAYER + "post_attention_layernorm.weight", SAME),
+    ("blocks", "attn", "wq"): (LAYER + "self_attn.q_proj.weight", HEADS_IN),
+    ("blocks", "attn", "wk"): (LAYER + "self_attn.k_proj.weight", HEADS_IN),
+    ("blocks", "attn", "wv"): (LAYER + "self_attn.v_proj.weight", HEADS_IN),
+    ("blocks", "attn", "wo"): (LAYER + "self_attn.o_proj.weight", HEADS_OUT),
+    ("blocks", "mlp", "w_gate"): (LAYER + "mlp.gate_proj.weight", TRANSPOSE),
+    ("blocks", "mlp", "w_up"): (LAYER + "mlp.up_proj.weight", TRANSPOSE),
+    ("blocks", "mlp", "w_down"): (LAYER + "mlp.down_proj.weight", TRANSPOSE),
+}
+
+
+def hf_name(path: tuple[str, ...], layer: int | None = None) -> str:
+    name, _ = TENSORS[path]
+    return name.format(i=layer) if layer is not None else name
+
+
+def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF shape of a (per-layer) jdist shape."""
+    if kind == SAME:
+        return shape
+    if kind == TRANSPOSE:
+        return shape[::-1]
+    if kind == HEADS_IN:  # [embed, heads, head_dim] <- [heads * head_dim, embed]
+        return (shape[1] * shape[2], shape[0])
+    return (shape[2], shape[0] * shape[1])  # HEADS_OUT: [heads, head_dim, embed]
+
+
+def read(get, kind: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """The block `index` (slices of the per-layer jdist `shape`) of one tensor, in jdist's
+    layout; `get(slices)` reads slices of the HF tensor."""
+    r = [range(*s.indices(n)) for s, n in zip(index, shape)]
+    span = lambda x: slice(x.start, x.stop)
+    if kind == SAME:
+        return get(tuple(span(x) for x in r))
+    if kind == TRANSPOSE:
+        return get((span(r[1]), span(r[0]))).T
+    if kind == HEADS_IN:
+        d, h, e = r
+        hd = shape[2]
+        rows = get((slice(h.start * hd, h.stop * hd), span(d)))
+        return rows.reshape(len(h), hd, len(d))[:, span(e)].transpose(2, 0, 1)
+    d, h, e = r[2], r[0], r[1]  # HEADS_OUT
+    hd = shape[1]
+    cols = get((span(d), slice(h.start * hd, h.stop * hd)))
+    return cols.reshape(len(d), len(h), hd)[:, :, span(e)].transpose(1, 2, 0)
+
+
+def write(kind: str, x: np.ndarray) -> np.ndarray:
+    """A whole per-layer jdist array in HF's layout (the inverse of `read`)."""
+    if kind == SAME:
+        return x
+    if kind == TRANSPOSE:
+        return np.ascontiguousarray(x.T)
+    if kind == HEADS_IN:
+        return np.ascontiguousarray(x.reshape(x.shape[0], -1).T)
+    return np.ascontiguousarray(x.reshape(-1, x.shape[2]).T)  # HEADS_OUT
