@@ -22,7 +22,7 @@ from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES, Rules
 from jdist.train.layer_order import to_model_order
 from jdist.train.optim import make_optimizer
-from jdist.train.state import init_state, make_plan, with_pipeline
+from jdist.train.state import init_state, make_plan, state_from_params, with_pipeline
 from jdist.train.step import make_train_step
 from models import ModelConfig
 
@@ -48,22 +48,32 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
                 lr: float = 3e-3, compute_dtype=jnp.float32, zero: int = 0,
                 grad_accum: int = 1, remat: str = "none", offload: bool = False,
                 cp_strategy: str = "ring", pipeline: PipelineConfig | None = None,
-                attention: str = "auto", loss: str = "chunked") -> RunResult:
+                attention: str = "auto", loss: str = "chunked", eod_id: int | None = None,
+                batch_fn=None, init_from: str | None = None) -> RunResult:
     """Train `steps` steps of `model` on `mesh` (a Mesh or a mesh string); `pipeline`
-    (schedule, micro-batches) applies when the mesh has stages."""
+    (schedule, micro-batches) applies when the mesh has stages; `eod_id` packs documents
+    (`jdist.packing`). `batch_fn(step)` -> host batch {"inputs", "targets"} replaces the
+    token windows (tests of loss masks). `init_from`: start from that Hugging Face
+    directory's weights (`model` must be its config) instead of the seed's."""
     if isinstance(mesh, str):
         mesh = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
     tx, schedule = make_optimizer(lr, max(steps, 10), warmup=2)
     plan = make_plan(model, mesh, rules, tx, zero=zero, offload_optimizer=offload,
                      cp_strategy=cp_strategy, compute_dtype=compute_dtype, remat=remat,
-                     grad_accum=grad_accum, attention=attention, loss=loss)
+                     grad_accum=grad_accum, attention=attention, loss=loss, eod_id=eod_id)
     plan = with_pipeline(plan, pipeline)
     losses, norms, first = [], [], None
     with jax.default_matmul_precision("highest"):
-        state = init_state(plan, seed)
+        if init_from:
+            from jdist.hf import load_params
+
+            state = state_from_params(plan, load_params(init_from, plan))
+        else:
+            state = init_state(plan, seed)
         step = make_train_step(plan, schedule, return_grads=True)
         for i in range(steps):
-            batch = data.global_batch(tokens, seed, i, batch_size, seq_len, plan.batch_sharding)
+            batch = data.global_batch(tokens, seed, i, batch_size, seq_len, plan.batch_sharding) \
+                if batch_fn is None else jax.device_put(batch_fn(i), plan.batch_sharding)
             state, metrics, grads = step(state, batch)
             losses.append(metrics["loss"])
             norms.append(metrics["grad_norm"])

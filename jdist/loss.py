@@ -34,6 +34,32 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits, axis=-1) - jnp.where(hit, logits, 0.0).sum(-1)
 
 
+IGNORE = -1  # a target that is not counted (loss masks: prompt tokens, padding)
+
+
+def counted(targets: jax.Array) -> jax.Array:
+    """Which targets the loss counts: all but IGNORE (any negative id)."""
+    return targets >= 0
+
+
+def token_count(targets: jax.Array) -> jax.Array:
+    return counted(targets).sum(dtype=jnp.int32)
+
+
+def piece_cross_entropy(token_ce: jax.Array, targets: jax.Array, scale) -> jax.Array:
+    """One piece's cross-entropy term from per-token values: the sum over its counted tokens
+    times `scale` = pieces / (counted tokens of the whole global batch). A step averages its
+    pieces (micro-batches x replicas), so the loss is the global sum over the global count,
+    never a mean of per-piece means: the same for every mesh and micro-batching even when
+    pieces count different numbers of tokens."""
+    return jnp.where(counted(targets), token_ce, 0.0).sum() * scale
+
+
+def piece_scale(pieces: int, global_count: jax.Array) -> jax.Array:
+    """`piece_cross_entropy`'s scale (a batch with nothing counted has loss 0)."""
+    return pieces / jnp.maximum(global_count, 1).astype(jnp.float32)
+
+
 def term_names(model) -> tuple[str, ...]:
     """What `loss_terms` returns, in order: the objective, and for MoE models the
     cross-entropy and balancing losses the step reports, then the raw load sums `report`

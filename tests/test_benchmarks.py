@@ -20,3 +20,11 @@ def test_gpu_benchmark_runs_each_attention_on_the_tiny_model():
         assert 0 < row["mfu_measured_peak"] and row["layers"] == row["of_layers"]
     assert result["measured_matmul_tflops"] > 0
     assert result["attention_max_rel_error_vs_f32_dense"]["flash"] < 1e-5
+
+
+def test_tokenize_benchmark_runs_on_a_small_input():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tokenize.py"), "--max-mb",
+                          "0.5", "--vocab", "1024", "--json"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    result = json.loads(out)
+    assert result["identical_ids"] and all(r["mb_per_s"] > 0 for r in result["rows"])

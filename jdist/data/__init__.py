@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import sysconfig
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jdist.errors import ConfigError, require
+
+if TYPE_CHECKING:
+    from jdist.data.tokenizer import Tokenizer
 
 BYTE_VOCAB = 256
 BUILTIN = "builtin"
@@ -30,6 +35,7 @@ class Corpus:
     val: np.ndarray
     vocab_size: int  # smallest vocabulary that covers the ids
     source: str
+    eod_id: int | None = None  # end-of-document id; None: byte-level (newline-separated)
 
 
 def encode(text: str | bytes) -> np.ndarray:
@@ -68,10 +74,71 @@ def _text_files(root: Path) -> list[Path]:
     return files
 
 
-def load_tokens(path: str | None, bin_dtype: str = "uint16") -> tuple[np.ndarray, str]:
-    """All token ids of a data source: builtin corpus, text file, directory of text, or `.bin`."""
+def sidecar_path(path: str | Path) -> Path:
+    """`FILE.bin.json`: how `python -m jdist.data tokenize` wrote FILE.bin (dtype, eod id)."""
+    return Path(str(path) + ".json")
+
+
+def read_sidecar(path: str | Path) -> dict:
+    """A `.bin`'s sidecar, or {} when it has none."""
+    side = sidecar_path(path)
+    if not side.is_file():
+        return {}
+    try:
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{str(side)!r} is not readable JSON ({e}); delete it or re-run "
+                          "python -m jdist.data tokenize") from None
+    require(isinstance(meta, dict), f"{str(side)!r} is not a JSON object; delete it or re-run "
+                                    "python -m jdist.data tokenize")
+    return meta
+
+
+def _bin_dtype(path: Path, given: str | None) -> str:
+    """The sidecar's dtype, else --data-dtype, else uint16; the two disagreeing is a mistake."""
+    found = read_sidecar(path).get("dtype")
+    require(not (given and found and given != found),
+            f"--data-dtype {given} but {str(sidecar_path(path))!r} says {str(path)!r} holds "
+            f"{found} ids; drop --data-dtype or pass {found}")
+    return given or found or "uint16"
+
+
+def _encode_documents(docs: list[bytes], tokenizer: Tokenizer | None) -> np.ndarray:
+    """Bytes: the documents joined by newlines, as ever. Otherwise exactly what
+    `python -m jdist.data tokenize` writes: each non-empty document's ids, then the eod id."""
+    if tokenizer is None or tokenizer.eod_id is None:
+        return encode(b"\n".join(docs))
+    from jdist.data.tokenize import encode_chunk
+
+    texts = [t for t in (d.decode("utf-8", errors="replace") for d in docs) if t]
+    return encode_chunk(tokenizer, texts)
+
+
+def _eod_id(path: str | None, tokenizer: Tokenizer | None) -> int | None:
+    """A `.bin`'s eod id from its sidecar (which must match an explicit tokenizer), else the
+    tokenizer's."""
+    eod = None if tokenizer is None else tokenizer.eod_id
+    if not (path and path.endswith(".bin")):
+        return eod
+    meta = read_sidecar(path)
+    if meta and eod is not None:
+        require(meta.get("eod_id") == eod and meta.get("vocab_size") == tokenizer.vocab_size,
+                f"{path!r} was tokenized with {meta.get('tokenizer')} (vocabulary "
+                f"{meta.get('vocab_size')}, eod id {meta.get('eod_id')}) but --tokenizer "
+                f"{tokenizer.name} has vocabulary {tokenizer.vocab_size}, eod id {eod}; pass "
+                "the tokenizer the file was made with")
+    return meta.get("eod_id", eod)
+
+
+def load_tokens(path: str | None, bin_dtype: str | None = None,
+                tokenizer: Tokenizer | None = None) -> tuple[np.ndarray, str]:
+    """All token ids of a data source: builtin corpus, text file, directory of text, or `.bin`
+    (its dtype from its sidecar, else `bin_dtype`, else uint16). Text is encoded by
+    `tokenizer` (default: bytes); a `.bin` is already ids."""
+    named = "" if tokenizer is None or tokenizer.eod_id is None else f" ({tokenizer.name})"
     if path in (None, "", BUILTIN):
-        return encode(builtin_text()), "python stdlib source (builtin)"
+        return _encode_documents([builtin_text()], tokenizer), \
+            "python stdlib source (builtin)" + named
     p = Path(path)
     require(p.exists(), f"data path {path!r} does not exist; pass a text file, a directory "
                         "of text files, or a .bin of token ids (or omit --data for the builtin "
@@ -80,8 +147,10 @@ def load_tokens(path: str | None, bin_dtype: str = "uint16") -> tuple[np.ndarray
         files = _text_files(p)
         require(bool(files), f"data directory {path!r} has no text files; add .txt files or "
                              "point --data elsewhere")
-        return encode(b"\n".join(f.read_bytes() for f in files)), f"{len(files)} files in {path}"
+        return _encode_documents([f.read_bytes() for f in files], tokenizer), \
+            f"{len(files)} files in {path}{named}"
     if p.suffix == ".bin":
+        bin_dtype = _bin_dtype(p, bin_dtype)
         require(bin_dtype in ("uint16", "uint32"),
                 f"--data-dtype {bin_dtype!r} is not supported; use uint16 or uint32")
         itemsize = np.dtype(bin_dtype).itemsize
@@ -90,13 +159,13 @@ def load_tokens(path: str | None, bin_dtype: str = "uint16") -> tuple[np.ndarray
                 "tokens; check --data-dtype or re-export the file")
         require(p.stat().st_size > 0, f"{path!r} is empty; point --data at a file of token ids")
         return np.memmap(p, dtype=bin_dtype, mode="r"), f"{path} ({bin_dtype} token ids)"
-    return encode(p.read_bytes()), str(path)
+    return _encode_documents([p.read_bytes()], tokenizer), f"{path}{named}"
 
 
-def load_corpus(path: str | None, seq_len: int, bin_dtype: str = "uint16",
-                val_fraction: float = VAL_FRACTION) -> Corpus:
+def load_corpus(path: str | None, seq_len: int, bin_dtype: str | None = None,
+                val_fraction: float = VAL_FRACTION, tokenizer: Tokenizer | None = None) -> Corpus:
     """Split a source into train and held-out validation tokens (the last `val_fraction`)."""
-    tokens, source = load_tokens(path, bin_dtype)
+    tokens, source = load_tokens(path, bin_dtype, tokenizer)
     n_val = int(len(tokens) * val_fraction)
     need = 2 * (seq_len + 1)
     require(len(tokens) - n_val > need and n_val > seq_len + 1,
@@ -104,7 +173,8 @@ def load_corpus(path: str | None, seq_len: int, bin_dtype: str = "uint16",
             f"{val_fraction:.0%} validation split; give more text (at least "
             f"{int(need / val_fraction) + 1} tokens) or a shorter --seq-len")
     vocab = BYTE_VOCAB if tokens.dtype == np.uint8 else int(tokens.max()) + 1
-    return Corpus(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], vocab, source)
+    return Corpus(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], vocab, source,
+                  _eod_id(path, tokenizer))
 
 
 def window_starts(n_tokens: int, seed: int, step: int, batch_size: int, seq_len: int,
@@ -169,4 +239,5 @@ def check_vocab(corpus: Corpus, vocab_size: int) -> None:
     if corpus.vocab_size > vocab_size:
         raise ConfigError(f"data {corpus.source!r} has token ids up to {corpus.vocab_size - 1} but "
                           f"the model vocabulary is {vocab_size}; pass --vocab-size "
-                          f"{corpus.vocab_size} or larger")
+                          f"{corpus.vocab_size} or larger, or re-tokenize it with a vocabulary of "
+                          f"at most {vocab_size}")

@@ -29,6 +29,17 @@ def read_config(hf_dir: str | Path) -> dict:
         require(False, f"{path} is not valid JSON ({e}); re-download or re-export it")
 
 
+def rope_fields(c: dict) -> tuple[float, dict]:
+    """(rope_theta, scaling dict or {}) from either form: `rope_theta` + `rope_scaling`
+    (the Llama 3.x hub checkpoints), or `rope_parameters` (as transformers 5 writes)."""
+    params = c.get("rope_parameters") or {}
+    theta = float(c.get("rope_theta", params.get("rope_theta", HF_DEFAULT_THETA)))
+    scaling = c.get("rope_scaling") or params
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return theta, {}
+    return theta, scaling
+
+
 def _refuse_unsupported(c: dict, where: str) -> None:
     archs = c.get("architectures") or [ARCHITECTURE]
     require(c.get("model_type", "llama") == "llama" and archs == [ARCHITECTURE],
@@ -42,11 +53,11 @@ def _refuse_unsupported(c: dict, where: str) -> None:
                            "SwiGLU (silu)")
     require(c.get("pretraining_tp", 1) == 1, f"{where}: pretraining_tp="
             f"{c.get('pretraining_tp')} is not supported; re-save with pretraining_tp=1")
-    scaling = c.get("rope_scaling")
+    _, scaling = rope_fields(c)
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
-        require(kind in ("llama3", "default"), f"{where}: rope_scaling type {kind!r} is not "
-                                               "supported; only 'llama3' (or none) is")
+        require(kind == "llama3", f"{where}: rope type {kind!r} is not supported; only "
+                                  "'llama3' scaling (or none) is")
 
 
 def model_config(hf_dir: str | Path) -> ModelConfig:
@@ -57,9 +68,9 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "intermediate_size"):
         require(field in c, f"{where}: missing field {field!r}; not a complete Llama config")
-    scaling = c.get("rope_scaling") or {}
+    theta, scaling = rope_fields(c)
     rope = None
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    if scaling:
         rope = RopeScaling(factor=float(scaling["factor"]),
                            low_freq_factor=float(scaling["low_freq_factor"]),
                            high_freq_factor=float(scaling["high_freq_factor"]),
@@ -72,7 +83,7 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
         n_layers=int(c["num_hidden_layers"]), n_heads=heads,
         n_kv_heads=int(c.get("num_key_value_heads") or heads), d_ff=int(c["intermediate_size"]),
         head_dim=0 if head_dim * heads == int(c["hidden_size"]) else head_dim,
-        rope_theta=float(c.get("rope_theta", HF_DEFAULT_THETA)), rope_scaling=rope,
+        rope_theta=theta, rope_scaling=rope,
         norm_eps=float(c.get("rms_norm_eps", HF_DEFAULT_EPS)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)))
     cfg.validate()

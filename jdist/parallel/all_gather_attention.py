@@ -18,16 +18,22 @@ from jdist.parallel import CHECK_VMA, kernel_mesh
 from jdist.parallel.flash import flash_attention
 
 
-def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v):
-    k, v = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
+def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v, *seg):
+    gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)
+    k, v = gather(k), gather(v)
+    segments = {} if not seg else {"segment_ids": seg[0], "kv_segment_ids": gather(seg[0])}
     # The layout is contiguous: device j holds positions [j*size, (j+1)*size).
-    return flash_attention(q, k, v, causal, query_offset=lax.axis_index(axis) * q.shape[1])
+    return flash_attention(q, k, v, causal, query_offset=lax.axis_index(axis) * q.shape[1],
+                           **segments)
 
 
 def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh,
                          q_spec: PartitionSpec, kv_spec: PartitionSpec, axis: tuple[str, ...],
-                         n: int, causal: bool) -> jax.Array:
-    """Attention of global q [b, S, h, d] against k, v [b, S, kv, d] (contiguous layout)."""
+                         n: int, causal: bool, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Attention of global q [b, S, h, d] against k, v [b, S, kv, d] (contiguous layout);
+    `segment_ids` [b, S] keeps packed documents apart."""
+    seg = () if segment_ids is None else (segment_ids,)
+    seg_specs = (PartitionSpec(*q_spec[:2]),) * len(seg)
     return jax.shard_map(partial(_local, axis, n, causal), **kernel_mesh(mesh),
-                         in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=CHECK_VMA)(q, k, v)
+                         in_specs=(q_spec, kv_spec, kv_spec, *seg_specs), out_specs=q_spec,
+                         check_vma=CHECK_VMA)(q, k, v, *seg)

@@ -9,10 +9,9 @@ flash kernel's (`jdist.parallel.context`).
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jdist.errors import ConfigError, require
 from jdist.parallel import CHECK_VMA, kernel_mesh
@@ -82,22 +81,36 @@ def choose(requested: str, *, backend: str, dtype, head_dim: int, seq_len: int,
     return FLASH if seq_len >= FLASH_MIN_SEQ else XLA
 
 
-def cudnn_attention(q, k, v, causal: bool = True):
-    """q [b, s, h, d], k/v [b, t, kv, d] (GQA native) through cuDNN's fused kernel."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+def cudnn_attention(q, k, v, causal: bool = True, segment_ids=None):
+    """q [b, s, h, d], k/v [b, t, kv, d] (GQA native) through cuDNN's fused kernel. Packed
+    documents pass a [b, 1, s, t] boolean mask built from `segment_ids` (cuDNN's fused
+    kernel takes masks; not yet run on a GPU by jdist's tests)."""
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                        implementation="cudnn")
 
 
-def _local(fn, q_spec, kv_spec, mesh, q, k, v, causal):
+def _local(fn, q_spec, kv_spec, mesh, q, k, v, causal, segment_ids=None):
     """`fn` per device, over the batch/head shards the specs give (the sequence whole)."""
-    return jax.shard_map(partial(fn, causal=causal), **kernel_mesh(mesh),
-                         in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=CHECK_VMA)(q, k, v)
+    seg = () if segment_ids is None else (segment_ids,)
+    seg_specs = (PartitionSpec(*q_spec[:2]),) * len(seg)
+    call = lambda q, k, v, *s: fn(q, k, v, causal, *s)
+    return jax.shard_map(call, **kernel_mesh(mesh),
+                         in_specs=(q_spec, kv_spec, kv_spec, *seg_specs), out_specs=q_spec,
+                         check_vma=CHECK_VMA)(q, k, v, *seg)
+
+
+def _flash_segments(q, k, v, causal, segment_ids=None):
+    return flash_attention(q, k, v, causal, segment_ids=segment_ids)
 
 
 def kernel(name: str, *, mesh, q_spec, kv_spec):
-    """`attention(q, k, v, causal)` for `ModelContext.attention`; None for xla (the model's
-    own dense path, partitioned by GSPMD)."""
+    """`attention(q, k, v, causal, segment_ids=None)` for `ModelContext.attention`; None for
+    xla (the model's own dense path, partitioned by GSPMD)."""
     if name == XLA:
         return None
-    fn = {FLASH: flash_attention, CUDNN: cudnn_attention}[name]
-    return lambda q, k, v, causal=True: _local(fn, q_spec, kv_spec, mesh, q, k, v, causal)
+    fn = {FLASH: _flash_segments, CUDNN: cudnn_attention}[name]
+    return lambda q, k, v, causal=True, segment_ids=None: _local(
+        fn, q_spec, kv_spec, mesh, q, k, v, causal, segment_ids)

@@ -51,6 +51,21 @@ def causal_mask(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     return q_pos[:, None] >= k_pos[None, :]
 
 
+def block_mask(offset, q_start, tq: int, k_start, tk: int, segments=None):
+    """The mask of the score block of queries q_start.. and keys k_start..: causal (query
+    i at position offset + i; None: no causal mask) and, with `segments` = (query segment
+    ids [b, s], key segment ids [b, t]) of packed documents, only within a document
+    ([b, 1, 1, tq, tk]). None when nothing is masked."""
+    mask = None if offset is None else causal_mask(offset + q_start + jnp.arange(tq),
+                                                   k_start + jnp.arange(tk))
+    if segments is None:
+        return mask
+    q_seg = lax.dynamic_slice_in_dim(segments[0], q_start, tq, 1)
+    k_seg = lax.dynamic_slice_in_dim(segments[1], k_start, tk, 1)
+    same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+    return same if mask is None else same & mask
+
+
 def scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
     """Scaled, masked logits [b, kv, g, s, t] in float32."""
     s = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
@@ -81,20 +96,22 @@ def attend(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array |
 
 
 def attend_tiled(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, offset=None,
-                 q_tile: int = Q_TILE, k_tile: int = KEY_TILE) -> Acc:
+                 q_tile: int = Q_TILE, k_tile: int = KEY_TILE, segments=None) -> Acc:
     """`attend` over [q_tile, k_tile] score blocks, so only one such block is ever live.
 
-    `offset` None: no mask. Else causal: query i sits at position `offset + i` (a traced
-    integer is fine), key j at position j; key tiles entirely after a query tile's last
-    position are never computed (the loop over them stops early)."""
+    `offset` None: no causal mask. Else causal: query i sits at position `offset + i` (a
+    traced integer is fine), key j at position j; key tiles entirely after a query tile's
+    last position are never computed (the loop over them stops early). `segments`: packed
+    documents' (query, key) segment ids, see `block_mask`. A row whose keys in a block are
+    all masked takes exp(0) weights there, but every row sees its own token somewhere, and
+    that block's larger max rescales them by exp(MASKED - max) = 0."""
     s, t = q.shape[1], k.shape[1]
     tq, tk = _divisor_at_most(s, q_tile), _divisor_at_most(t, k_tile)
 
     def q_block(i, acc_i, q_i):
         def k_block(j, acc_i):
             k_j, v_j = (lax.dynamic_slice_in_dim(x, j * tk, tk, 1) for x in (k, v))
-            mask = None if offset is None else causal_mask(
-                offset + i * tq + jnp.arange(tq), j * tk + jnp.arange(tk))
+            mask = block_mask(offset, i * tq, tq, j * tk, tk, segments)
             return attend(acc_i, q_i, k_j, v_j, mask)
         n_keys = t // tk if offset is None else jnp.clip((offset + (i + 1) * tq - 1) // tk + 1,
                                                           0, t // tk)
@@ -134,7 +151,7 @@ def block_grads(q, k, v, dout, lse, delta, mask) -> tuple[jax.Array, jax.Array, 
 
 
 def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
-                k_tile: int = KEY_TILE) -> tuple[jax.Array, jax.Array, jax.Array]:
+                k_tile: int = KEY_TILE, segments=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`block_grads` over [q_tile, k_tile] blocks (masking and skipping as `attend_tiled`):
     an outer loop over key tiles, whose dk/dv accumulate in the inner loop over the query
     tiles that see them, and dq accumulated in place."""
@@ -148,8 +165,7 @@ def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
 
         def q_block(i, carry):
             dq, dk, dv = carry
-            mask = None if offset is None else causal_mask(
-                offset + i * tq + jnp.arange(tq), j * tk + jnp.arange(tk))
+            mask = block_mask(offset, i * tq, tq, j * tk, tk, segments)
             dq_i, dk_i, dv_i = block_grads(rows(q, i), k_j, v_j, rows(dout, i), stat(lse, i),
                                            stat(delta, i), mask)
             dq = lax.dynamic_update_slice_in_dim(dq, rows(dq, i) + dq_i, i * tq, 1)

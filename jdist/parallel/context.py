@@ -113,11 +113,13 @@ class ContextParallel:
                 f"chunks, as load-balanced causal ring attention needs; change --seq-len to a "
                 f"multiple of {2 * n} or use --cp-strategy all_gather")
 
-    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array,
-                  causal: bool = True) -> jax.Array:
-        """q [b, S, h, d], k/v [b, S, kv, d], already in this layout's token order."""
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True,
+                  segment_ids: jax.Array | None = None) -> jax.Array:
+        """q [b, S, h, d], k/v [b, S, kv, d] (and packed documents' `segment_ids` [b, S]),
+        already in this layout's token order."""
         self.check(q.shape[2], q.shape[1])  # the same errors for Python callers as for the CLI
-        common = {"mesh": self.mesh, "q_spec": self.q_spec, "kv_spec": self.kv_spec}
+        common = {"mesh": self.mesh, "q_spec": self.q_spec, "kv_spec": self.kv_spec,
+                  "segment_ids": segment_ids}
         if self.strategy == RING:
             ring = Ring(self.axes, self.size, causal, self.balanced)
             return ring_attention(q, k, v, ring=ring, **common)

@@ -95,59 +95,78 @@ def _dispatch(ring: Ring, kind, block: Callable, acc, *args):
                              lambda acc, *a: block(acc, *a, True)), acc, *args)
 
 
-def _forward(ring: Ring, q, k, v):
-    """Local blocks q [b, L, h, d], k/v [b, L, kv, d] -> (out [b, L, h, d], lse [b, L, h])."""
-    q_chunks = ring.split(bw.group_heads(q, k.shape[2]))
+def _segment_chunks(ring: Ring, seg: tuple) -> list:
+    """Packed documents' segment ids [b, L] (`seg` = () without packing) per chunk."""
+    return ring.split(seg[0]) if seg else [None] * ring.n_chunks
 
-    def attend(acc, qc, kc, vc, diagonal):  # a chunk against itself: causal from 0
-        return bw.attend_tiled(acc, qc, kc, vc, 0 if diagonal else None, k_tile=ring.tile)
+
+def _pair(q_seg, k_seg):
+    return None if q_seg is None else (q_seg, k_seg)
+
+
+def _forward(ring: Ring, q, k, v, *seg):
+    """Local blocks q [b, L, h, d], k/v [b, L, kv, d] (and, packed, their segment ids
+    [b, L], which travel with k/v) -> (out [b, L, h, d], lse [b, L, h])."""
+    q_chunks = ring.split(bw.group_heads(q, k.shape[2]))
+    q_segs = _segment_chunks(ring, seg)
+
+    def attend(acc, qc, kc, vc, segments, diagonal):  # a chunk against itself: causal from 0
+        return bw.attend_tiled(acc, qc, kc, vc, 0 if diagonal else None, k_tile=ring.tile,
+                               segments=segments)
 
     def compute(step, kv, accs):
         kinds = ring.kinds(step)
         accs = list(accs)
+        k_segs = _segment_chunks(ring, kv[2:])
         for a, qc in enumerate(q_chunks):
             for b, (kc, vc) in enumerate(zip(ring.split(kv[0]), ring.split(kv[1]))):
-                accs[a] = _dispatch(ring, kinds[a][b], attend, accs[a], qc, kc, vc)
+                accs[a] = _dispatch(ring, kinds[a][b], attend, accs[a], qc, kc, vc,
+                                    _pair(q_segs[a], k_segs[b]))
         return kv, tuple(accs)
 
-    _, accs = ring.run(compute, (k, v), tuple(bw.empty(qc) for qc in q_chunks))
+    _, accs = ring.run(compute, (k, v, *seg), tuple(bw.empty(qc) for qc in q_chunks))
     outs, lses = zip(*(bw.finish(acc) for acc in accs))
     out = bw.ungroup_heads(jnp.concatenate(outs, axis=1)).astype(q.dtype)
     lse = jnp.concatenate(lses, axis=-1)  # [b, kv, g, L]
     return out, _lse_to_heads(lse)
 
 
-def _backward(ring: Ring, q, k, v, out, lse, dout):
+def _backward(ring: Ring, q, k, v, out, lse, dout, *seg):
     """Local gradients (dq, dk, dv); dk/dv travel with their k/v blocks and end at home."""
     n_kv = k.shape[2]
     q_chunks = ring.split(bw.group_heads(q, n_kv))
+    q_segs = _segment_chunks(ring, seg)
     dout_g = bw.group_heads(dout, n_kv)
     do_chunks = ring.split(dout_g)
     lse_chunks = jnp.split(_lse_from_heads(lse, n_kv), ring.n_chunks, axis=-1)
     delta_chunks = jnp.split(bw.row_delta(bw.group_heads(out, n_kv), dout_g), ring.n_chunks,
                              axis=-1)
 
-    def block(acc, qc, kc, vc, doc, lsec, deltac, diagonal):
+    def block(acc, qc, kc, vc, doc, lsec, deltac, segments, diagonal):
         dq, dk, dv = bw.grads_tiled(qc, kc, vc, doc, lsec, deltac,
-                                     0 if diagonal else None, k_tile=ring.tile)
+                                     0 if diagonal else None, k_tile=ring.tile,
+                                     segments=segments)
         return acc[0] + dq, acc[1] + dk, acc[2] + dv
 
     def compute(step, travelling, dqs):
-        kc_all, vc_all, dk_all, dv_all = travelling
+        kc_all, vc_all, dk_all, dv_all, *k_seg = travelling
         ks, vs = ring.split(kc_all), ring.split(vc_all)
+        k_segs = _segment_chunks(ring, k_seg)
         dks, dvs, dqs = ring.split(dk_all), ring.split(dv_all), list(dqs)
         kinds = ring.kinds(step)
         for a in range(ring.n_chunks):
             for b in range(ring.n_chunks):
                 dqs[a], dks[b], dvs[b] = _dispatch(
                     ring, kinds[a][b], block, (dqs[a], dks[b], dvs[b]), q_chunks[a], ks[b],
-                    vs[b], do_chunks[a], lse_chunks[a], delta_chunks[a])
-        travelling = (kc_all, vc_all, jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1))
+                    vs[b], do_chunks[a], lse_chunks[a], delta_chunks[a],
+                    _pair(q_segs[a], k_segs[b]))
+        travelling = (kc_all, vc_all, jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1),
+                      *k_seg)
         return travelling, tuple(dqs)
 
     zeros_kv = zeros(k.shape, jnp.float32, k)  # gradients travel in float32: sums of N parts
     dq_init = tuple(zeros(qc.shape, jnp.float32, qc) for qc in q_chunks)
-    (_, _, dk, dv), dqs = ring.run(compute, (k, v, zeros_kv, zeros_kv), dq_init)
+    (_, _, dk, dv, *_), dqs = ring.run(compute, (k, v, zeros_kv, zeros_kv, *seg), dq_init)
     dk, dv = ring.shift((dk, dv))  # after N steps each gradient sits one device short of home
     dq = bw.ungroup_heads(jnp.concatenate(dqs, axis=1))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -165,30 +184,35 @@ def _lse_from_heads(lse: jax.Array, n_kv: int) -> jax.Array:
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: PartitionSpec,
-                   kv_spec: PartitionSpec, ring: Ring) -> jax.Array:
+                   kv_spec: PartitionSpec, ring: Ring,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
     """Attention of global q [b, S, h, d] against k, v [b, S, kv, d], sequence-sharded over
-    `ring.axis` as `q_spec`/`kv_spec` say (heads may be sharded too: blocks are per head)."""
+    `ring.axis` as `q_spec`/`kv_spec` say (heads may be sharded too: blocks are per head).
+    `segment_ids` [b, S]: packed documents (in the same token order), attended apart."""
     lse_spec = PartitionSpec(*q_spec[:3])
+    seg = () if segment_ids is None else (segment_ids,)
+    seg_specs = (PartitionSpec(*q_spec[:2]),) * len(seg)
     where = kernel_mesh(mesh)
     if STAGE in manual_axes():  # inside a pipeline stage's branch: see `Ring.shift`
         ring = dataclasses.replace(ring, nested=True)
     smap = partial(jax.shard_map, **where, check_vma=CHECK_VMA)
-    fwd = smap(partial(_forward, ring), in_specs=(q_spec, kv_spec, kv_spec),
+    fwd = smap(partial(_forward, ring), in_specs=(q_spec, kv_spec, kv_spec, *seg_specs),
                out_specs=(q_spec, lse_spec))
     bwd = smap(partial(_backward, ring),
-               in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec),
+               in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec, *seg_specs),
                out_specs=(q_spec, kv_spec, kv_spec))
 
     @jax.custom_vjp
-    def attention(q, k, v):
-        return fwd(q, k, v)[0]
+    def attention(q, k, v, seg):
+        return fwd(q, k, v, *seg)[0]
 
-    def attention_fwd(q, k, v):
-        out, lse = fwd(q, k, v)
-        return out, (q, k, v, out, lse)
+    def attention_fwd(q, k, v, seg):
+        out, lse = fwd(q, k, v, *seg)
+        return out, (q, k, v, out, lse, seg)
 
     def attention_bwd(residuals, dout):
-        return bwd(*residuals, dout)
+        *res, seg = residuals
+        return (*bwd(*res, dout, *seg), jax.tree.map(lambda _: None, seg))
 
     attention.defvjp(attention_fwd, attention_bwd)
-    return attention(q, k, v)
+    return attention(q, k, v, seg)

@@ -27,21 +27,25 @@ def kv_repeats(local_kv_heads: int, n: int) -> int:
     return n // math.gcd(local_kv_heads, n)
 
 
-def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v):
+def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v, *seg):
     rep = kv_repeats(k.shape[2], n)
     if rep > 1:  # repeating kv head i as i*rep .. i*rep+rep-1 keeps head h -> kv h // group
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     to_heads = partial(lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True)
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    out = flash_attention(q, k, v, causal)  # now the whole sequence, in order
+    # Now the whole sequence, in order; packed documents need the whole sequence's ids.
+    segments = {"segment_ids": lax.all_gather(seg[0], axis, axis=1, tiled=True)} if seg else {}
+    out = flash_attention(q, k, v, causal, **segments)
     return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: PartitionSpec,
                       kv_spec: PartitionSpec, axis: tuple[str, ...], n: int,
-                      causal: bool) -> jax.Array:
+                      causal: bool, segment_ids: jax.Array | None = None) -> jax.Array:
     """Attention of global q [b, S, h, d] against k, v [b, S, kv, d] (contiguous layout);
-    the local head count must be divisible by `n`."""
+    the local head count must be divisible by `n`. `segment_ids` [b, S]: packed documents."""
+    seg = () if segment_ids is None else (segment_ids,)
+    seg_specs = (PartitionSpec(*q_spec[:2]),) * len(seg)
     return jax.shard_map(partial(_local, axis, n, causal), **kernel_mesh(mesh),
-                         in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=CHECK_VMA)(q, k, v)
+                         in_specs=(q_spec, kv_spec, kv_spec, *seg_specs), out_specs=q_spec,
+                         check_vma=CHECK_VMA)(q, k, v, *seg)

@@ -49,6 +49,8 @@ class TrainConfig:
     peak_tflops: float = 0.0  # 0: the accelerator's dense bf16 peak if known (for MFU)
     data: str = ""
     data_dtype: str = "uint16"
+    tokenizer: str = ""
+    init_from: str = ""  # a Hugging Face model directory (jdist.hf)
     cpu_devices: int = 0  # 0: as many as the mesh needs (8 for a -1 axis)
     # Model-shape overrides (None: keep the preset's value).
     n_layers: int | None = None
@@ -124,7 +126,12 @@ HELP = {
     "aux_loss_weight": "weight of the Switch load-balancing loss",
     "z_loss_weight": "weight of the router z-loss",
     "data": "text file, directory of text files, or .bin of token ids (default: builtin corpus)",
-    "data_dtype": "token dtype of a .bin file: uint16 or uint32",
+    "data_dtype": "token dtype of a .bin file: uint16 or uint32 (its .bin.json sidecar, "
+                  "when there is one, decides)",
+    "tokenizer": "Hugging Face tokenizer directory or tokenizer.json (default: bytes)",
+    "init_from": "start from a Hugging Face Llama directory (config.json + safetensors): "
+                 "the model shape comes from its config.json, each process reads only its "
+                 "shards",
     "cpu_devices": "CPU devices to simulate when the mesh has a -1 axis (default 8)",
     "checkpoint_every": "save an async sharded checkpoint to RUN_DIR/checkpoints every N steps "
                         "(0: only on preemption)",

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
 from jdist import loss as objective
+from jdist import packing
 from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
 from jdist.train.context import (
@@ -95,9 +96,10 @@ def materialized(primal: dict, stored: dict, sync: dict, dtype, defer: bool) -> 
 
 
 def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
-                  defer: bool) -> jax.Array:
-    """This replica's `jdist.loss.loss_terms` for its tokens. The shared parameters are
-    materialized here, each block's inside the layer loop (`ModelContext.layer_params`)."""
+                  defer: bool, scale) -> jax.Array:
+    """This replica's `jdist.loss.loss_terms` for its tokens (the cross-entropy summed over
+    counted targets times `scale`, `jdist.loss.piece_cross_entropy`). The shared parameters
+    are materialized here, each block's inside the layer loop (`ModelContext.layer_params`)."""
     dtype = plan.compute_dtype
     lookup = embed_lookup(plan, MANUAL, primal[EMBED], stored[EMBED], sync[EMBED], defer)
     head = head_of(plan, primal, stored, sync, defer)
@@ -112,12 +114,24 @@ def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
     ctx = model_context(plan, MANUAL, tokens.shape[1], layer_params, primal[BLOCKS], lookup)
     model = nnx.merge(plan.graphdef, {**shared, BLOCKS: stored[BLOCKS]})
     cp = context_parallel_of(plan, MANUAL)
+    segments, positions = stream_layout(plan, cp, tokens)
     x, stats = model.run_blocks(model.embed_tokens(reorder_tokens(cp, tokens), ctx), ctx,
-                                cp.positions(tokens.shape[1]))
-    ce = token_losses(plan, MANUAL, model, x, reorder_tokens(cp, targets), ctx, head).mean()
+                                positions, segments)
+    targets = reorder_tokens(cp, targets)
+    ce = objective.piece_cross_entropy(
+        token_losses(plan, MANUAL, model, x, targets, ctx, head), targets, scale)
     stats = stats if plan.model.n_experts else None
     replicas = tuple(a for a in MANUAL if plan.mesh.shape[a] > 1)
     return objective.loss_terms(plan.model, ce, stats, replicas)
+
+
+def stream_layout(plan, cp, tokens):
+    """(segment ids or None, positions) of token ids [batch, length] in the context-parallel
+    kernel's order: packed documents' (`jdist.packing`), or one text's."""
+    segments, positions = packing.layout_of(plan.eod_id, tokens)
+    if segments is None:
+        return None, cp.positions(tokens.shape[1])
+    return reorder_tokens(cp, segments), reorder_tokens(cp, positions)
 
 
 def step_grads(plan, params: dict, batch: dict):
@@ -133,9 +147,11 @@ def step_grads(plan, params: dict, batch: dict):
         # Read, never differentiated: else the layer loop's transpose builds a (zero)
         # cotangent for the stored stack too, a full extra gradient buffer.
         stored = jax.lax.stop_gradient(stored)
+        scale = objective.piece_scale(
+            micro * n_replicas, jax.lax.psum(objective.token_count(targets), MANUAL))
 
         def micro_loss(primal, tok, tgt):
-            terms = replica_terms(plan, primal, stored, sync, tok, tgt, defer)
+            terms = replica_terms(plan, primal, stored, sync, tok, tgt, defer, scale)
             return terms[0] / micro, terms
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -168,7 +184,9 @@ def step_eval(plan, params: dict, batch: dict) -> jax.Array:
     sync = syncs(plan)
 
     def local(stored, tokens, targets):
-        terms = replica_terms(plan, stored, stored, sync, tokens, targets, False)
+        scale = objective.piece_scale(replica_count(plan.mesh),
+                                      jax.lax.psum(objective.token_count(targets), MANUAL))
+        terms = replica_terms(plan, stored, stored, sync, tokens, targets, False, scale)
         ce = terms[objective.term_names(plan.model).index(objective.CROSS_ENTROPY)] \
             if plan.model.n_experts else terms[0]
         return jax.lax.psum(ce, MANUAL) / replica_count(plan.mesh)

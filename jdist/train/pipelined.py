@@ -40,6 +40,7 @@ from jdist.train.grads import (
     replica_count,
     replica_map,
     stacked,
+    stream_layout,
     syncs,
 )
 from jdist.train.layer_order import BLOCKS, EMBED
@@ -59,8 +60,11 @@ def _run(plan, params: dict, batch: dict, train: bool):
     cp = context_parallel_of(plan, PIPE_MANUAL)
 
     def local(stored, inputs, targets):
-        positions = cp.positions(inputs.shape[1])
-
+        segments, positions = stream_layout(plan, cp, inputs)
+        if segments is not None:  # packed documents: per-row layouts, per micro-batch
+            segments, positions = micro_batches((segments, positions), table.micro)
+        scale = objective.piece_scale(table.micro * n_replicas,
+                                      jax.lax.psum(objective.token_count(targets), MANUAL))
         tokens = micro_batches(reorder_tokens(cp, inputs), table.micro)
         labels = micro_batches(reorder_tokens(cp, targets), table.micro)
         primal = jax.tree.map(gs.to_grad_layout, stored, stacked_syncs) if train else stored
@@ -98,10 +102,14 @@ def _run(plan, params: dict, batch: dict, train: bool):
             # blocks never read them: the stored blocks stand in).
             x = jax.lax.cond(first, lambda: model(shared_values()).embed_tokens(tokens[m], ctx),
                              lambda: x_in)
-            y, stats = model(stored_shared).run_blocks(x, ctx, positions)
+            if segments is None:
+                y, stats = model(stored_shared).run_blocks(x, ctx, positions)
+            else:
+                y, stats = model(stored_shared).run_blocks(x, ctx, positions[m], segments[m])
             ce = jax.lax.cond(
-                last, lambda: token_losses(plan, PIPE_MANUAL, model(shared_values()), y,
-                                           labels[m], ctx, head).mean(),
+                last, lambda: objective.piece_cross_entropy(
+                    token_losses(plan, PIPE_MANUAL, model(shared_values()), y, labels[m], ctx,
+                                 head), labels[m], scale),
                 lambda: jnp.zeros((), jnp.float32))
             share = stats["tokens"].shape[0] / model_cfg.n_layers if model_cfg.n_experts else 1.0
             return y, objective.loss_terms(model_cfg, ce, stats if model_cfg.n_experts else None,

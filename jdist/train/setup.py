@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jdist import axes as ax
 from jdist import data, remat
+from jdist.data.tokenizer import load_tokenizer
 from jdist.errors import require
 from jdist.mesh import MeshSpec, build_mesh, parse_mesh
 from jdist.parallel.context import check_context_parallel
@@ -75,10 +76,22 @@ def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
             f"{config.grad_accum * ways} or change --grad-accum")
 
 
+def model_of(config: TrainConfig) -> ModelConfig:
+    """The preset with its shape flags, or the model a Hugging Face `--init-from` describes."""
+    if not config.init_from:
+        return get_preset(config.model, **config.model_overrides())
+    from jdist.hf import model_config
+
+    given = [k for k, v in config.model_overrides().items() if v is not None]
+    require(not given, f"--init-from takes the model shape from {config.init_from}/config.json; "
+                       f"drop --{given[0].replace('_', '-') if given else ''}")
+    return model_config(config.init_from)
+
+
 def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     """Model, mesh, rules, optimizer and layout from the flags: everything except data.
     All shape checks happen here, before anything is compiled (also used by jdist.memory)."""
-    model = get_preset(config.model, **config.model_overrides())
+    model = model_of(config)
     spec = parse_mesh(config.mesh)
     rules = rules_for(config)
     mesh = build_mesh(spec, mesh_devices(spec, config.cpu_devices or 8))
@@ -117,6 +130,12 @@ def prepare(config: TrainConfig) -> Setup:
     require(not (model.shape_only and jax.default_backend() == "cpu"),
             f"model preset {config.model!r} is shape-only on CPU (too large to allocate); "
             "train 'tiny' or 'small' here, or plan it with --dry-run")
-    corpus = data.load_corpus(config.data or None, config.seq_len, config.data_dtype)
+    tokenizer = load_tokenizer(config.tokenizer)
+    require(not config.tokenizer or tokenizer.vocab_size <= model.vocab_size,
+            f"--tokenizer {config.tokenizer} has {tokenizer.vocab_size} tokens but the model "
+            f"vocabulary is {model.vocab_size}; pass --vocab-size {tokenizer.vocab_size} or larger")
+    # --data-dtype's default defers to a .bin's sidecar; only another value counts as given.
+    dtype = None if config.data_dtype == "uint16" else config.data_dtype
+    corpus = data.load_corpus(config.data or None, config.seq_len, dtype, tokenizer=tokenizer)
     data.check_vocab(corpus, model.vocab_size)
     return Setup(config, model, corpus, plan, schedule)

@@ -55,6 +55,7 @@ class Plan:
     grad_accum: int = 1
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
     loss: str = CHUNKED            # jdist.loss.LOSSES
+    eod_id: int | None = None      # packed documents split at this id (jdist.packing)
 
     @property
     def offload(self) -> bool:
@@ -81,7 +82,7 @@ def build_model(cfg: ModelConfig, seed: int) -> Llama:
 def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation,
               zero: int = 0, offload_optimizer: bool = False, cp_strategy: str = "ring",
               compute_dtype=jnp.float32, remat: str = "none", grad_accum: int = 1,
-              attention: str = AUTO, loss: str = CHUNKED) -> Plan:
+              attention: str = AUTO, loss: str = CHUNKED, eod_id: int | None = None) -> Plan:
     """Shapes and shardings of the whole training state, from the model's logical names,
     the ZeRO stage, and whether optimizer state lives in host memory between steps; and
     how the step computes (dtype, remat policy, micro-batches)."""
@@ -108,7 +109,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
                 zero, pick(GRADIENTS), opt_device, cp_strategy,
                 compute_dtype=jnp.dtype(compute_dtype), remat=remat, grad_accum=grad_accum,
-                attention=attention, loss=loss)
+                attention=attention, loss=loss, eod_id=eod_id)
 
 
 def check_replica_layout(shardings: dict, abstract: dict, mesh) -> None:

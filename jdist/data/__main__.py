@@ -1,0 +1,54 @@
+"""`python -m jdist.data tokenize INPUT... --tokenizer T --out FILE.bin`: pre-tokenize text
+for training (`python -m jdist.train --data FILE.bin`). Mistakes end with one line on stderr,
+exit status 2 and nothing written."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jdist.errors import EXIT_CONFIG, ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every jdist usage error
+        raise ConfigError(f"{message}; see --help")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m jdist.data", description="Token data tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    tok = commands.add_parser(
+        "tokenize", help="text files, directories and .jsonl files to a .bin of token ids",
+        description="Every text file is one document, every .jsonl record is one; each is "
+                    "followed by the tokenizer's end-of-document id. Writes FILE.bin and "
+                    "FILE.bin.json (dtype, eod id) atomically.")
+    tok.add_argument("inputs", nargs="+", metavar="INPUT",
+                     help="text file, directory (its text files, recursively) or .jsonl file")
+    tok.add_argument("--tokenizer", default="",
+                     help="Hugging Face tokenizer directory or tokenizer.json (default: bytes)")
+    tok.add_argument("--out", required=True, help="output FILE.bin")
+    tok.add_argument("--field", default="text", help="the text's field in .jsonl records")
+    tok.add_argument("--workers", type=int, default=1,
+                     help="tokenizer processes (1: this process, the library threads batches)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jdist.data.tokenize import summary, tokenize
+
+    try:
+        args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        result = tokenize(args.inputs, args.tokenizer, args.out, args.field, args.workers)
+    except ConfigError as e:
+        print(f"jdist: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("jdist: interrupted", file=sys.stderr)
+        return 130
+    print(summary(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
