@@ -8,6 +8,7 @@ import sys
 
 from jdist.errors import ConfigError
 from jdist.loss import LOSSES
+from jdist.packing import PACKINGS
 from jdist.parallel.attention import IMPLEMENTATIONS
 from jdist.parallel.schedule import SCHEDULES
 
@@ -51,6 +52,7 @@ class TrainConfig:
     data_dtype: str = "uint16"
     tokenizer: str = ""
     init_from: str = ""  # a Hugging Face model directory (jdist.hf)
+    packing: str = "none"  # jdist.packing.PACKINGS
     cpu_devices: int = 0  # 0: as many as the mesh needs (8 for a -1 axis)
     # Model-shape overrides (None: keep the preset's value).
     n_layers: int | None = None
@@ -129,6 +131,8 @@ HELP = {
     "data_dtype": "token dtype of a .bin file: uint16 or uint32 (its .bin.json sidecar, "
                   "when there is one, decides)",
     "tokenizer": "Hugging Face tokenizer directory or tokenizer.json (default: bytes)",
+    "packing": "none (windows of the token stream attend across documents) or documents "
+               "(attention and rotary positions restart at each end-of-document id)",
     "init_from": "start from a Hugging Face Llama directory (config.json + safetensors): "
                  "the model shape comes from its config.json, each process reads only its "
                  "shards",
@@ -145,7 +149,7 @@ HELP = {
 
 
 CHOICES = {"compute_dtype": ["float32", "bfloat16"], "attention": list(IMPLEMENTATIONS),
-           "loss": list(LOSSES), "zero": [0, 1, 2, 3],
+           "loss": list(LOSSES), "packing": list(PACKINGS), "zero": [0, 1, 2, 3],
            "offload": ["none", "optimizer"], "pp_schedule": list(SCHEDULES)}
 
 

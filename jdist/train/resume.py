@@ -17,7 +17,7 @@ from jdist.train.state import Plan, TrainState, init_state, state_from_params
 # Flags that decide *what* is computed. A resumed run must keep them; everything else
 # (mesh, ZeRO stage, process count, remat, ...) only decides *how* and may change.
 RESULT_FLAGS = ("seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",
-                "clip_norm", "data", "data_dtype", "init_from")
+                "clip_norm", "data", "data_dtype", "init_from", "tokenizer", "packing")
 
 
 def checkpoint_root(run_dir: Path) -> Path:

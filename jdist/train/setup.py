@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jdist import axes as ax
-from jdist import data, remat
+from jdist import data, packing, remat
 from jdist.data.tokenizer import load_tokenizer
 from jdist.errors import require
 from jdist.mesh import MeshSpec, build_mesh, parse_mesh
@@ -138,4 +138,10 @@ def prepare(config: TrainConfig) -> Setup:
     dtype = None if config.data_dtype == "uint16" else config.data_dtype
     corpus = data.load_corpus(config.data or None, config.seq_len, dtype, tokenizer=tokenizer)
     data.check_vocab(corpus, model.vocab_size)
+    if config.packing == packing.DOCUMENTS:
+        require(corpus.eod_id is not None,
+                "--packing documents needs an end-of-document id, which byte-level data has "
+                "not; pass --tokenizer (one with an eos token) or a .bin written by "
+                "python -m jdist.data tokenize")
+        plan = dataclasses.replace(plan, eod_id=corpus.eod_id)
     return Setup(config, model, corpus, plan, schedule)
