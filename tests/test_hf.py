@@ -1,0 +1,181 @@
+"""Hugging Face checkpoints in and out (`jdist.hf`, `python -m jdist.export`), checked
+against fixtures that `transformers` wrote (tests/fixtures/make_hf_fixtures.py): the
+logits of `LlamaForCausalLM`, its tensors bitwise, and sharded loading that reads only
+what each process holds."""
+
+import dataclasses
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jdist.errors import ConfigError
+from jdist.hf import Source, load_params, model_config
+from jdist.hf.export import write_hf
+from jdist.train.config import TrainConfig
+from jdist.train.layer_order import to_model_order
+from jdist.train.setup import plan_for
+from jdist.train.state import build_model
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+UNTIED, TIED = FIXTURES / "llama-untied", FIXTURES / "llama-tied"
+RTOL = 1e-5
+
+
+def hf_tensors(hf_dir: Path) -> dict:
+    out = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def loaded(hf_dir: Path, mesh: str = "dp=1", **flags):
+    _, plan, _ = plan_for(TrainConfig(init_from=str(hf_dir), mesh=mesh, batch_size=16,
+                                      **flags))
+    return plan, load_params(hf_dir, plan)
+
+
+def test_config_json_becomes_the_model():
+    untied, tied = model_config(UNTIED), model_config(TIED)
+    assert (untied.n_kv_heads, untied.rope_theta, untied.norm_eps) == (4, 500_000.0, 1e-5)
+    assert untied.rope_scaling.factor == 8.0 and untied.rope_scaling.original_max_position == 256
+    assert not untied.tie_embeddings and tied.tie_embeddings
+    assert (tied.n_kv_heads, tied.rope_scaling, tied.norm_eps) == (2, None, 1e-6)
+
+
+@pytest.mark.parametrize("hf_dir", [UNTIED, TIED], ids=["untied", "tied"])
+def test_logits_equal_transformers(hf_dir):
+    plan, params = loaded(hf_dir)
+    ref = np.load(hf_dir / "reference.npz")
+    with jax.default_matmul_precision("highest"):
+        model = nnx.merge(plan.graphdef, jax.tree.map(np.asarray, params))
+        logits = np.asarray(model(ref["input_ids"]))
+    rel = np.linalg.norm(logits - ref["logits"]) / np.linalg.norm(ref["logits"])
+    assert rel < RTOL, rel
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "dp=2,fsdp=2,tp=2", "pp=2,tp=2"])
+def test_every_mesh_loads_the_same_parameters(mesh):
+    _, reference = loaded(UNTIED)
+    plan, params = loaded(UNTIED, mesh)
+    assert any(len(p.sharding.device_set) > 1 for p in jax.tree.leaves(params))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_interleaved_stages_read_their_layers(tmp_path):
+    """A 4-layer model (the fixtures have 2) written by `write_hf`, loaded onto pp=2 with 2
+    virtual stages: stored in interleaved order, the same weights in model order."""
+    cfg = dataclasses.replace(model_config(UNTIED), n_layers=4)
+    source = nnx.to_pure_dict(nnx.state(build_model(cfg, 1)))
+    write_hf(tmp_path / "hf", cfg, lambda path: np.asarray(_at(source, path)))
+    plan, params = loaded(tmp_path / "hf", "pp=2,fsdp=2", pp_schedule="interleaved",
+                          pp_virtual_stages=2)
+    got = to_model_order(plan, jax.tree.map(np.asarray, params))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(source)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+@pytest.mark.parametrize("hf_dir", [UNTIED, TIED], ids=["untied", "tied"])
+def test_round_trip_is_bitwise(tmp_path, hf_dir):
+    plan, params = loaded(hf_dir)
+    host = jax.tree.map(np.asarray, params)
+    write_hf(tmp_path / "out", plan.model, lambda path: _at(host, path),
+             max_shard_bytes=100_000)
+    original, exported = hf_tensors(hf_dir), hf_tensors(tmp_path / "out")
+    assert sorted(original) == sorted(exported)
+    for name, value in original.items():
+        assert exported[name].dtype == value.dtype and exported[name].tobytes() == value.tobytes()
+    assert model_config(tmp_path / "out") == plan.model
+
+
+def test_train_checkpoint_export_round_trip(tmp_path):
+    """HF -> `--init-from` -> an Orbax checkpoint (lr 0: the weights unchanged) ->
+    `python -m jdist.export` -> the same tensors, bitwise."""
+    run = tmp_path / "run"
+    train = subprocess.run(
+        [sys.executable, "-m", "jdist.train", "--init-from", str(UNTIED), "--mesh", "fsdp=2",
+         "--steps", "1", "--lr", "0", "--batch-size", "4", "--seq-len", "16",
+         "--eval-every", "0", "--checkpoint-every", "1", "--run-dir", str(run)],
+        capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr
+    out = tmp_path / "hf"
+    export = subprocess.run(
+        [sys.executable, "-m", "jdist.export", str(run), "--hf", str(out),
+         "--max-shard-size", "100KB", "--tokenizer", str(UNTIED)],
+        capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "tokenizer.json").exists()
+    original, exported = hf_tensors(UNTIED), hf_tensors(out)
+    assert sorted(original) == sorted(exported)
+    assert all(exported[k].tobytes() == v.tobytes() for k, v in original.items())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_each_read_their_half():
+    worker = Path(__file__).parent / "workers" / "hf_load.py"
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(UNTIED), coordinator, str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
+    reports = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    for r in reports:
+        assert r["bytes_read"] < 0.6 * r["total"], r
+        assert r["logits_rel_err"] < RTOL, r
+
+
+def _copy_with_config(tmp_path, **changes) -> Path:
+    d = tmp_path / "hf"
+    shutil.copytree(UNTIED, d)
+    config = json.loads((d / "config.json").read_text())
+    config.update(changes)
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "architecture"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_key_value_heads": 2}, "shape"),
+])
+def test_unsupported_checkpoints_are_refused(tmp_path, changes, says):
+    d = _copy_with_config(tmp_path, **changes)
+    with pytest.raises(ConfigError, match=says) as e:
+        loaded(d)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_refuses_a_directory_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, "-m", "jdist.train", "--init-from",
+                        str(tmp_path / "empty"), "--steps", "1", "--run-dir",
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "config.json" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
