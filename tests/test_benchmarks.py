@@ -23,7 +23,7 @@ def test_gpu_benchmark_runs_each_attention_on_the_tiny_model():
 
 
 def test_tokenize_benchmark_runs_on_a_small_input():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tokenize.py"), "--max-mb",
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tokenization.py"), "--max-mb",
                           "0.5", "--vocab", "1024", "--json"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     result = json.loads(out)

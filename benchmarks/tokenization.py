@@ -2,22 +2,15 @@
 (per document, `encode_batch`) and `python -m jdist.data tokenize`'s path end to end (a
 .jsonl file to a .bin, worker start-up included) with 1 and 2 workers.
 
-    python benchmarks/tokenize.py [--max-mb 8] [--vocab 8192] [--tokenizer DIR] [--json]
+    python benchmarks/tokenization.py [--max-mb 8] [--vocab 8192] [--tokenizer DIR] [--json]
 
 Without --tokenizer, a byte-level BPE of --vocab ids is trained on the same text first
 (not timed). Documents are the text split at blank-line pairs, about 3 KB each.
 """
 
-import os
-import sys
-
-# This file's name is the stdlib's `tokenize` (which numpy and tqdm import): keep its
-# directory off the module path.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
