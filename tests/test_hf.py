@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jdist.errors import ConfigError
-from jdist.hf import Source, load_params, model_config
+from jdist.hf import load_params, model_config
 from jdist.hf.export import write_hf
 from jdist.train.config import TrainConfig
 from jdist.train.layer_order import to_model_order
