@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from jdist.data.sft import FORMATS
 from jdist.errors import ConfigError
 from jdist.loss import LOSSES
 from jdist.packing import PACKINGS
@@ -53,6 +54,7 @@ class TrainConfig:
     tokenizer: str = ""
     init_from: str = ""  # a Hugging Face model directory (jdist.hf)
     packing: str = "none"  # jdist.packing.PACKINGS
+    data_format: str = "text"  # jdist.data.sft.FORMATS
     cpu_devices: int = 0  # 0: as many as the mesh needs (8 for a -1 axis)
     # Model-shape overrides (None: keep the preset's value).
     n_layers: int | None = None
@@ -131,6 +133,9 @@ HELP = {
     "data_dtype": "token dtype of a .bin file: uint16 or uint32 (its .bin.json sidecar, "
                   "when there is one, decides)",
     "tokenizer": "Hugging Face tokenizer directory or tokenizer.json (default: bytes)",
+    "data_format": "text (documents or token ids) or sft (a .jsonl of prompt/completion or "
+                   "chat messages records; loss on the answers only; implies --packing "
+                   "documents; needs --tokenizer)",
     "packing": "none (windows of the token stream attend across documents) or documents "
                "(attention and rotary positions restart at each end-of-document id)",
     "init_from": "start from a Hugging Face Llama directory (config.json + safetensors): "
@@ -150,7 +155,8 @@ HELP = {
 
 CHOICES = {"compute_dtype": ["float32", "bfloat16"], "attention": list(IMPLEMENTATIONS),
            "loss": list(LOSSES), "packing": list(PACKINGS), "zero": [0, 1, 2, 3],
-           "offload": ["none", "optimizer"], "pp_schedule": list(SCHEDULES)}
+           "offload": ["none", "optimizer"], "pp_schedule": list(SCHEDULES),
+           "data_format": list(FORMATS)}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -17,7 +17,8 @@ from jdist.train.state import Plan, TrainState, init_state, state_from_params
 # Flags that decide *what* is computed. A resumed run must keep them; everything else
 # (mesh, ZeRO stage, process count, remat, ...) only decides *how* and may change.
 RESULT_FLAGS = ("seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",
-                "clip_norm", "data", "data_dtype", "init_from", "tokenizer", "packing")
+                "clip_norm", "data", "data_dtype", "init_from", "tokenizer", "packing",
+                "data_format")
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -54,10 +55,13 @@ def check_compatible(found: ckpt.Found, config, model, data_fingerprint: str = "
                 f"--resume: checkpoint {found.path} is of a model with {key}={saved_model.get(key)}"
                 f" but this run's model has {key}={value}; pass the same --model and shape flags")
     current = _plain(dataclasses.asdict(config))
+    # A flag newer than the checkpoint was at its default when the checkpoint was written.
+    defaults = _plain(dataclasses.asdict(type(config)()))
+    saved = {key: saved.get(key, defaults[key]) for key in RESULT_FLAGS}
     for key in RESULT_FLAGS:
         flag = "--" + key.replace("_", "-")
-        require(saved.get(key) == current[key],
-                f"--resume: checkpoint {found.path} was written with {flag} {saved.get(key)} but "
+        require(saved[key] == current[key],
+                f"--resume: checkpoint {found.path} was written with {flag} {saved[key]} but "
                 f"this run has {flag} {current[key]}; pass the same value (a resumed run may "
                 "change only the mesh, ZeRO stage, process count and other layout flags)")
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jdist import axes as ax
 from jdist import data, packing, remat
+from jdist.data import sft
 from jdist.data.tokenizer import load_tokenizer
 from jdist.errors import require
 from jdist.mesh import MeshSpec, build_mesh, parse_mesh
@@ -44,9 +45,14 @@ class Setup:
     corpus: data.Corpus
     plan: Plan
     schedule: object
+    rows: sft.SftData | None = None  # --data-format sft (then `corpus` holds their tokens)
 
     def batch(self, step: int, stream: int = data.TRAIN_STREAM) -> dict:
         """The global batch of `step` (training or validation stream), laid out for the mesh."""
+        if self.rows is not None:
+            rows = self.rows.train if stream == data.TRAIN_STREAM else self.rows.val
+            return sft.sft_batch(rows, self.config.seed, step, self.config.batch_size,
+                                 self.plan.batch_sharding, stream)
         tokens = self.corpus.train if stream == data.TRAIN_STREAM else self.corpus.val
         return data.global_batch(tokens, self.config.seed, step, self.config.batch_size,
                                  self.config.seq_len, self.plan.batch_sharding, stream)
@@ -133,15 +139,19 @@ def prepare(config: TrainConfig) -> Setup:
     tokenizer = load_tokenizer(config.tokenizer)
     require(not config.tokenizer or tokenizer.vocab_size <= model.vocab_size,
             f"--tokenizer {config.tokenizer} has {tokenizer.vocab_size} tokens but the model "
-            f"vocabulary is {model.vocab_size}; pass --vocab-size {tokenizer.vocab_size} or larger")
+            f"vocabulary is {model.vocab_size}; " + (
+                "use the tokenizer of that checkpoint" if config.init_from else
+                f"pass --vocab-size {tokenizer.vocab_size} or larger"))
     # --data-dtype's default defers to a .bin's sidecar; only another value counts as given.
     dtype = None if config.data_dtype == "uint16" else config.data_dtype
-    corpus = data.load_corpus(config.data or None, config.seq_len, dtype, tokenizer=tokenizer)
+    rows = sft.for_training(config, tokenizer) if config.data_format == sft.SFT else None
+    corpus = rows.corpus() if rows is not None else \
+        data.load_corpus(config.data or None, config.seq_len, dtype, tokenizer=tokenizer)
     data.check_vocab(corpus, model.vocab_size)
-    if config.packing == packing.DOCUMENTS:
+    if config.packing == packing.DOCUMENTS or rows is not None:  # sft records are packed documents
         require(corpus.eod_id is not None,
                 "--packing documents needs an end-of-document id, which byte-level data has "
                 "not; pass --tokenizer (one with an eos token) or a .bin written by "
                 "python -m jdist.data tokenize")
         plan = dataclasses.replace(plan, eod_id=corpus.eod_id)
-    return Setup(config, model, corpus, plan, schedule)
+    return Setup(config, model, corpus, plan, schedule, rows)
