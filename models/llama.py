@@ -22,6 +22,7 @@ from jdist.axes import (
     HEAD_DIM,
     HEADS,
     KV_HEADS,
+    KV_LENGTH,
     LAYERS,
     LENGTH,
     MLP,
@@ -33,6 +34,8 @@ from models.layers import RMSNorm, apply_rotary, dot_product_attention, param, r
 from models.moe import MoE
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
+# Keys (or values) of every layer while decoding: [layers, batch, max_len, kv_heads, head_dim].
+KV_CACHE = (LAYERS, BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)
 _named = checkpoint_name
 
 
@@ -47,8 +50,10 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, cfg.n_kv_heads, hd), (EMBED, KV_HEADS, HEAD_DIM))
         self.wo = param(rngs, (cfg.n_heads, hd, d), (HEADS, HEAD_DIM, EMBED), std=out_std)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 ctx: ModelContext) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: ModelContext,
+                 segment_ids: jax.Array | None = None, cache: tuple | None = None):
+        """[batch, length, embed] -> [batch, length, embed]. With `cache` (decoding, see
+        `cached_attention`), returns (output, the updated cache)."""
         c = ctx.constrain
         q = c(_named(jnp.einsum("bse,ehd->bshd", x, weight(self.wq, x)), remat.QUERY),
               (BATCH, LENGTH, HEADS, HEAD_DIM))
@@ -57,10 +62,28 @@ class Attention(nnx.Module):
         v = c(_named(jnp.einsum("bse,ehd->bshd", x, weight(self.wv, x)), remat.VALUE),
               (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = c((ctx.attention or dot_product_attention)(q, k, v, True),
-                (BATCH, LENGTH, HEADS, HEAD_DIM))
+        if cache is not None:
+            return self.cached_attention(q, k, v, cache, ctx)
+        attend = ctx.attention or dot_product_attention
+        out = attend(q, k, v, True) if segment_ids is None else \
+            attend(q, k, v, True, segment_ids=segment_ids)
+        out = c(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
         return _named(jnp.einsum("bshd,hde->bse", out, weight(self.wo, out)),
                       remat.ATTENTION_OUT)
+
+    def cached_attention(self, q, k, v, cache: tuple, ctx: ModelContext):
+        """Decoding. `cache` = (keys and values of every layer (`KV_CACHE`), this layer's
+        index in them, the slot this call's first token goes to (int32 scalars), the slots
+        each query may see [batch, length, max_len]). Returns (output, (keys, values) with
+        this call's written): the stacks are updated in place, never copied whole."""
+        keys, values, layer, index, visible = cache
+        at = (layer, 0, index, 0, 0)
+        keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype)[None], at)
+        values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype)[None], at)
+        out = dot_product_attention(q.astype(keys.dtype), keys[layer], values[layer], False,
+                                    visible=visible)
+        out = ctx.constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
+        return jnp.einsum("bshd,hde->bse", out, weight(self.wo, out)), (keys, values)
 
 
 class SwiGLU(nnx.Module):
@@ -87,13 +110,24 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg, rngs) if cfg.n_experts else SwiGLU(cfg, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 ctx: ModelContext) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: ModelContext,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Returns the new residual stream and the MoE balance statistics ({} if dense)."""
-        x = ctx.constrain(x + self.attn(self.attn_norm(x), cos, sin, ctx), RESIDUAL)
+        x = ctx.constrain(x + self.attn(self.attn_norm(x), cos, sin, ctx, segment_ids),
+                          RESIDUAL)
         out = self.mlp(self.mlp_norm(x), ctx)
         out, stats = out if isinstance(out, tuple) else (out, {})
         return ctx.constrain(x + out, RESIDUAL), stats
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: ModelContext,
+               cache: tuple) -> tuple[jax.Array, tuple]:
+        """The block over a KV cache (`Attention.cached_attention`): returns the new residual
+        stream and the updated cache. MoE balance statistics are dropped."""
+        h, kv = self.attn(self.attn_norm(x), cos, sin, ctx, cache=cache)
+        x = ctx.constrain(x + h, RESIDUAL)
+        out = self.mlp(self.mlp_norm(x), ctx)
+        out = out[0] if isinstance(out, tuple) else out
+        return ctx.constrain(x + out, RESIDUAL), kv
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -117,15 +151,18 @@ class Llama(nnx.Module):
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
     def __call__(self, tokens: jax.Array, ctx: ModelContext = LOCAL, *,
-                 positions: jax.Array | None = None, with_aux: bool = False):
+                 positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 with_aux: bool = False):
         """tokens [batch, length] int32 -> logits [batch, length, vocab].
 
         `ctx` is what the step provides (activation constraints, attention and expert
         kernels, per-layer parameter handling; see `models.context`). `positions` [length]
         are the tokens' positions in the text (default 0..length-1); a step that stores
-        tokens out of order (causal load balancing) passes them. With `with_aux`, returns
-        (logits, MoE balance statistics of every layer)."""
-        x, stats = self.run_blocks(self.embed_tokens(tokens, ctx), ctx, positions)
+        tokens out of order (causal load balancing) passes them, and packed documents pass
+        [batch, length] positions restarting at each document, with `segment_ids` [batch,
+        length] (document index of each token: attention stays inside a document). With
+        `with_aux`, returns (logits, MoE balance statistics of every layer)."""
+        x, stats = self.run_blocks(self.embed_tokens(tokens, ctx), ctx, positions, segment_ids)
         logits = self.logits(x, ctx)
         if with_aux:
             return logits, stats  # each statistic stacked over layers
@@ -147,7 +184,7 @@ class Llama(nnx.Module):
         return ctx.constrain(rows, RESIDUAL)
 
     def run_blocks(self, x: jax.Array, ctx: ModelContext = LOCAL,
-                   positions: jax.Array | None = None):
+                   positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
         """The stacked blocks (however many `self.blocks` holds) -> (x, stats per layer).
         Each layer's parameters pass through `ctx.layer_params` inside the loop, with
         that layer's slice of `ctx.layer_stream`."""
@@ -160,9 +197,36 @@ class Llama(nnx.Module):
         def layer(x, scanned):
             layer_state, streamed = scanned
             block = nnx.merge(graphdef, ctx.layer_params(layer_state, streamed))
-            return block(x, cos, sin, ctx)
+            return block(x, cos, sin, ctx, segment_ids)
 
         return jax.lax.scan(ctx.remat_layer(layer), x, (layers, ctx.layer_stream))
+
+    def decode(self, tokens: jax.Array, kv: tuple[jax.Array, jax.Array], index: jax.Array,
+               positions: jax.Array, visible: jax.Array, ctx: ModelContext = LOCAL):
+        """Decoding with a KV cache (`jdist.generate`): tokens [batch, length] (a prompt's
+        prefill, or one new token per row) go to cache slots index..index+length-1 of `kv` =
+        (keys, values), each [layers, batch, max_len, kv_heads, head_dim] (`KV_CACHE`).
+        `positions` [batch, length] are their positions in their own text; `visible` [batch,
+        length, max_len] the slots each may attend to. Returns (logits [batch, length, vocab],
+        kv updated). For inference: no pipeline stages, per-layer hooks or remat."""
+        cfg = self.config
+        # Host float64 tables of every slot, then rows by position: the values the training
+        # forward computes for the same positions.
+        cos, sin = rotary_tables(np.arange(kv[0].shape[2]), cfg.dim_per_head, cfg.rope_theta,
+                                 cfg.rope_scaling)
+        cos, sin = jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
+        graphdef, layers = nnx.split(self.blocks)
+
+        def layer(carry, layer_state):
+            x, keys, values, i = carry  # the whole stack is carried: written in place
+            block = nnx.merge(graphdef, layer_state)
+            x, (keys, values) = block.decode(x, cos, sin, ctx, (keys, values, i, index, visible))
+            return (ctx.constrain(x, RESIDUAL), ctx.constrain(keys, KV_CACHE),
+                    ctx.constrain(values, KV_CACHE), i + 1), None
+
+        x = self.embed_tokens(tokens, ctx)
+        (x, keys, values, _), _ = jax.lax.scan(layer, (x, *kv, jnp.int32(0)), layers)
+        return self.logits(x, ctx), (keys, values)
 
     def output_head(self, x: jax.Array) -> tuple[jax.Array, nnx.Param, int]:
         """What the logits are made of: (final-normed hidden states [batch, length, embed],

@@ -1,0 +1,76 @@
+"""Text in and out of generation: prompts read and encoded (checked against the model's
+vocabulary and context), and completions streamed to stdout as their tokens arrive."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jdist.errors import ConfigError, require
+
+
+def read_prompts(args) -> list[str]:
+    """The --prompt texts, then the non-blank lines of --prompts-file."""
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompts-file {args.prompts_file}: cannot read it ({e}); "
+                              "pass a UTF-8 text file with one prompt per line") from None
+        prompts += [line for line in lines if line.strip()]
+    return prompts
+
+
+def encode_prompts(tok, texts: list[str], vocab_size: int, context: int,
+                   new_tokens: int) -> list[np.ndarray]:
+    """Token ids of each prompt (after the tokenizer's bos token, if it has one), checked
+    against the model's vocabulary and against a `context` that must also hold
+    `new_tokens`."""
+    bos = [] if tok.bos_id is None else [tok.bos_id]
+    prompts = [np.concatenate([np.array(bos, np.int64), tok.encode(t)]).astype(np.int32)
+               for t in texts]
+    for i, ids in enumerate(prompts):
+        require(len(ids) > 0, f"prompt {i} is empty; give some text to continue")
+        require(len(ids) + new_tokens <= context,
+                f"prompt {i} has {len(ids)} tokens, which with --max-new-tokens {new_tokens} "
+                f"exceeds the model's context of {context} tokens; shorten it, lower "
+                "--max-new-tokens or raise --max-context")
+        require(int(ids.max()) < vocab_size, f"prompt {i} has token id {int(ids.max())}, "
+                f"outside the model's vocabulary of {vocab_size}; pass the model's --tokenizer")
+    return prompts
+
+
+class TextStream:
+    """Prints a completion as it grows: only the text added since the last print, holding
+    back a trailing incomplete character (a multi-byte character split across tokens)."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], ""
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids).rstrip("\ufffd")
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
+
+    def close(self) -> None:
+        print(self.tok.decode(self.ids)[len(self.shown):], flush=True)
+
+
+def complete(steps, n_prompts: int, eod_id: int | None, on_token=None) -> list[list[int]]:
+    """Collect each prompt's tokens from `steps` (jdist.generate.stream) until every prompt
+    has ended with `eod_id` or the steps run out; `on_token(token)` sees prompt 0's."""
+    out: list[list[int]] = [[] for _ in range(n_prompts)]
+    for tokens in steps:
+        for row, token in enumerate(tokens.tolist()):
+            if out[row] and out[row][-1] == eod_id:
+                continue
+            out[row].append(token)
+            if row == 0 and on_token is not None and token != eod_id:
+                on_token(token)
+        if all(ids[-1] == eod_id for ids in out):
+            break
+    return [[t for t in ids if t != eod_id] for ids in out]

@@ -1,0 +1,190 @@
+"""Generation with a KV cache (`jdist.generate`): cached decoding computes what the full
+forward computes, on one device and on tp=2, for ragged batches, and greedy decoding matches
+`transformers`; the cache is as big as `cache_bytes` says; the CLI runs end to end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jdist import data
+from jdist.generate import cache_bytes, generate, init_cache, left_pad
+from jdist.generate.sample import Sampling, nucleus
+from jdist.generate.weights import find_checkpoint, inference_plan, restore_params
+from jdist.mesh import build_mesh
+from jdist.train.state import build_model
+from models import get_preset
+
+TINY = get_preset("tiny")
+NEW = 8
+PROMPT = data.encode("def f(x):").astype(np.int32)
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def mesh_of(text: str, n: int):
+    return build_mesh(text, jax.devices()[:n])
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Random weights 20x the initial scale (std 0.4, like the HF fixtures' 0.5): at the
+    initial 0.02, attention barely moves the logits and a wrong mask would go unseen."""
+    model = build_model(TINY, 0)
+    state = nnx.state(model)
+    nnx.update(model, jax.tree.map(lambda x: x * 20 if x.ndim > 1 else x, state))
+    return model
+
+
+@pytest.fixture(scope="module")
+def params(model):
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+@pytest.fixture(scope="module")
+def greedy(params):
+    """One device, greedy, float32: PROMPT's NEW tokens."""
+    return generate(params, TINY, [PROMPT], NEW)[0]
+
+
+def full_forward_greedy(model, prompt: np.ndarray, n: int) -> list[int]:
+    """Greedy decoding by recomputing `Llama.__call__` over the whole sequence for every
+    token. The sequence is right-padded to its final length so that one compile serves
+    every step: attention is causal, so the logits at position i see tokens 0..i only (the
+    padding is never attended to), and the last step is the unpadded sequence itself."""
+    forward = jax.jit(lambda tokens: model(tokens))
+    seq = list(prompt)
+    for _ in range(n):
+        padded = np.zeros((1, len(prompt) + n - 1), np.int32)
+        padded[0, :len(seq)] = seq
+        seq.append(int(jnp.argmax(forward(padded)[0, len(seq) - 1])))
+    return seq[len(prompt):]
+
+
+def test_cached_greedy_equals_the_full_forward(model, greedy):
+    assert greedy.tolist() == full_forward_greedy(model, PROMPT, NEW)
+
+
+def test_tensor_parallel_generates_the_same_tokens(params, greedy):
+    plan = inference_plan(TINY, mesh_of("tp=2", 2))
+    sharded = jax.device_put(params, plan.shardings.params)
+    assert generate(sharded, TINY, [PROMPT], NEW)[0].tolist() == greedy.tolist()
+
+
+def test_ragged_batch_equals_each_prompt_alone(params, greedy):
+    rng = np.random.default_rng(0)
+    short, long = (rng.integers(0, 256, n).astype(np.int32) for n in (3, 14))
+    batch = generate(params, TINY, [short, PROMPT, long], NEW)
+    assert batch[1].tolist() == greedy.tolist()
+    for prompt, got in ((short, batch[0]), (long, batch[2])):
+        assert got.tolist() == generate(params, TINY, [prompt], NEW)[0].tolist()
+
+
+def test_cache_bytes_and_sharding():
+    tokens, start = left_pad([PROMPT, PROMPT[:4]], multiple=4)
+    assert tokens.shape == (2, 12) and start.tolist() == [12 - len(PROMPT), 8]
+    assert tokens[1, 8:].tolist() == PROMPT[:4].tolist() and not tokens[1, :8].any()
+    mesh = mesh_of("tp=2", 2)
+    cache = init_cache(TINY, start, 40, jnp.float32, mesh)
+    assert sum(x.nbytes for x in jax.tree.leaves(cache)) == cache_bytes(TINY, 2, 40, jnp.float32)
+    assert cache.keys.shape == (TINY.n_layers, 2, 40, TINY.n_kv_heads, TINY.dim_per_head)
+    # kv heads over tensor, by the training rules: each device holds half of them
+    shard = cache.keys.addressable_shards[0].data
+    assert shard.shape[3] == TINY.n_kv_heads // 2 and cache.values.sharding == cache.keys.sharding
+    assert cache_bytes(TINY, 2, 40, jnp.bfloat16) == 2 * (2 * 2 * 40 * 4 * 8) * 2 + 4 + 8
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    logits = jnp.log(jnp.array([[0.1, 0.5, 0.15, 0.25]]))
+    kept = np.isfinite(np.asarray(nucleus(logits, 0.7)))[0]
+    assert kept.tolist() == [False, True, False, True]
+    assert np.isfinite(np.asarray(nucleus(logits, 0.01)))[0].tolist() == [False, True, False,
+                                                                           False]
+
+
+def test_sampling_is_reproducible_from_the_seed(params):
+    sampled = lambda seed: generate(params, TINY, [PROMPT], NEW, seed=seed,
+                                    sampling=Sampling(temperature=1.0, top_p=0.9))[0].tolist()
+    assert sampled(3) == sampled(3)
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "llama-tied"])
+def test_greedy_matches_transformers(name):
+    """`reference.npz`: transformers' `generate(max_new_tokens=32, do_sample=False)`."""
+    hf = pytest.importorskip("jdist.hf", reason="jdist.hf (Hugging Face loading) is missing")
+    ref = np.load(FIXTURES / name / "reference.npz")
+    cfg = hf.model_config(FIXTURES / name)
+    params = hf.load_params(FIXTURES / name, inference_plan(cfg, mesh_of("", 1)))
+    new = ref["greedy_ids"].shape[1]
+    out = generate(params, cfg, list(ref["prompt_ids"]), new)
+    np.testing.assert_array_equal(np.stack(out), ref["greedy_ids"])
+
+
+# --------------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A checkpoint of a 2-step `python -m jdist.train` run (in this process: same code)."""
+    from jdist.train.__main__ import main
+
+    root = tmp_path_factory.mktemp("generate")
+    text = root / "corpus.txt"
+    text.write_bytes(data.builtin_text(1 << 15))
+    argv = ["--model", "tiny", "--steps", "2", "--checkpoint-every", "2", "--mesh", "dp=1",
+            "--batch-size", "2", "--seq-len", "32", "--eval-every", "0", "--data", str(text),
+            "--run-dir", str(root / "run")]
+    assert main(argv) == 0
+    return root / "run"
+
+
+def generate_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jdist.generate", *args], check=False,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generates_from_a_training_checkpoint(run_dir):
+    result = generate_cli("--checkpoint", str(run_dir), "--prompt", data.decode(PROMPT),
+                          "--mesh", "tp=2", "--max-new-tokens", str(NEW))
+    assert result.returncode == 0, result.stderr
+    assert "restored parameters of step 2" in result.stderr and "tokens/s" in result.stderr
+    found = find_checkpoint(str(run_dir))
+    params = restore_params(found, inference_plan(TINY, mesh_of("", 1)))
+    ids = generate(params, TINY, [PROMPT], NEW)[0]
+    assert result.stdout == data.decode(PROMPT) + data.decode(ids) + "\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "x"], "give exactly one of --checkpoint CKPT and --init-from HF_DIR"),
+    (["--checkpoint", "RUN", "--init-from", "HF", "--prompt", "x"], "give exactly one of"),
+    (["--checkpoint", "RUN", "--prompt", "x", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    (["--checkpoint", "RUN", "--prompt", "x", "--top-p", "1.5"], "--top-p 1.5 must be in"),
+    (["--checkpoint", "RUN", "--prompt", "x" * 12, "--max-context", "16"],
+     "prompt 0 has 12 tokens, which with --max-new-tokens 64 exceeds the model's context of 16"),
+    (["--checkpoint", "RUN", "--prompt", "x", "--mesh", "pp=2"],
+     "generation shards over data, fsdp, tensor only, not stage"),
+])
+def test_bad_input_is_one_line_and_exit_2(run_dir, args, message, capsys):
+    from jdist.generate.__main__ import main
+
+    assert main([str(run_dir) if a == "RUN" else a for a in args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jdist: error: ") and message in err[0], err
+
+
+def test_bad_input_exits_2_from_the_command_line(tmp_path):
+    result = generate_cli("--checkpoint", str(tmp_path / "missing"), "--prompt", "x")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"jdist: error: --checkpoint {tmp_path / 'missing'}: no such checkpoint; pass an "
+        "existing checkpoint directory"]
