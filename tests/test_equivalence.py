@@ -13,11 +13,11 @@ from models import get_preset
 TINY = get_preset("tiny")
 
 
+# dp=8 and dp=2,fsdp=2,tp=2 run in tests/test_loss_masks.py, on batches with masked
+# targets (uneven counts per replica and micro-batch): the same comparison, a harder batch.
 @pytest.mark.parametrize("mesh, sequence_parallel", [
-    ("dp=8", False),
     ("fsdp=8", False),
     ("dp=2,tp=4", False),
-    ("dp=2,fsdp=2,tp=2", False),
     ("fsdp=2,tp=4", True),
     ("dp=2,fsdp=4", False),
 ])

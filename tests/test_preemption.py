@@ -59,7 +59,7 @@ def reference(tmp_path_factory):
     return train(config)[-1]["loss"]
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])  # one random kill step (a second added 40 s)
 def test_sigkill_then_resume_auto_finishes_identically(tmp_path, reference, seed):
     kill_at = random.Random(seed).randint(2, 10)
     run_dir = tmp_path / "run"

@@ -102,7 +102,8 @@ def test_gradient_reductions_run_in_float32_under_bfloat16(zero):
     reduction is float32, while weights are gathered in bf16 (ZeRO-3, fsdp)."""
     _, lowered = lowered_step("dp=2,fsdp=4", zero, compute_dtype=jnp.bfloat16)
     dtypes = collective_dtypes(partitioned(lowered))
-    assert dtypes["all-reduce"] == {"f32"}
+    # And one int32 all-reduce: the global count of counted targets (jdist.loss).
+    assert dtypes["all-reduce"] == {"f32", "s32"}
     assert dtypes["reduce-scatter"] == {"f32"}
     assert "bf16" in dtypes["all-gather"]
 
