@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdist import data
+from jdist import data, hf
 from jdist.generate import cache_bytes, generate, init_cache, left_pad
 from jdist.generate.sample import Sampling, nucleus
 from jdist.generate.weights import find_checkpoint, inference_plan, restore_params
@@ -118,13 +118,13 @@ def test_sampling_is_reproducible_from_the_seed(params):
     assert sampled(3) == sampled(3)
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "llama-tied"])
-def test_greedy_matches_transformers(name):
+@pytest.mark.parametrize("name, mesh, n", [("llama-untied", "", 1), ("llama-tied", "", 1),
+                                           ("llama-untied", "tp=2", 2)])
+def test_greedy_matches_transformers(name, mesh, n):
     """`reference.npz`: transformers' `generate(max_new_tokens=32, do_sample=False)`."""
-    hf = pytest.importorskip("jdist.hf", reason="jdist.hf (Hugging Face loading) is missing")
     ref = np.load(FIXTURES / name / "reference.npz")
     cfg = hf.model_config(FIXTURES / name)
-    params = hf.load_params(FIXTURES / name, inference_plan(cfg, mesh_of("", 1)))
+    params = hf.load_params(FIXTURES / name, inference_plan(cfg, mesh_of(mesh, n)))
     new = ref["greedy_ids"].shape[1]
     out = generate(params, cfg, list(ref["prompt_ids"]), new)
     np.testing.assert_array_equal(np.stack(out), ref["greedy_ids"])
