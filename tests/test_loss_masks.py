@@ -48,8 +48,7 @@ def test_loss_is_the_mean_over_counted_tokens(single_device):
 
 @pytest.mark.parametrize("mesh, settings", [
     ("dp=8", {}),
-    ("dp=2,fsdp=2,tp=2", {"loss": "chunked"}),
-    ("dp=2", {"grad_accum": 4}),
+    ("dp=2,fsdp=2,tp=2", {"grad_accum": 4}),  # micro-batches of 1 row per replica
     ("pp=2", {"pipeline": PipelineConfig("1f1b", 4)}),
 ])
 def test_masked_loss_matches_single_device(single_device, mesh, settings):

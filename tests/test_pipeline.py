@@ -82,12 +82,11 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
     return _RUNS[key]
 
 
-# Every schedule with pp=2 and pp=4, M in {P, 2P}; M = 4P on pp=2 for the interleaved
-# schedule (whose slots and cycles are the most intricate); plus dp x pp x tp with ZeRO-2.
-# (M = 4P for gpipe/1f1b on pp=2 and for every schedule on pp=4 added compiles and no new
-# schedule shape.)
+# Every schedule with pp=2 and pp=4, M in {P, 2P}, plus dp x pp x tp with ZeRO-2. (M = 4P
+# added compiles and no new schedule shape: pp=4's M = 8 already has more micro-batches in
+# flight than stages.)
 MATRIX = [(f"pp={p}", schedule, p * factor, 0) for schedule in ("gpipe", "1f1b", "interleaved")
-          for p in (2, 4) for factor in (1, 2)] + [("pp=2", "interleaved", 8, 0)]
+          for p in (2, 4) for factor in (1, 2)]
 
 
 @pytest.mark.parametrize("mesh, schedule, micro, zero",
