@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdist import data
 from jdist.data import sft
+from jdist.data.chat import chat_template
 from jdist.data.tokenizer import load_tokenizer
 from jdist.errors import ConfigError
 from jdist.loss import IGNORE
@@ -61,7 +62,7 @@ def tokenizer_with(tmp_path: Path, name: str, template: str | None) -> Path:
 
 
 def test_chat_template_renders_exactly_as_transformers(tok):
-    template, ref = sft.chat_template(tok), REF["chat"]
+    template, ref = chat_template(tok), REF["chat"]
     rendered = sft.render(template, tok, ref["messages"], False)
     assert rendered == ref["rendered"]
     assert tok.encode(rendered).tolist() == ref["ids"]
@@ -75,7 +76,7 @@ def test_chat_template_renders_exactly_as_transformers(tok):
 def test_chat_record_counts_the_assistant_turn_and_its_end(tok):
     ref = REF["chat"]
     tokens, targets = sft.document({"messages": ref["messages"]}, "x:1", tok,
-                                   sft.chat_template(tok))
+                                   chat_template(tok))
     ids, n_prompt = ref["ids"], len(ref["generation_prompt_ids"])
     assert tokens.tolist() == [EOD] + ids  # pieces encode as the whole rendering does
     assert targets.tolist() == [IGNORE] * n_prompt + ids[n_prompt:] + [EOD]
@@ -86,7 +87,7 @@ def test_multi_turn_chat_counts_every_assistant_turn_and_no_user_turn(tok):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                 {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ok"},
                 {"role": "user", "content": "!"}]
-    tokens, targets = sft.document({"messages": messages}, "x:1", tok, sft.chat_template(tok))
+    tokens, targets = sft.document({"messages": messages}, "x:1", tok, chat_template(tok))
     counted = tokens[1:][targets[:-1] >= 0]
     assert tok.decode(counted) == "yo<|eot_id|>ok<|eot_id|>"
     assert targets[-1] == IGNORE  # ends with a user turn: no answer ends there
