@@ -179,3 +179,19 @@ def test_cli_refuses_a_directory_without_config(tmp_path):
                         str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "config.json" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_export_loads_in_transformers(tmp_path):
+    """Where transformers is installed (not in CI: it needs torch): `from_pretrained` on
+    the exported directory reproduces the fixture's logits."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    plan, params = loaded(UNTIED)
+    host = jax.tree.map(np.asarray, params)
+    write_hf(tmp_path / "out", plan.model, lambda path: _at(host, path))
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out",
+                                                          attn_implementation="eager")
+    ref = np.load(UNTIED / "reference.npz")
+    with torch.no_grad():
+        logits = model(torch.tensor(ref["input_ids"]).long()).logits.numpy()
+    np.testing.assert_array_equal(logits, ref["logits"])
