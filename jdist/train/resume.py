@@ -104,9 +104,17 @@ def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
     """The initial state (random, or the Hugging Face checkpoint `init_from`), or the state
     restored from `found` laid out for this plan's mesh (and its stored layer order)."""
     if found is None and init_from:
-        from jdist.hf import load_params
+        import time
 
-        return state_from_params(plan, load_params(init_from, plan))
+        from jdist.hf import Source, load_params
+
+        start, source = time.perf_counter(), Source(init_from)
+        state = state_from_params(plan, load_params(init_from, plan, source))
+        if jax.process_index() == 0:
+            print(f"init: {init_from}: this process read {source.bytes_read / 2**20:,.1f} of "
+                  f"{source.total_bytes() / 2**20:,.1f} MiB in "
+                  f"{time.perf_counter() - start:.1f}s", flush=True)
+        return state
     if found is None:
         return init_state(plan, seed)
     tree, _ = ckpt.restore(found.path, plan.abstract, plan.shardings)
