@@ -39,7 +39,7 @@ def test_loss_is_the_mean_over_counted_tokens(single_device):
     run = single_device(TINY, batch_fn=masked_batch)
     b = masked_batch(0)
     with jax.default_matmul_precision("highest"):
-        logits = build_model(TINY, 0)(b["inputs"])
+        logits = jax.jit(build_model(TINY, 0))(b["inputs"])
     ce = np.asarray(cross_entropy(logits, np.maximum(b["targets"], 0)))
     keep = b["targets"] >= 0
     np.testing.assert_allclose(run.losses[0], ce[keep].mean(), rtol=1e-6)
