@@ -82,11 +82,11 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
     return _RUNS[key]
 
 
-# Every schedule with pp=2 and pp=4, M in {P, 2P}, plus dp x pp x tp with ZeRO-2. (M = 4P
-# added compiles and no new schedule shape: pp=4's M = 8 already has more micro-batches in
-# flight than stages.)
+# Every schedule with pp=2, and 1f1b and interleaved with pp=4, M in {P, 2P}, plus dp x pp x
+# tp with ZeRO-2. (M = 4P, and gpipe on pp=4 - all forwards then all backwards, the simplest
+# table - added compiles and no new schedule shape.)
 MATRIX = [(f"pp={p}", schedule, p * factor, 0) for schedule in ("gpipe", "1f1b", "interleaved")
-          for p in (2, 4) for factor in (1, 2)]
+          for p in (2, 4) for factor in (1, 2) if not (p == 4 and schedule == "gpipe")]
 
 
 @pytest.mark.parametrize("mesh, schedule, micro, zero",
