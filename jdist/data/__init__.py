@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -128,6 +129,24 @@ def _eod_id(path: str | None, tokenizer: Tokenizer | None) -> int | None:
                 f"{tokenizer.name} has vocabulary {tokenizer.vocab_size}, eod id {eod}; pass "
                 "the tokenizer the file was made with")
     return meta.get("eod_id", eod)
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[str, object, int]]:
+    """(`FILE:LINE`, parsed value, bytes) of every non-empty line of a JSONL file; a line
+    that is not JSON is a one-line error naming it."""
+    import json
+
+    with path.open("rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{where} is not valid JSON ({e}); fix the line or drop "
+                                  "the file") from None
+            yield where, record, len(line)
 
 
 def load_tokens(path: str | None, bin_dtype: str | None = None,

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from jdist.data import TRAIN_STREAM, VAL_FRACTION, Corpus
+from jdist.data import TRAIN_STREAM, VAL_FRACTION, Corpus, jsonl_records
 from jdist.data.chat import chat_template, render
 from jdist.data.tokenizer import Tokenizer
-from jdist.errors import ConfigError, require
+from jdist.errors import require
 from jdist.loss import IGNORE
 
 TEXT, SFT = "text", "sft"
@@ -62,22 +61,14 @@ class SftData:
 
 def records(path: Path) -> Iterator[tuple[str, dict]]:
     """(`FILE:LINE`, record) of every non-empty line, each checked to be one of the formats."""
-    with path.open("rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{where} is not valid JSON ({e}); fix the line") from None
-            require(isinstance(record, dict) and (is_pair(record) or "messages" in record),
-                    f"{where} has neither \"prompt\" and \"completion\" nor \"messages\"; an sft "
-                    "record is {\"prompt\": ..., \"completion\": ...} or {\"messages\": [{\"role\":"
-                    " ..., \"content\": ...}, ...]}")
-            require(all(isinstance(t, str) for t in _texts(record)), f"{where}: prompt, "
-                    "completion and every message's role and content must be strings; fix it")
-            yield where, record
+    for where, record, _ in jsonl_records(path):
+        require(isinstance(record, dict) and (is_pair(record) or "messages" in record),
+                f"{where} has neither \"prompt\" and \"completion\" nor \"messages\"; an sft "
+                "record is {\"prompt\": ..., \"completion\": ...} or {\"messages\": [{\"role\":"
+                " ..., \"content\": ...}, ...]}")
+        require(all(isinstance(t, str) for t in _texts(record)), f"{where}: prompt, "
+                "completion and every message's role and content must be strings; fix it")
+        yield where, record
 
 
 def is_pair(record: dict) -> bool:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jdist.data import _text_files, sidecar_path
+from jdist.data import _text_files, jsonl_records, sidecar_path
 from jdist.data.tokenizer import Tokenizer, id_dtype, load_tokenizer
-from jdist.errors import ConfigError, require
+from jdist.errors import require
 
 CHUNK_BYTES = 1 << 20  # text per task: big enough to amortise IPC, small enough to stream
 _worker: Tokenizer | None = None
@@ -43,23 +43,14 @@ def input_files(inputs: list[str]) -> list[Path]:
 
 
 def _jsonl(path: Path, field: str) -> Iterator[tuple[str, int]]:
-    with path.open("rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{where} is not valid JSON ({e}); fix the line or drop "
-                                  "the file") from None
-            require(isinstance(record, dict) and field in record,
-                    f"{where} has no field {field!r}; pass --field with the field that holds "
-                    "the text, or fix the line")
-            text = record[field]
-            require(isinstance(text, str), f"{where}: field {field!r} is a "
-                    f"{type(text).__name__}, not a string; pass --field with the text's field")
-            yield text, len(line)
+    for where, record, size in jsonl_records(path):
+        require(isinstance(record, dict) and field in record,
+                f"{where} has no field {field!r}; pass --field with the field that holds "
+                "the text, or fix the line")
+        text = record[field]
+        require(isinstance(text, str), f"{where}: field {field!r} is a "
+                f"{type(text).__name__}, not a string; pass --field with the text's field")
+        yield text, size
 
 
 def documents(files: list[Path], field: str) -> Iterator[tuple[str, int]]:
