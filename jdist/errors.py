@@ -1,4 +1,8 @@
-"""The one exception type for mistakes a user can make (bad mesh, bad shapes, bad data)."""
+"""The one exception type for mistakes a user can make (bad mesh, bad shapes, bad data),
+and how every `python -m jdist.*` command reports them."""
+
+import sys
+from collections.abc import Callable
 
 
 class ConfigError(ValueError):
@@ -12,6 +16,19 @@ def require(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless `condition` holds."""
     if not condition:
         raise ConfigError(message)
+
+
+def run_cli(body: Callable[[], int | None]) -> int:
+    """`body()` as a command's exit status (None: 0): a ConfigError is one line on stderr
+    and EXIT_CONFIG, no traceback; Ctrl-C is 130."""
+    try:
+        return body() or EXIT_OK
+    except ConfigError as e:
+        print(f"jdist: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("jdist: interrupted", file=sys.stderr)
+        return 130
 
 
 # Exit statuses of `python -m jdist.train` and `python -m jdist.launch`.

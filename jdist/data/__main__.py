@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jdist.errors import EXIT_CONFIG, ConfigError
+from jdist.errors import ConfigError, run_cli
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,17 +37,11 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from jdist.data.tokenize import summary, tokenize
 
-    try:
+    def body() -> None:
         args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
         result = tokenize(args.inputs, args.tokenizer, args.out, args.field, args.workers)
-    except ConfigError as e:
-        print(f"jdist: error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except KeyboardInterrupt:
-        print("jdist: interrupted", file=sys.stderr)
-        return 130
-    print(summary(result), flush=True)
-    return 0
+        print(summary(result), flush=True)
+    return run_cli(body)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import itertools
 import sys
 import time
 
-from jdist.errors import EXIT_CONFIG, ConfigError, require
+from jdist.errors import ConfigError, require, run_cli
 
 # Generation runs on the data, fsdp and tensor axes: the others shard what decoding lacks
 # (pipeline stages, the sequence of a one-token step, experts).
@@ -129,7 +129,7 @@ def run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
+    def body() -> None:
         args = make_parser().parse_args(argv)
         from jdist.mesh import parse_mesh
         from jdist.train.__main__ import configure_devices
@@ -140,13 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{', '.join(SUPPORTED_AXES)} only, not {', '.join(extra)}; e.g. --mesh tp=2")
         configure_devices(spec.n_devices(default_fill=8))
         run(args)
-    except ConfigError as e:
-        print(f"jdist: error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except KeyboardInterrupt:
-        print("jdist: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_cli(body)
 
 
 if __name__ == "__main__":

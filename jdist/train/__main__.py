@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from jdist.errors import ConfigError, require
+from jdist.errors import require, run_cli
 
 
 def configure_devices(n_local: int) -> None:
@@ -33,37 +33,39 @@ def check_process_split(cpu_devices: int, n_proc: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jdist.train import faults
+
+    def body() -> int:
+        try:
+            train_from_flags(argv)
+        except faults.Preempted as e:
+            print(f"jdist: {e}", file=sys.stderr)
+            return faults.EXIT_PREEMPTED
+        except faults.NonFinite as e:
+            print(f"jdist: error: {e}", file=sys.stderr)
+            return faults.EXIT_NONFINITE
+        return 0
+    return run_cli(body)
+
+
+def train_from_flags(argv: list[str] | None) -> None:
+    """Parse the flags, size the simulated CPU platform, join the process group, train."""
     from jdist.distributed import initialize, process_settings
     from jdist.mesh import parse_mesh
-    from jdist.train import faults
     from jdist.train.config import parse_args
 
-    try:
-        config = parse_args(argv)
-        spec = parse_mesh(config.mesh)
-        coordinator, n_proc, proc_id = process_settings(
-            config.coordinator, config.num_processes, config.process_id)
-        cpu_devices = config.cpu_devices or spec.n_devices(default_fill=8)
-        configure_devices(max(1, cpu_devices // n_proc))
-        initialize(coordinator, n_proc, proc_id)
-        check_process_split(cpu_devices, n_proc)
+    config = parse_args(argv)
+    spec = parse_mesh(config.mesh)
+    coordinator, n_proc, proc_id = process_settings(
+        config.coordinator, config.num_processes, config.process_id)
+    cpu_devices = config.cpu_devices or spec.n_devices(default_fill=8)
+    configure_devices(max(1, cpu_devices // n_proc))
+    initialize(coordinator, n_proc, proc_id)
+    check_process_split(cpu_devices, n_proc)
 
-        from jdist.train.loop import train
+    from jdist.train.loop import train
 
-        train(config)
-    except ConfigError as e:
-        print(f"jdist: error: {e}", file=sys.stderr)
-        return faults.EXIT_CONFIG
-    except faults.Preempted as e:
-        print(f"jdist: {e}", file=sys.stderr)
-        return faults.EXIT_PREEMPTED
-    except faults.NonFinite as e:
-        print(f"jdist: error: {e}", file=sys.stderr)
-        return faults.EXIT_NONFINITE
-    except KeyboardInterrupt:
-        print("jdist: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    train(config)
 
 
 if __name__ == "__main__":
