@@ -120,25 +120,22 @@ def _load(variant: str, hf_dir: str, plan):
         def leaf(path, abstract, sharding):
             keys = tuple(k.key for k in path)
             kind = TENSORS[keys][1]
-            hf_to_jdist = {"same": lambda x: x, "transpose": lambda x: x.T}
             if keys[0] == "blocks":
                 layers = [tensors[hf_name(keys, i)] for i in range(abstract.shape[0])]
-                shape = abstract.shape[1:]
-                value = np.stack([_invert(kind, x, shape, hf_to_jdist) for x in layers])
+                value = np.stack([_whole(kind, x, abstract.shape[1:]) for x in layers])
             else:
-                value = _invert(kind, tensors[hf_name(keys)], abstract.shape, hf_to_jdist)
+                value = _whole(kind, tensors[hf_name(keys)], abstract.shape)
             return jax.device_put(value.astype(np.float32), sharding)
         params = jax.tree_util.tree_map_with_path(leaf, plan.abstract.params,
                                                   plan.shardings.params)
     return params, read
 
 
-def _invert(kind, x, shape, simple):
-    if kind in simple:
-        return simple[kind](x)
-    if kind == "heads_in":  # [heads * head_dim, embed] -> [embed, heads, head_dim]
-        return x.T.reshape(shape)
-    return x.T.reshape(shape[2], shape[0], shape[1]).transpose(1, 2, 0)  # heads_out
+def _whole(kind, x, shape):
+    """The whole HF tensor `x` in jdist's layout (`layout.read` of every index)."""
+    from jdist.hf.layout import read
+
+    return read(lambda slices: x[slices], kind, shape, tuple(slice(None) for _ in shape))
 
 
 def main() -> None:
