@@ -43,3 +43,4 @@ VOCAB = "vocab"
 NORM = "norm"              # scale vectors of normalisation layers
 LAYERS = "layers"          # the stacked-layer dimension of the transformer blocks
 EXPERTS = "experts"
+LORA_RANK = "lora_rank"    # the low-rank dimension of LoRA adapters: never sharded

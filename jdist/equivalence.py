@@ -49,12 +49,14 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
                 grad_accum: int = 1, remat: str = "none", offload: bool = False,
                 cp_strategy: str = "ring", pipeline: PipelineConfig | None = None,
                 attention: str = "auto", loss: str = "chunked", eod_id: int | None = None,
-                batch_fn=None, init_from: str | None = None) -> RunResult:
+                batch_fn=None, init_from: str | None = None, grads_step: int = 0) -> RunResult:
     """Train `steps` steps of `model` on `mesh` (a Mesh or a mesh string); `pipeline`
     (schedule, micro-batches) applies when the mesh has stages; `eod_id` packs documents
     (`jdist.packing`). `batch_fn(step)` -> host batch {"inputs", "targets"} replaces the
     token windows (tests of loss masks). `init_from`: start from that Hugging Face
-    directory's weights (`model` must be its config) instead of the seed's."""
+    directory's weights (`model` must be its config) instead of the seed's. `grads_step`:
+    the step whose gradients are kept (LoRA's A gets its first nonzero gradient at step 1,
+    once B has moved off zero)."""
     if isinstance(mesh, str):
         mesh = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
     tx, schedule = make_optimizer(lr, max(steps, 10), warmup=2)
@@ -77,7 +79,7 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
             state, metrics, grads = step(state, batch)
             losses.append(metrics["loss"])
             norms.append(metrics["grad_norm"])
-            if i == 0:
+            if i == grads_step:
                 first = to_model_order(plan, jax.tree.map(np.asarray, grads))
             del grads
         lowered = step.lower(state, batch)

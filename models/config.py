@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.errors import require
+from models.lora import LoraConfig, lora_from_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,8 @@ class ModelConfig:
     gating: str = "softmax"        # or "sigmoid"
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
+    # LoRA adapters on the projections (models.lora); None: none.
+    lora: LoraConfig | None = None
 
     @property
     def dim_per_head(self) -> int:
@@ -81,6 +84,10 @@ class ModelConfig:
                     f"--capacity-factor {self.capacity_factor} must be positive")
             require(self.gating in ("softmax", "sigmoid"),
                     f"unknown gating {self.gating!r}; use softmax or sigmoid")
+        if self.lora is not None:
+            dims = (self.d_model, self.dim_per_head * self.n_kv_heads) + (
+                () if self.n_experts else (self.d_ff,))
+            self.lora.validate(min(dims), moe=bool(self.n_experts))
         require(self.dim_per_head % 2 == 0,
                 f"head dimension {self.dim_per_head} is odd; rotary embeddings need an even one")
         require(self.rope_theta > 1, f"rope_theta={self.rope_theta} must be greater than 1")
@@ -138,7 +145,8 @@ PRESETS: dict[str, ModelConfig] = {
 def config_from_dict(fields: dict) -> ModelConfig:
     """A `ModelConfig` from `dataclasses.asdict` of one (as checkpoint metadata stores it)."""
     scaling = fields.get("rope_scaling")
-    return ModelConfig(**{**fields, "rope_scaling": RopeScaling(**scaling) if scaling else None})
+    return ModelConfig(**{**fields, "rope_scaling": RopeScaling(**scaling) if scaling else None,
+                          "lora": lora_from_dict(fields.get("lora"))})
 
 
 # Older short names, kept for scripts and tests that use them.

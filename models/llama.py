@@ -31,6 +31,7 @@ from jdist.axes import (
 from models.config import ModelConfig
 from models.context import LOCAL, ModelContext
 from models.layers import RMSNorm, apply_rotary, dot_product_attention, param, rotary_tables, weight
+from models.lora import adapted, adapter
 from models.moe import MoE
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
@@ -49,17 +50,26 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, cfg.n_kv_heads, hd), (EMBED, KV_HEADS, HEAD_DIM))
         self.wv = param(rngs, (d, cfg.n_kv_heads, hd), (EMBED, KV_HEADS, HEAD_DIM))
         self.wo = param(rngs, (cfg.n_heads, hd, d), (HEADS, HEAD_DIM, EMBED), std=out_std)
+        # LoRA adapters (None unless cfg.lora targets them), drawn from their own rng stream
+        # so the base weights are the same with and without them.
+        self.q_lora = adapter(cfg.lora, "q", self.wq, 1, rngs)
+        self.k_lora = adapter(cfg.lora, "k", self.wk, 1, rngs)
+        self.v_lora = adapter(cfg.lora, "v", self.wv, 1, rngs)
+        self.o_lora = adapter(cfg.lora, "o", self.wo, 2, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: ModelContext,
                  segment_ids: jax.Array | None = None, cache: tuple | None = None):
         """[batch, length, embed] -> [batch, length, embed]. With `cache` (decoding, see
         `cached_attention`), returns (output, the updated cache)."""
         c = ctx.constrain
-        q = c(_named(jnp.einsum("bse,ehd->bshd", x, weight(self.wq, x)), remat.QUERY),
+        def project(w, lora):
+            return adapted(x, jnp.einsum("bse,ehd->bshd", x, weight(w, x)), lora)
+
+        q = c(_named(project(self.wq, self.q_lora), remat.QUERY),
               (BATCH, LENGTH, HEADS, HEAD_DIM))
-        k = c(_named(jnp.einsum("bse,ehd->bshd", x, weight(self.wk, x)), remat.KEY),
+        k = c(_named(project(self.wk, self.k_lora), remat.KEY),
               (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-        v = c(_named(jnp.einsum("bse,ehd->bshd", x, weight(self.wv, x)), remat.VALUE),
+        v = c(_named(project(self.wv, self.v_lora), remat.VALUE),
               (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
@@ -68,8 +78,11 @@ class Attention(nnx.Module):
         out = attend(q, k, v, True) if segment_ids is None else \
             attend(q, k, v, True, segment_ids=segment_ids)
         out = c(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        return _named(jnp.einsum("bshd,hde->bse", out, weight(self.wo, out)),
-                      remat.ATTENTION_OUT)
+        return _named(self.output(out), remat.ATTENTION_OUT)
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """The output projection [batch, length, heads, head_dim] -> [batch, length, embed]."""
+        return adapted(out, jnp.einsum("bshd,hde->bse", out, weight(self.wo, out)), self.o_lora)
 
     def cached_attention(self, q, k, v, cache: tuple, ctx: ModelContext):
         """Decoding. `cache` = (keys and values of every layer (`KV_CACHE`), this layer's
@@ -83,7 +96,7 @@ class Attention(nnx.Module):
         out = dot_product_attention(q.astype(keys.dtype), keys[layer], values[layer], False,
                                     visible=visible)
         out = ctx.constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        return jnp.einsum("bshd,hde->bse", out, weight(self.wo, out)), (keys, values)
+        return self.output(out), (keys, values)
 
 
 class SwiGLU(nnx.Module):
@@ -94,12 +107,18 @@ class SwiGLU(nnx.Module):
         self.w_gate = param(rngs, (cfg.d_model, cfg.d_ff), (EMBED, MLP))
         self.w_up = param(rngs, (cfg.d_model, cfg.d_ff), (EMBED, MLP))
         self.w_down = param(rngs, (cfg.d_ff, cfg.d_model), (MLP, EMBED), std=out_std)
+        self.gate_lora = adapter(cfg.lora, "gate", self.w_gate, 1, rngs)
+        self.up_lora = adapter(cfg.lora, "up", self.w_up, 1, rngs)
+        self.down_lora = adapter(cfg.lora, "down", self.w_down, 1, rngs)
 
     def __call__(self, x: jax.Array, ctx: ModelContext) -> jax.Array:
-        gate = _named(jnp.einsum("bse,ef->bsf", x, weight(self.w_gate, x)), remat.MLP_GATE)
-        up = _named(jnp.einsum("bse,ef->bsf", x, weight(self.w_up, x)), remat.MLP_UP)
+        def project(h, w, lora, eq):
+            return adapted(h, jnp.einsum(eq, h, weight(w, h)), lora)
+
+        gate = _named(project(x, self.w_gate, self.gate_lora, "bse,ef->bsf"), remat.MLP_GATE)
+        up = _named(project(x, self.w_up, self.up_lora, "bse,ef->bsf"), remat.MLP_UP)
         hidden = ctx.constrain(jax.nn.silu(gate) * up, (BATCH, LENGTH, MLP))
-        return _named(jnp.einsum("bsf,fe->bse", hidden, weight(self.w_down, hidden)),
+        return _named(project(hidden, self.w_down, self.down_lora, "bsf,fe->bse"),
                       remat.MLP_DOWN)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from jdist.parallel import CHECK_VMA, kernel_mesh, varying, vma
 from jdist.parallel import grad_sync as gs
@@ -129,10 +130,11 @@ def _forward(head: Head, h, stored, labels):
     return lse - picked, lse
 
 
-def _backward(head: Head, h, primal, stored, labels, lse, g):
+def _backward(head: Head, with_weight: bool, h, primal, stored, labels, lse, g):
     """(dh, gradient of `primal`): each chunk's dW reduced as soon as it exists, in
     float32: over the token axes (sequence, expert), then over the replica axes as
-    `grad_sync` reduces every parameter, into the gradient layout."""
+    `grad_sync` reduces every parameter, into the gradient layout. Without `with_weight`
+    (a frozen weight) dW is neither computed nor reduced: (dh, a scalar 0)."""
     local = stored.shape[head.vocab_dim]
     g = g.astype(jnp.float32)
     eq_h = "bsv,ev->bse" if head.vocab_dim == 1 else "bsv,ve->bse"
@@ -147,6 +149,8 @@ def _backward(head: Head, h, primal, stored, labels, lse, g):
         hit = _hits(head, labels, local, first, fresh, logits.shape)
         dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * g[..., None]).astype(h.dtype)
         dh = dh + jnp.einsum(eq_h, dlogits, w_c, preferred_element_type=jnp.float32)
+        if not with_weight:
+            return (dh, dw), None
         dw_c = jnp.einsum(eq_w, h, dlogits, preferred_element_type=jnp.float32)
         if head.token_axes:
             dw_c = lax.psum(dw_c, head.token_axes)
@@ -158,8 +162,9 @@ def _backward(head: Head, h, primal, stored, labels, lse, g):
 
     like = tuple({*vma(h), *vma(stored), *vma(labels)})
     # dW chunks are summed over the token axes: the gradient varies only as the weight does.
+    dw_shape = primal.shape if with_weight else ()
     start = (varying(jnp.zeros(h.shape, jnp.float32), like),
-             varying(jnp.zeros(primal.shape, primal.dtype), (*vma(stored), *vma(primal))))
+             varying(jnp.zeros(dw_shape, primal.dtype), (*vma(stored), *vma(primal))))
     (dh, dw), _ = _over_chunks(body, start, _n_chunks(head, local))
     if head.vocab_axes:  # every vocab slice contributed to each token's hidden-state gradient
         dh = lax.psum(dh, head.vocab_axes)
@@ -174,7 +179,7 @@ def _over_chunks(body, start, n: int):
 def vocab_parallel_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,
                                  vocab_dim: int, mesh, h_spec, w_spec, label_spec,
                                  sync: gs.Sync | None = None, primal: jax.Array | None = None,
-                                 defer: bool = False,
+                                 defer: bool = False, frozen: bool = False,
                                  chunk_bytes: int = CHUNK_BYTES) -> jax.Array:
     """Per-token -log softmax(h @ w)[label], float32 [b, s], exact. h [b, s, embed] (its
     spec must not use the vocab axes), w [embed, vocab] (`vocab_dim` 1) or [vocab, embed]
@@ -183,7 +188,9 @@ def vocab_parallel_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, 
     With `sync` (inside the step's replica shard_map), `w` is the stored float32 block of
     the weight and `primal` its gradient-layout block (`grad_sync.to_grad_layout`), which
     receives the reduced float32 gradient: each chunk of rows is gathered over the replica
-    axes when used and its gradient reduced right away. Without, `w` is used as it is."""
+    axes when used and its gradient reduced right away. Without, `w` is used as it is.
+    `frozen`: the weight gets no gradient (LoRA's base): the backward computes only dh,
+    with no dW chunk and no reduction of one."""
     def split(spec, *dims):  # mesh axes (of size > 1) that split these dims of `spec`
         entries = tuple(spec) + (None,) * 3
         return tuple(a for d in dims for a in mesh_axes_of(entries[d]) if mesh.shape[a] > 1)
@@ -205,9 +212,9 @@ def vocab_parallel_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, 
     smap = partial(jax.shard_map, **kernel_mesh(mesh), check_vma=CHECK_VMA and not replica)
     fwd = smap(partial(_forward, head), in_specs=(h_spec, w_spec, label_spec),
                out_specs=(label_spec, label_spec))
-    bwd = smap(partial(_backward, head),
+    bwd = smap(partial(_backward, head, not frozen),
                in_specs=(h_spec, w_spec, w_spec, label_spec, label_spec, label_spec),
-               out_specs=(h_spec, w_spec))
+               out_specs=(h_spec, w_spec) if not frozen else (h_spec, PartitionSpec()))
 
     @jax.custom_vjp
     def loss(h, primal, stored, labels):
@@ -220,7 +227,7 @@ def vocab_parallel_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, 
     def loss_bwd(residuals, g):
         h, primal, stored, labels, lse = residuals
         dh, d_primal = bwd(h, primal, stored, labels, lse, g)
-        return dh, d_primal, None, None
+        return dh, None if frozen else d_primal, None, None
 
     loss.defvjp(loss_fwd, loss_bwd)
     return loss(h, w if primal is None else primal, w, labels)

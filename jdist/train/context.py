@@ -23,6 +23,7 @@ from jdist.parallel.moe import expert_dispatch
 from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
 from jdist.rules import Rules, as_candidate, constrainer, mesh_axes_of, resolve, without_axis
+from jdist.train import trainable
 from jdist.train.layer_order import EMBED, HEAD
 from models.context import ModelContext
 from models.layers import weight
@@ -99,7 +100,8 @@ def token_losses(plan, manual: tuple[str, ...], model, x, labels, ctx: ModelCont
     return vocab_parallel_cross_entropy(
         h, stored, labels, vocab_dim=vocab_dim, mesh=plan.mesh,
         h_spec=PartitionSpec(*label_spec, None), w_spec=PartitionSpec(*w_spec[:2]),
-        label_spec=label_spec, sync=sync, primal=primal, defer=defer)
+        label_spec=label_spec, sync=sync, primal=primal, defer=defer,
+        frozen=trainable.frozen_base(plan.model))
 
 
 def head_key(plan) -> str:
@@ -109,7 +111,8 @@ def head_key(plan) -> str:
 
 def head_of(plan, primal: dict, stored: dict, sync: dict, defer: bool) -> tuple | None:
     """`token_losses`' `head` for the chunked loss, where the weight's layout allows it
-    (vocabulary not split over replica axes); None: the step gathers it whole."""
+    (vocabulary not split over replica axes); None: the step gathers it whole. A frozen
+    weight's primal is None: the loss computes no gradient for it."""
     key = head_key(plan)
     vocab_dim = 0 if plan.model.tie_embeddings else 1
     # (Tied, this is the condition of the table's lookup too: both read the stored block.)
@@ -124,7 +127,8 @@ def embed_lookup(plan, manual: tuple[str, ...], primal, stored, sync, defer: boo
     if not embedding.supports(sync):
         return None
     vocab = resolve((ax.VOCAB, ax.EMBED), inner_rules(plan.rules, manual), plan.mesh)[0]
-    return partial(embedding.lookup, primal, stored, sync=sync, dtype=plan.compute_dtype,
+    # A frozen table (primal None) is never differentiated: its stored block stands in.
+    return partial(embedding.lookup, stored if primal is None else primal, stored, sync=sync, dtype=plan.compute_dtype,
                    defer=defer, mesh=plan.mesh, vocab_axes=mesh_axes_of(vocab))
 
 

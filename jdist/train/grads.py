@@ -26,6 +26,7 @@ from jdist import loss as objective
 from jdist import packing
 from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
+from jdist.train import trainable
 from jdist.train.context import (
     context_parallel_of,
     embed_lookup,
@@ -63,8 +64,10 @@ def syncs(plan, manual: tuple[str, ...] = MANUAL) -> dict:
             # scatter-add accumulates in float32. (Else only a tied head uses the copy.)
             return dataclasses.replace(sync, cast=False)
         return sync
+    # A frozen parameter has no gradient: its (unused) gradient layout is its stored one.
+    grad_shardings = trainable.combine(plan.grad_shardings, plan.shardings.params)
     return jax.tree_util.tree_map_with_path(
-        one, plan.abstract.params, plan.shardings.params, plan.grad_shardings, plan.names,
+        one, plan.abstract.params, plan.shardings.params, grad_shardings, plan.names,
         is_leaf=lambda x: isinstance(x, tuple) or isinstance(x, jax.ShapeDtypeStruct))
 
 
@@ -91,8 +94,18 @@ def replica_map(plan, local, out_specs, manual: tuple[str, ...] = MANUAL):
 
 
 def materialized(primal: dict, stored: dict, sync: dict, dtype, defer: bool) -> dict:
-    return jax.tree.map(lambda p, s, y: gs.materialize(p, s, y, dtype, defer),
-                        primal, stored, sync)
+    """The values a layer computes with; a frozen leaf (None in `primal`) is gathered
+    without a gradient (`stored` is never differentiated)."""
+    return jax.tree.map(lambda p, s, y: gs.gather(s, y, dtype) if p is None else
+                        gs.materialize(p, s, y, dtype, defer), primal, stored, sync,
+                        is_leaf=lambda x: x is None)
+
+
+def trained_primal(plan, stored: dict, stacked_syncs: dict) -> dict:
+    """The gradient-layout blocks of the trained parameters (None for frozen ones): what
+    the step differentiates."""
+    return trainable.tree_map(gs.to_grad_layout, trainable.select(plan.model, stored),
+                              stacked_syncs)
 
 
 def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
@@ -143,7 +156,7 @@ def step_grads(plan, params: dict, batch: dict):
     n_replicas = replica_count(plan.mesh)
 
     def local(stored, tokens, targets):
-        primal = jax.tree.map(gs.to_grad_layout, stored, stacked_syncs)
+        primal = trained_primal(plan, stored, stacked_syncs)
         # Read, never differentiated: else the layer loop's transpose builds a (zero)
         # cotangent for the stored stack too, a full extra gradient buffer.
         stored = jax.lax.stop_gradient(stored)
@@ -168,10 +181,11 @@ def step_grads(plan, params: dict, batch: dict):
             start = (jnp.zeros(n_terms, jnp.float32), zeros)
             (terms, grads), _ = jax.lax.scan(body, start, micro_batches((tokens, targets), micro))
             terms = terms / micro
-            grads = jax.tree.map(gs.finish_reduce, grads, sync)
+            grads = trainable.tree_map(gs.finish_reduce, grads, sync)
         return jax.lax.psum(terms, MANUAL) / n_replicas, grads
 
-    grad_specs = manual_specs(plan.abstract.params, plan.grad_shardings)
+    grad_specs = manual_specs(trainable.select(plan.model, plan.abstract.params),
+                              plan.grad_shardings)
     run = replica_map(plan, local, (PartitionSpec(), grad_specs))
     terms, grads = run(params, batch["inputs"], batch["targets"])
     grads = jax.lax.with_sharding_constraint(grads, plan.grad_shardings)

@@ -23,6 +23,7 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program
+from jdist.train import trainable
 from jdist.train.context import (
     context_parallel_of,
     embed_lookup,
@@ -42,6 +43,7 @@ from jdist.train.grads import (
     stacked,
     stream_layout,
     syncs,
+    trained_primal,
 )
 from jdist.train.layer_order import BLOCKS, EMBED
 
@@ -67,7 +69,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
                                       jax.lax.psum(objective.token_count(targets), MANUAL))
         tokens = micro_batches(reorder_tokens(cp, inputs), table.micro)
         labels = micro_batches(reorder_tokens(cp, targets), table.micro)
-        primal = jax.tree.map(gs.to_grad_layout, stored, stacked_syncs) if train else stored
+        primal = trained_primal(plan, stored, stacked_syncs) if train else stored
         stored = jax.lax.stop_gradient(stored)  # read only (see jdist.train.grads)
         stored_chunks = jax.tree.map(
             lambda b: b.reshape(table.virtual, -1, *b.shape[1:]), stored[BLOCKS])
@@ -127,12 +129,12 @@ def _run(plan, params: dict, batch: dict, train: bool):
         d_blocks, d_shared = grads
         d_shared = jax.lax.psum(d_shared, ax.STAGE)  # first stage: embedding; last: head
         grads = {**d_shared, BLOCKS: d_blocks}
-        return terms, jax.tree.map(gs.finish_reduce, grads, sync)
+        return terms, trainable.tree_map(gs.finish_reduce, grads, sync)
 
     out_specs = PartitionSpec()
     if train:
-        out_specs = (out_specs, manual_specs(plan.abstract.params, plan.grad_shardings,
-                                             PIPE_MANUAL))
+        out_specs = (out_specs, manual_specs(trainable.select(plan.model, plan.abstract.params),
+                                             plan.grad_shardings, PIPE_MANUAL))
     run = replica_map(plan, local, out_specs, PIPE_MANUAL)
     return run(params, batch["inputs"], batch["targets"])
 

@@ -19,6 +19,7 @@ from jdist.loss import CHUNKED, LOSSES
 from jdist.parallel.attention import AUTO, IMPLEMENTATIONS
 from jdist.parallel.grad_sync import manual_part
 from jdist.rules import Rules, resolve
+from jdist.train import trainable
 from jdist.train.layer_order import in_model_order, store
 from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, STAGES, zero_shardings
 from models import Llama, ModelConfig
@@ -76,7 +77,9 @@ def with_pipeline(plan: Plan, config) -> Plan:
 
 
 def build_model(cfg: ModelConfig, seed: int) -> Llama:
-    return Llama(cfg, rngs=nnx.Rngs(params=seed))
+    # LoRA adapters draw from their own stream, so base weights do not depend on them.
+    lora = jax.random.fold_in(jax.random.key(seed), 0x10A)
+    return Llama(cfg, rngs=nnx.Rngs(params=seed, lora=lora))
 
 
 def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation,
@@ -94,20 +97,24 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     require(loss in LOSSES, f"unknown --loss {loss!r}; use {', '.join(LOSSES)}")
     graphdef, abstract_vars = nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)))
     names = sh.logical_names(abstract_vars)
-    abstract_params = nnx.to_pure_dict(abstract_vars)
+    abstract_params = trainable.storage_abstract(cfg, nnx.to_pure_dict(abstract_vars),
+                                                 compute_dtype)
     base = sh.param_shardings(abstract_params, names, mesh, rules)
     check_replica_layout(base, abstract_params, mesh)
     sharded = zero_shardings(abstract_params, base, names, mesh)
     pick = lambda stage: sharded if zero >= stage else base
-    opt_device = sh.optimizer_shardings(tx, abstract_params, pick(OPTIMIZER), mesh)
+    # Gradients and optimizer state exist for the trained parameters only.
+    trained = trainable.select(cfg, abstract_params)
+    opt_device = sh.optimizer_shardings(tx, trained, trainable.select(cfg, pick(OPTIMIZER)),
+                                        mesh)
     opt_rest = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_device) \
         if offload_optimizer else opt_device
     state_sh = TrainState(step=sh.replicated(mesh), params=pick(PARAMETERS), opt_state=opt_rest)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
-                          opt_state=jax.eval_shape(tx.init, abstract_params))
+                          opt_state=jax.eval_shape(tx.init, trained))
     batch_sharding = jax.sharding.NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
-                zero, pick(GRADIENTS), opt_device, cp_strategy,
+                zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, cp_strategy,
                 compute_dtype=jnp.dtype(compute_dtype), remat=remat, grad_accum=grad_accum,
                 attention=attention, loss=loss, eod_id=eod_id)
 
@@ -124,7 +131,8 @@ def check_replica_layout(shardings: dict, abstract: dict, mesh) -> None:
 def state_from_params(plan: Plan, params: dict) -> TrainState:
     """Step 0 from given parameters (already laid out as `plan.shardings.params`, in the
     stored layer order): the optimizer state is initialised next to them."""
-    opt = jax.jit(plan.tx.init, out_shardings=plan.shardings.opt_state)(params)
+    opt = jax.jit(lambda p: plan.tx.init(trainable.select(plan.model, p)),
+                  out_shardings=plan.shardings.opt_state)(params)
     return TrainState(jax.device_put(jnp.zeros((), jnp.int32), plan.shardings.step), params, opt)
 
 
@@ -133,7 +141,9 @@ def init_state(plan: Plan, seed: int) -> TrainState:
     then layers move into the plan's stored order (`jdist.train.layer_order`)."""
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
-        return TrainState(jnp.zeros((), jnp.int32), params, plan.tx.init(params))
+        params = trainable.to_storage(plan.model, params, plan.compute_dtype)
+        return TrainState(jnp.zeros((), jnp.int32), params,
+                          plan.tx.init(trainable.select(plan.model, params)))
     if in_model_order(plan):
         return jax.jit(init, out_shardings=plan.shardings)()
     on_device = plan.device_shardings

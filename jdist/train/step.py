@@ -10,6 +10,7 @@ import optax
 from jdist.sharding import replicated
 from jdist.train.grads import step_eval, step_grads
 from jdist.train.pipelined import pipeline_eval, pipeline_grads
+from jdist.train import trainable
 from jdist.train.state import Plan, TrainState
 
 
@@ -31,8 +32,9 @@ def make_train_step(plan: Plan, schedule: optax.Schedule | None = None,
         # Offloaded optimizer state comes in from host memory for the update only.
         opt_state = jax.device_put(state.opt_state, plan.opt_device_shardings) \
             if plan.offload else state.opt_state
-        updates, opt_state = plan.tx.update(grads, opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        trained = trainable.select(plan.model, state.params)  # frozen leaves: None
+        updates, opt_state = plan.tx.update(grads, opt_state, trained)
+        params = trainable.combine(optax.apply_updates(trained, updates), state.params)
         metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads), **extra}
         if schedule is not None:
             metrics["lr"] = schedule(state.step)

@@ -1,0 +1,111 @@
+"""LoRA fine-tuning: every layout trains the adapters exactly as one device does, and the
+base model is frozen (no gradient, no optimizer state, no gradient collective, unchanged)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jdist import hlo
+from jdist.equivalence import assert_matches, train_steps
+from jdist.parallel.pipeline import PipelineConfig
+from jdist.train.state import build_model, init_state, make_plan
+from jdist.train.optim import make_optimizer
+from jdist.mesh import build_mesh
+from jdist.rules import DEFAULT_RULES
+from models import get_preset
+from models.lora import LoraConfig, is_adapter
+
+# 4 layers so that an interleaved pipeline has two chunks per stage.
+LORA = dataclasses.replace(get_preset("tiny"), n_layers=4, lora=LoraConfig(4, 8.0))
+SETTINGS = {"steps": 3, "lr": 1e-2, "grads_step": 2}  # lr 0 at step 0 (warmup): A first gets a gradient at step 2
+
+
+def flat(tree) -> dict:
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.fixture(scope="module")
+def reference(single_device):
+    return single_device(LORA, **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def initial():
+    plan = make_plan(LORA, build_mesh("dp=1", jax.devices()[:1]), DEFAULT_RULES,
+                     make_optimizer()[0])
+    return flat(jax.tree.map(np.asarray, init_state(plan, 0).params))
+
+
+_RUNS: dict = {}
+
+
+def lora_run(corpus, mesh, **settings):
+    key = (mesh, tuple(sorted(settings.items())))
+    if key not in _RUNS:
+        _RUNS[key] = train_steps(LORA, mesh, corpus.train, **SETTINGS, **settings)
+    return _RUNS[key]
+
+
+LAYOUTS = [("dp=8", {}), ("fsdp=8", {}), ("dp=2,fsdp=2,tp=2", {}),
+           ("pp=2", {"pipeline": PipelineConfig("1f1b", 2)}),
+           ("pp=2", {"pipeline": PipelineConfig("interleaved", 2, 2)}),
+           ("sp=2", {"cp_strategy": "ring"})]
+
+
+@pytest.mark.parametrize("mesh, settings", LAYOUTS,
+                         ids=["dp8", "fsdp8", "dp2fsdp2tp2", "pp2-1f1b", "pp2-interleaved",
+                              "sp2-ring"])
+def test_lora_matches_single_device_and_keeps_the_base(corpus, reference, initial, mesh,
+                                                       settings):
+    run = lora_run(corpus, mesh, **settings)
+    assert_matches(run, reference)
+    grads = flat(run.grads)
+    assert grads and all("_lora" in k for k in grads), "only adapters have gradients"
+    assert all(np.abs(g).max() > 0 for g in grads.values()), "every adapter is trained"
+    final = flat(run.params)
+    for k, v in initial.items():
+        if "_lora" not in k:
+            np.testing.assert_array_equal(final[k], v, err_msg=f"base {k} changed")
+    moved = [k for k in initial if "_lora" in k and not np.array_equal(final[k], initial[k])]
+    assert len(moved) == len([k for k in initial if "_lora" in k])
+
+
+def test_fresh_adapters_compute_exactly_the_base_model():
+    base, lora = build_model(dataclasses.replace(LORA, lora=None), 0), build_model(LORA, 0)
+    tokens = np.arange(64).reshape(2, 32) % 256
+    np.testing.assert_array_equal(np.asarray(base(tokens)), np.asarray(lora(tokens)))
+
+
+def test_no_gradient_collective_touches_a_base_weight(corpus):
+    """fsdp=8: base weights are all-gathered in the forward and never reduced; every
+    reduction moves adapter-sized (or scalar) data only."""
+    run = lora_run(corpus, "fsdp=8")
+    text = run.hlo
+    largest_adapter = max(np.prod(v.shape[1:]) for k, v in flat(run.params).items()
+                          if "_lora" in k)
+    for op in ("reduce-scatter", "all-reduce"):
+        sizes = [int(np.prod(s)) for s in hlo.collective_shapes(text, op)]
+        # An fsdp=8 shard of a layer's base weight (or a scattered head/table) would be
+        # 512-4096 elements on this model; adapters are at most rank x 64.
+        assert all(n <= largest_adapter for n in sizes), (op, sorted(sizes)[-5:])
+    assert hlo.collective_counts(text)["all-gather"] > 0  # the base is still gathered
+
+
+def test_optimizer_state_is_the_adapters_only():
+    plan = make_plan(LORA, build_mesh("fsdp=8", jax.devices()), DEFAULT_RULES,
+                     make_optimizer()[0])
+    adapters = sum(np.prod(v.shape) for k, v in flat(plan.abstract.params).items()
+                   if "_lora" in k)
+    moments = [x for x in jax.tree.leaves(plan.abstract.opt_state) if x.ndim > 0]
+    assert sum(np.prod(x.shape) for x in moments) == 2 * adapters  # Adam's mu and nu
+    frozen = [v for k, v in flat(plan.abstract.params).items() if not is_adapter(k.split("'"))]
+    assert frozen and all(x.dtype == jnp.float32 for x in frozen)  # float32 compute: as is
+    bf16 = make_plan(LORA, plan.mesh, DEFAULT_RULES, make_optimizer()[0],
+                     compute_dtype=jnp.bfloat16)
+    stored = {k: v.dtype for k, v in flat(bf16.abstract.params).items()}
+    assert all(d == (jnp.float32 if "_lora" in k or "norm" in k else jnp.bfloat16)
+               for k, d in stored.items()), stored
