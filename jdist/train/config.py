@@ -56,6 +56,13 @@ class TrainConfig:
     packing: str = "none"  # jdist.packing.PACKINGS
     data_format: str = "text"  # jdist.data.sft.FORMATS
     cpu_devices: int = 0  # 0: as many as the mesh needs (8 for a -1 axis)
+    # Fine-tuning (see models.lora, jdist.nf4): None rank = full training.
+    lora_rank: int | None = None
+    lora_alpha: float = 16.0
+    lora_targets: str = ""  # "": every projection the model has (attention only for MoE)
+    quantize_base: str = "none"
+    double_quant: bool = False
+    save_base: bool = False
     # Model-shape overrides (None: keep the preset's value).
     n_layers: int | None = None
     d_model: int | None = None
@@ -141,6 +148,18 @@ HELP = {
     "init_from": "start from a Hugging Face Llama directory (config.json + safetensors): "
                  "the model shape comes from its config.json, each process reads only its "
                  "shards",
+"lora_rank": "train LoRA adapters of this rank; the base model is frozen (no gradients, "
+                 "no optimizer state)",
+    "lora_alpha": "LoRA scale numerator: adapters add (alpha / rank) x A B",
+    "lora_targets": "comma-separated projections to adapt: q,k,v,o,gate,up,down (default: "
+                    "all of them; attention only for mixture-of-experts models)",
+    "quantize_base": "QLoRA: none, or nf4 (frozen block weights stored as 4-bit NormalFloat "
+                     "in blocks of 64, dequantized per layer in the compute dtype)",
+    "double_quant": "with --quantize-base nf4: also quantize the block scales to 8 bits "
+                    "(blocks of 256): ~0.516 bytes per base weight",
+    "save_base": "with LoRA: also save the frozen base weights in checkpoints (by default "
+                 "only the adapters and their optimizer state; the base comes back from "
+                 "--init-from or the seed)",
     "cpu_devices": "CPU devices to simulate when the mesh has a -1 axis (default 8)",
     "checkpoint_every": "save an async sharded checkpoint to RUN_DIR/checkpoints every N steps "
                         "(0: only on preemption)",
@@ -156,7 +175,7 @@ HELP = {
 CHOICES = {"compute_dtype": ["float32", "bfloat16"], "attention": list(IMPLEMENTATIONS),
            "loss": list(LOSSES), "packing": list(PACKINGS), "zero": [0, 1, 2, 3],
            "offload": ["none", "optimizer"], "pp_schedule": list(SCHEDULES),
-           "data_format": list(FORMATS)}
+           "data_format": list(FORMATS), "quantize_base": ["none", "nf4"]}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -11,6 +11,7 @@ import jax
 
 from jdist import checkpoint as ckpt
 from jdist.errors import require
+from jdist.train import trainable
 from jdist.train.layer_order import CHECKPOINT_KEY, restore_order
 from jdist.train.state import Plan, TrainState, init_state, state_from_params
 
@@ -18,7 +19,20 @@ from jdist.train.state import Plan, TrainState, init_state, state_from_params
 # (mesh, ZeRO stage, process count, remat, ...) only decides *how* and may change.
 RESULT_FLAGS = ("seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",
                 "clip_norm", "data", "data_dtype", "init_from", "tokenizer", "packing",
-                "data_format")
+                "data_format", "lora_rank", "lora_alpha", "lora_targets", "quantize_base",
+                "double_quant")
+
+
+# Checkpoint metadata: whether the parameters saved include the frozen base (LoRA saves
+# only the adapters unless --save-base; full training always saves everything).
+BASE_SAVED = "base_saved"
+
+
+def saved_state(plan: Plan, state: TrainState, save_base: bool) -> TrainState:
+    """What a checkpoint holds of `state`: `state` itself, or with LoRA (unless
+    `save_base`) the adapters and their optimizer state."""
+    params = trainable.checkpointed(plan.model, state.params, save_base)
+    return state if params is state.params else state._replace(params=params)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -102,7 +116,15 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "") -> ckpt.Found
 def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
                 init_from: str = "") -> TrainState:
     """The initial state (random, or the Hugging Face checkpoint `init_from`), or the state
-    restored from `found` laid out for this plan's mesh (and its stored layer order)."""
+    restored from `found` laid out for this plan's mesh (and its stored layer order). A
+    checkpoint of adapters only takes its frozen base from the initial state."""
+    if found is not None and not found.meta.get(BASE_SAVED, True):
+        base = start_state(plan, seed, None, init_from).params
+        abstract, shardings = (saved_state(plan, t, save_base=False)
+                               for t in (plan.abstract, plan.shardings))
+        tree, _ = ckpt.restore(found.path, abstract, shardings)
+        state = restore_order(plan, TrainState(**tree), found.meta.get(CHECKPOINT_KEY))
+        return state._replace(params=_with_base(state.params, base))
     if found is None and init_from:
         import time
 
@@ -119,3 +141,9 @@ def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
         return init_state(plan, seed)
     tree, _ = ckpt.restore(found.path, plan.abstract, plan.shardings)
     return restore_order(plan, TrainState(**tree), found.meta.get(CHECKPOINT_KEY))
+
+
+def _with_base(adapters: dict, base: dict) -> dict:
+    """`base` (a whole parameter tree) with the leaves `adapters` (a pruned one) holds."""
+    return {k: _with_base(adapters[k], v) if isinstance(v, dict) and k in adapters else
+            adapters.get(k, v) for k, v in base.items()}

@@ -127,9 +127,11 @@ class Run:
         return {"val_loss": sum(float(x) for x in losses) / len(losses)}
 
     def save(self, step: int) -> None:
-        self.checkpoints.save(step, self.state, resume.run_meta(
-            self.config, self.setup.model, self.plan.mesh, step, self.data_id,
-            order_of(self.plan)))
+        save_base = self.config.save_base
+        state = resume.saved_state(self.plan, self.state, save_base)
+        meta = resume.run_meta(self.config, self.setup.model, self.plan.mesh, step, self.data_id,
+                               order_of(self.plan))
+        self.checkpoints.save(step, state, {**meta, resume.BASE_SAVED: state is self.state})
 
     def roll_back(self, bad_step: int) -> int:
         """Restore the newest good checkpoint (or the initial state) and from now on pass over

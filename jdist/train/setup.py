@@ -32,6 +32,7 @@ from jdist.train.context import attention_of
 from jdist.train.optim import make_optimizer
 from jdist.train.state import Plan, make_plan, with_pipeline
 from models import ModelConfig, get_preset
+from models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -83,15 +84,37 @@ def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
 
 
 def model_of(config: TrainConfig) -> ModelConfig:
-    """The preset with its shape flags, or the model a Hugging Face `--init-from` describes."""
+    """The preset with its shape flags, or the model a Hugging Face `--init-from` describes;
+    with its LoRA adapters when `--lora-rank` is given."""
     if not config.init_from:
-        return get_preset(config.model, **config.model_overrides())
-    from jdist.hf import model_config
+        model = get_preset(config.model, **config.model_overrides())
+    else:
+        from jdist.hf import model_config
 
-    given = [k for k, v in config.model_overrides().items() if v is not None]
-    require(not given, f"--init-from takes the model shape from {config.init_from}/config.json; "
-                       f"drop --{given[0].replace('_', '-') if given else ''}")
-    return model_config(config.init_from)
+        given = [k for k, v in config.model_overrides().items() if v is not None]
+        require(not given, f"--init-from takes the model shape from {config.init_from}/"
+                           f"config.json; drop --{given[0].replace('_', '-') if given else ''}")
+        model = model_config(config.init_from)
+    return with_lora(model, config)
+
+
+def with_lora(model: ModelConfig, config: TrainConfig) -> ModelConfig:
+    require(config.lora_rank is not None or config.quantize_base == "none",
+            f"--quantize-base {config.quantize_base} quantizes a frozen base, which only LoRA "
+            "has; add --lora-rank R")
+    require(config.lora_rank is not None or not (config.double_quant or config.save_base),
+            f"--{'double-quant' if config.double_quant else 'save-base'} applies to LoRA "
+            "fine-tuning; add --lora-rank R or drop the flag")
+    require(not config.double_quant or config.quantize_base == "nf4",
+            "--double-quant quantizes NF4 block scales; add --quantize-base nf4")
+    if config.lora_rank is None:
+        return model
+    targets = tuple(t.strip() for t in config.lora_targets.split(",")) if \
+        config.lora_targets else (ATTENTION_TARGETS if model.n_experts else tuple(TARGETS))
+    model = dataclasses.replace(model, lora=LoraConfig(config.lora_rank, config.lora_alpha,
+                                                       targets))
+    model.validate()
+    return model
 
 
 def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:

@@ -67,3 +67,18 @@ def storage_abstract(model, abstract: dict, compute_dtype) -> dict:
 def to_storage(model, params: dict, compute_dtype) -> dict:
     return jax.tree_util.tree_map_with_path(
         lambda path, x: x.astype(storage_dtype(model, path, x, compute_dtype)), params)
+
+
+def prune(tree):
+    """A nested dict without its None leaves (and the dicts left empty): what is saved of
+    the parameters when the base is not."""
+    if not isinstance(tree, dict):
+        return tree
+    kept = {k: prune(v) for k, v in tree.items() if v is not None}
+    return {k: v for k, v in kept.items() if not (isinstance(v, dict) and not v)}
+
+
+def checkpointed(model, params, save_base: bool):
+    """The part of the parameters (or of a tree shaped like them) a checkpoint holds: all
+    of them, or with LoRA (unless `save_base`) the adapters only."""
+    return params if save_base or not frozen_base(model) else prune(select(model, params))
