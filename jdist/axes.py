@@ -44,3 +44,4 @@ NORM = "norm"              # scale vectors of normalisation layers
 LAYERS = "layers"          # the stacked-layer dimension of the transformer blocks
 EXPERTS = "experts"
 LORA_RANK = "lora_rank"    # the low-rank dimension of LoRA adapters: never sharded
+NF4_BLOCKS = "nf4_blocks"  # second-level (double quantization) scales of an NF4 weight

@@ -49,7 +49,8 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
                 grad_accum: int = 1, remat: str = "none", offload: bool = False,
                 cp_strategy: str = "ring", pipeline: PipelineConfig | None = None,
                 attention: str = "auto", loss: str = "chunked", eod_id: int | None = None,
-                batch_fn=None, init_from: str | None = None, grads_step: int = 0) -> RunResult:
+                batch_fn=None, init_from: str | None = None, grads_step: int = 0,
+                quantize: str = "none", double_quant: bool = False) -> RunResult:
     """Train `steps` steps of `model` on `mesh` (a Mesh or a mesh string); `pipeline`
     (schedule, micro-batches) applies when the mesh has stages; `eod_id` packs documents
     (`jdist.packing`). `batch_fn(step)` -> host batch {"inputs", "targets"} replaces the
@@ -62,7 +63,8 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEF
     tx, schedule = make_optimizer(lr, max(steps, 10), warmup=2)
     plan = make_plan(model, mesh, rules, tx, zero=zero, offload_optimizer=offload,
                      cp_strategy=cp_strategy, compute_dtype=compute_dtype, remat=remat,
-                     grad_accum=grad_accum, attention=attention, loss=loss, eod_id=eod_id)
+                     grad_accum=grad_accum, attention=attention, loss=loss, eod_id=eod_id,
+                     quantize=quantize, double_quant=double_quant)
     plan = with_pipeline(plan, pipeline)
     losses, norms, first = [], [], None
     with jax.default_matmul_precision("highest"):

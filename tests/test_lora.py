@@ -146,3 +146,64 @@ def test_checkpoints_hold_the_adapters_and_resume_elastically(tmp_path, capsys):
                      "--run-dir", str(tmp_path / "bad")]) == 2
         err = capsys.readouterr().err.strip()
         assert says in err and len(err.splitlines()) == 1, err
+
+
+# QLoRA needs whole NF4 blocks of 64 in every shard of each weight's last dimension.
+QLORA = dataclasses.replace(get_preset("tiny"), d_model=128, n_heads=2, n_kv_heads=2, d_ff=256,
+                            lora=LoraConfig(4, 8.0))
+Q_SETTINGS = {**SETTINGS, "quantize": "nf4", "double_quant": True}
+
+
+def test_qlora_matches_single_device_on_fsdp_tp_and_stages(corpus, single_device):
+    from jdist import nf4
+
+    reference = single_device(QLORA, **Q_SETTINGS)
+    for mesh, extra in (("fsdp=2,tp=2", {}), ("pp=2", {"pipeline": PipelineConfig("1f1b", 2)})):
+        run = train_steps(QLORA, mesh, corpus.train, **Q_SETTINGS, **extra)
+        assert_matches(run, reference)
+        stored = run.params["blocks"]["attn"]["wq"]
+        assert isinstance(stored, nf4.Nf4) and stored.codes.dtype == np.uint8
+        assert stored.absmax.dtype == np.int8  # double quantization
+    plain = single_device(QLORA, **SETTINGS)  # the same adapters on the float32 base
+    assert 0 < abs(plain.losses[0] - reference.losses[0]) < 1e-2 * plain.losses[0]
+
+
+def test_qlora_quantizes_while_loading_shard_by_shard(tmp_path):
+    """An HF checkpoint loaded onto fsdp=2,tp=2 as NF4 has exactly the codes of the float
+    weights quantized whole (blocks never straddle shards); the adapters are the seed's."""
+    from jdist import nf4
+    from jdist.hf import load_params
+    from jdist.hf.export import write_hf
+
+    base_cfg = dataclasses.replace(QLORA, lora=None)
+    host = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(build_model(base_cfg, 3))))
+
+    def at(path):
+        leaf = host
+        for k in path:
+            leaf = leaf[k]
+        return leaf
+    write_hf(tmp_path / "hf", base_cfg, at)
+    plan = make_plan(QLORA, build_mesh("fsdp=2,tp=2", jax.devices()[:4]), DEFAULT_RULES,
+                     make_optimizer()[0], quantize="nf4", double_quant=True)
+    params = load_params(tmp_path / "hf", plan, seed=0)
+    for module, name in (("attn", "wo"), ("mlp", "w_gate"), ("mlp", "w_down")):
+        got = params["blocks"][module][name]
+        want = nf4.quantize(at(("blocks", module, name)), True, lead=1)
+        for field in ("codes", "absmax", "scale", "offset"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, field)),
+                                          np.asarray(getattr(want, field)), err_msg=field)
+        assert got.codes.sharding.spec == plan.shardings.params["blocks"][module][name].codes.spec
+    np.testing.assert_array_equal(np.asarray(params["embed"]), host["embed"])
+    fresh = flat(jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(build_model(QLORA, 0)))))
+    for k, v in flat(jax.tree.map(np.asarray, params)).items():
+        if "_lora" in k:
+            np.testing.assert_array_equal(v, fresh[k])
+
+
+def test_qlora_refuses_shards_that_split_nf4_blocks():
+    from jdist.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a whole number of NF4 blocks of 64"):
+        make_plan(QLORA, build_mesh("fsdp=4", jax.devices()[:4]), DEFAULT_RULES,
+                  make_optimizer()[0], quantize="nf4")

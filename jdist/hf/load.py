@@ -7,13 +7,17 @@ layer order."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
 
+from jdist import nf4
 from jdist.errors import require
 from jdist.hf import layout
 from jdist.hf.config import model_config
@@ -76,9 +80,12 @@ class Source:
         return total
 
 
-def _leaf(source: Source, path: tuple[str, ...], abstract, sharding, order) -> jax.Array:
+def _leaf(source: Source, path: tuple[str, ...], abstract, sharding, order,
+          layer: int | None = None) -> jax.Array:
+    """One parameter (a stacked one in the stored `order`; or, with `layer`, that layer
+    of a stacked one alone) in `abstract`'s dtype, read block by block."""
     _, kind = layout.TENSORS[path]
-    stacked = path[0] == BLOCKS
+    stacked = path[0] == BLOCKS and layer is None
     shape = abstract.shape[1:] if stacked else abstract.shape
     readers: dict[int | None, object] = {}
     blocks: dict[tuple, np.ndarray] = {}  # devices holding the same block share one read
@@ -96,22 +103,58 @@ def _leaf(source: Source, path: tuple[str, ...], abstract, sharding, order) -> j
                 stored = range(*index[0].indices(abstract.shape[0]))
                 blocks[key] = np.stack([read_layer(int(order[p]), index[1:]) for p in stored])
             else:
-                blocks[key] = read_layer(None, index)
-        return blocks[key]
+                blocks[key] = read_layer(layer, index)
+        return blocks[key].astype(abstract.dtype)
 
     return jax.make_array_from_callback(abstract.shape, sharding, block)
 
 
-def load_params(hf_dir: str | Path, plan, source: Source | None = None) -> dict:
+def _quantized_leaf(source: Source, path: tuple[str, ...], abstract: nf4.Nf4,
+                    sharding: nf4.Nf4, order, double_quant: bool) -> nf4.Nf4:
+    """An NF4-stored stack of weights (QLoRA), quantized on the devices one layer at a time:
+    each device reads and holds only its shard of one float32 layer (blocks never straddle
+    shards: `jdist.train.state.check_quantizable`), written in place into the stack."""
+    codes = abstract.codes
+    shape = (*codes.shape[1:-1], codes.shape[-1] * 2)
+    mesh, spec = sharding.codes.mesh, sharding.codes.spec
+    layer_sharding = NamedSharding(mesh, PartitionSpec(*tuple(spec)[1:]))
+    per_layer = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*tuple(s.spec)[1:])),
+                             sharding)
+    quantize = jax.jit(lambda w: nf4.quantize(w, double_quant), out_shardings=per_layer)
+    put = jax.jit(lambda stack, q, i: jax.tree.map(lambda s, x: s.at[i].set(x), stack, q),
+                  out_shardings=sharding, donate_argnums=0)
+    stack = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+                    out_shardings=sharding)()
+    layer_abstract = jax.ShapeDtypeStruct(shape, np.float32)
+    for position, layer in enumerate(order):
+        w = _leaf(source, path, layer_abstract, layer_sharding, None, layer=int(layer))
+        stack = put(stack, quantize(w), position)
+    return stack
+
+
+def load_params(hf_dir: str | Path, plan, source: Source | None = None, seed: int = 0) -> dict:
     """The parameters of `hf_dir` as `plan.abstract.params`, laid out as
-    `plan.shardings.params` (in the plan's stored layer order), float32."""
+    `plan.shardings.params` (in the plan's stored layer order), in their storage dtypes
+    (NF4 where the plan quantizes the base). LoRA adapters, which a Hugging Face model does
+    not have, are initialised from `seed`."""
+    from jdist.train.state import init_adapters
+    from jdist.train.trainable import quantized
+
     cfg = model_config(hf_dir)
-    require(cfg == plan.model, f"--init-from {hf_dir}: its config.json describes a different "
-                               "model than this run's; drop the model shape flags")
+    require(cfg == dataclasses.replace(plan.model, lora=None),
+            f"--init-from {hf_dir}: its config.json describes a different model than this "
+            "run's; drop the model shape flags")
     source = source or Source(hf_dir)
     order = order_of(plan)
+    adapters = dict(jax.tree_util.tree_leaves_with_path(init_adapters(plan, seed)))
 
     def one(path, abstract, sharding):
+        if path in adapters:
+            return adapters[path]
         keys = tuple(k.key for k in path)
+        if quantized(path, plan.quantize):
+            return _quantized_leaf(source, keys, abstract, sharding, order, plan.double_quant)
         return _leaf(source, keys, abstract, sharding, order)
-    return jax.tree_util.tree_map_with_path(one, plan.abstract.params, plan.shardings.params)
+    is_nf4 = lambda x: isinstance(x, nf4.Nf4)
+    return jax.tree_util.tree_map_with_path(one, plan.abstract.params, plan.shardings.params,
+                                            is_leaf=is_nf4)

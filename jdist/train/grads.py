@@ -57,8 +57,10 @@ def syncs(plan, manual: tuple[str, ...] = MANUAL) -> dict:
         drop = 1 if block else 0
         if block:
             assert not gs.manual_part(stored.spec, leaf.ndim, manual)[0], "layers on replicas"
+        # Cast to the compute dtype: float matrices (not norms, nor NF4 codes and scales).
+        cast = leaf.ndim - drop >= 2 and jnp.issubdtype(leaf.dtype, jnp.floating)
         sync = gs.make_sync(tuple(stored.spec)[drop:], tuple(grad.spec)[drop:],
-                            leaf.ndim - drop, plan.mesh, manual, leaf.ndim - drop >= 2, what)
+                            leaf.ndim - drop, plan.mesh, manual, cast, what)
         if path[0].key == EMBED and not embedding.supports(sync):
             # Looked up from the gathered table: rows from float32, so the gradient's
             # scatter-add accumulates in float32. (Else only a tied head uses the copy.)
@@ -95,10 +97,11 @@ def replica_map(plan, local, out_specs, manual: tuple[str, ...] = MANUAL):
 
 def materialized(primal: dict, stored: dict, sync: dict, dtype, defer: bool) -> dict:
     """The values a layer computes with; a frozen leaf (None in `primal`) is gathered
-    without a gradient (`stored` is never differentiated)."""
-    return jax.tree.map(lambda p, s, y: gs.gather(s, y, dtype) if p is None else
-                        gs.materialize(p, s, y, dtype, defer), primal, stored, sync,
-                        is_leaf=lambda x: x is None)
+    without a gradient (`stored` is never differentiated), and dequantized if stored NF4."""
+    values = jax.tree.map(lambda p, s, y: gs.gather(s, y, dtype) if p is None else
+                          gs.materialize(p, s, y, dtype, defer), primal, stored, sync,
+                          is_leaf=lambda x: x is None)
+    return trainable.dequantized(values, dtype)  # QLoRA: NF4 base weights, once gathered
 
 
 def trained_primal(plan, stored: dict, stacked_syncs: dict) -> dict:

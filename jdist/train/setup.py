@@ -142,7 +142,8 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
                      offload_optimizer=config.offload == "optimizer",
                      cp_strategy=config.cp_strategy, compute_dtype=DTYPES[config.compute_dtype],
                      remat=config.remat, grad_accum=config.grad_accum,
-                     attention=config.attention, loss=config.loss)
+                     attention=config.attention, loss=config.loss,
+                     quantize=config.quantize_base, double_quant=config.double_quant)
     attention_of(plan, config.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
     return model, with_pipeline(plan, pipeline), schedule
 

@@ -4,6 +4,7 @@ their target shardings (no device or host ever holds the full model)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +19,8 @@ from jdist.errors import require
 from jdist.loss import CHUNKED, LOSSES
 from jdist.parallel.attention import AUTO, IMPLEMENTATIONS
 from jdist.parallel.grad_sync import manual_part
-from jdist.rules import Rules, resolve
+from jdist import nf4
+from jdist.rules import Rules, mesh_axes_of, resolve
 from jdist.train import trainable
 from jdist.train.layer_order import in_model_order, store
 from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, STAGES, zero_shardings
@@ -57,6 +59,8 @@ class Plan:
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
     loss: str = CHUNKED            # jdist.loss.LOSSES
     eod_id: int | None = None      # packed documents split at this id (jdist.packing)
+    quantize: str = "none"         # frozen base storage (QLoRA: "nf4"; jdist.train.trainable)
+    double_quant: bool = False
 
     @property
     def offload(self) -> bool:
@@ -85,7 +89,8 @@ def build_model(cfg: ModelConfig, seed: int) -> Llama:
 def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation,
               zero: int = 0, offload_optimizer: bool = False, cp_strategy: str = "ring",
               compute_dtype=jnp.float32, remat: str = "none", grad_accum: int = 1,
-              attention: str = AUTO, loss: str = CHUNKED, eod_id: int | None = None) -> Plan:
+              attention: str = AUTO, loss: str = CHUNKED, eod_id: int | None = None,
+              quantize: str = "none", double_quant: bool = False) -> Plan:
     """Shapes and shardings of the whole training state, from the model's logical names,
     the ZeRO stage, and whether optimizer state lives in host memory between steps; and
     how the step computes (dtype, remat policy, micro-batches)."""
@@ -96,9 +101,17 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
             f"unknown --attention {attention!r}; use {', '.join(IMPLEMENTATIONS)}")
     require(loss in LOSSES, f"unknown --loss {loss!r}; use {', '.join(LOSSES)}")
     graphdef, abstract_vars = nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)))
+    require(quantize in trainable.QUANTIZATIONS,
+            f"unknown --quantize-base {quantize!r}; use {' or '.join(trainable.QUANTIZATIONS)}")
+    require(quantize == "none" or trainable.frozen_base(cfg),
+            f"--quantize-base {quantize} quantizes a frozen base, which only LoRA has; add "
+            "--lora-rank R")
     names = sh.logical_names(abstract_vars)
-    abstract_params = trainable.storage_abstract(cfg, nnx.to_pure_dict(abstract_vars),
-                                                 compute_dtype)
+    model_params = nnx.to_pure_dict(abstract_vars)
+    check_quantizable(model_params, names, mesh, rules, quantize)
+    abstract_params = trainable.storage_abstract(cfg, model_params, compute_dtype, quantize,
+                                                 double_quant)
+    names = trainable.storage_names(names, quantize, double_quant)
     base = sh.param_shardings(abstract_params, names, mesh, rules)
     check_replica_layout(base, abstract_params, mesh)
     sharded = zero_shardings(abstract_params, base, names, mesh)
@@ -116,7 +129,29 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
                 zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, cp_strategy,
                 compute_dtype=jnp.dtype(compute_dtype), remat=remat, grad_accum=grad_accum,
-                attention=attention, loss=loss, eod_id=eod_id)
+                attention=attention, loss=loss, eod_id=eod_id, quantize=quantize,
+                double_quant=double_quant)
+
+
+def check_quantizable(abstract: dict, names: dict, mesh, rules: Rules, quantize: str) -> None:
+    """NF4 blocks run along a weight's last dimension (`jdist.nf4`): every shard of it, on
+    any mesh axis the rules split it over, must hold whole blocks of 64, so no block
+    straddles a shard boundary and the codes are the same on every mesh."""
+    def one(path, leaf, leaf_names):
+        if not trainable.quantized(path, quantize):
+            return
+        part = resolve(leaf_names, rules, mesh)[len(leaf_names) - 1] if leaf_names else None
+        axes = tuple(a for a in mesh_axes_of(part) if mesh.shape[a] > 1)
+        ways = math.prod(mesh.shape[a] for a in axes)
+        n = leaf.shape[-1]
+        require(n % (ways * nf4.BLOCK) == 0,
+                f"--quantize-base nf4: parameter {sh.path_str(path)}'s last dimension {n} "
+                f"split over {'x'.join(axes) or 'no axis'}={ways} gives shards of "
+                f"{n / ways:g} weights, not a whole number of NF4 blocks of {nf4.BLOCK}; use a "
+                f"smaller {'/'.join(axes) or 'model'} axis or a model whose dimension is a "
+                f"multiple of {ways * nf4.BLOCK}")
+    jax.tree_util.tree_map_with_path(one, abstract, names,
+                                     is_leaf=lambda x: isinstance(x, tuple))
 
 
 def check_replica_layout(shardings: dict, abstract: dict, mesh) -> None:
@@ -126,6 +161,19 @@ def check_replica_layout(shardings: dict, abstract: dict, mesh) -> None:
         manual_part(sharding.spec, leaf.ndim, ax.REPLICA_AXES,
                     f"parameter {sh.path_str(path)}")
     jax.tree_util.tree_map_with_path(one, abstract, shardings)
+
+
+def init_adapters(plan: Plan, seed: int) -> dict:
+    """LoRA adapters alone as the seed initialises them (the base's initialisation is dead
+    code XLA drops), laid out as the plan stores them: a pruned tree ({} without LoRA)."""
+    if not trainable.frozen_base(plan.model):
+        return {}
+    shardings = trainable.checkpointed(plan.model, plan.shardings.params, save_base=False)
+
+    def init() -> dict:
+        params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
+        return trainable.checkpointed(plan.model, params, save_base=False)
+    return store(plan, jax.jit(init, out_shardings=shardings)(), shardings)
 
 
 def state_from_params(plan: Plan, params: dict) -> TrainState:
@@ -141,7 +189,8 @@ def init_state(plan: Plan, seed: int) -> TrainState:
     then layers move into the plan's stored order (`jdist.train.layer_order`)."""
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
-        params = trainable.to_storage(plan.model, params, plan.compute_dtype)
+        params = trainable.to_storage(plan.model, params, plan.compute_dtype, plan.quantize,
+                                      plan.double_quant)
         return TrainState(jnp.zeros((), jnp.int32), params,
                           plan.tx.init(trainable.select(plan.model, params)))
     if in_model_order(plan):

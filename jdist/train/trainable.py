@@ -13,8 +13,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jdist import nf4
+from jdist.axes import NF4_BLOCKS
 from jdist.train.layer_order import BLOCKS
-from models.lora import is_adapter
+from models.lora import TARGETS, is_adapter
+
+NONE, NF4 = "none", "nf4"  # --quantize-base
+QUANTIZATIONS = (NONE, NF4)
+_PROJECTIONS = tuple(TARGETS.values())  # (module, weight) of every adaptable projection
 
 
 def _none(x) -> bool:
@@ -35,7 +41,8 @@ def select(model, tree):
     if not frozen_base(model):
         return tree
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if is_adapter(path) else None, tree, is_leaf=_none)
+        lambda path, x: x if is_adapter(path) else None, tree,
+        is_leaf=lambda x: x is None or isinstance(x, nf4.Nf4))
 
 
 def combine(part, full):
@@ -58,15 +65,49 @@ def storage_dtype(model, path, leaf, compute_dtype):
     return jnp.dtype(compute_dtype)
 
 
-def storage_abstract(model, abstract: dict, compute_dtype) -> dict:
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.ShapeDtypeStruct(
-            x.shape, storage_dtype(model, path, x, compute_dtype)), abstract)
+def quantized(path, quantize: str) -> bool:
+    """Whether a parameter is stored NF4-quantized (QLoRA): the frozen projection weights
+    of the blocks (not norms, embeddings, the head, routers or experts)."""
+    keys = tuple(str(getattr(k, "key", k)) for k in path)
+    return quantize == NF4 and keys[0] == BLOCKS and keys[1:] in _PROJECTIONS
 
 
-def to_storage(model, params: dict, compute_dtype) -> dict:
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x.astype(storage_dtype(model, path, x, compute_dtype)), params)
+def storage_abstract(model, abstract: dict, compute_dtype, quantize: str = NONE,
+                     double_quant: bool = False) -> dict:
+    """Shapes and dtypes of the parameters as stored (`jdist.nf4.Nf4` where quantized)."""
+    def one(path, x):
+        if quantized(path, quantize):
+            return nf4.abstract(x.shape, double_quant, lead=1)
+        return jax.ShapeDtypeStruct(x.shape, storage_dtype(model, path, x, compute_dtype))
+    return jax.tree_util.tree_map_with_path(one, abstract)
+
+
+def storage_names(names: dict, quantize: str, double_quant: bool) -> dict:
+    """Logical names of the stored parameters: a quantized weight's codes and block maxima
+    keep the weight's names (so they shard like it); its second-level scales and offset
+    are per layer, replicated otherwise."""
+    def one(path, n):
+        if not quantized(path, quantize):
+            return n
+        return nf4.Nf4(n, n, (n[0], NF4_BLOCKS) if double_quant else None,
+                       (n[0],) if double_quant else None)
+    return jax.tree_util.tree_map_with_path(one, names, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def to_storage(model, params: dict, compute_dtype, quantize: str = NONE,
+               double_quant: bool = False) -> dict:
+    """Model-initialised (or loaded) float32 parameters in their storage form."""
+    def one(path, x):
+        if quantized(path, quantize):
+            return nf4.quantize(x, double_quant, lead=1)
+        return x.astype(storage_dtype(model, path, x, compute_dtype))
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def dequantized(tree, dtype):
+    """`tree` with every `Nf4` leaf dequantized to `dtype` (inside the layer loop)."""
+    return jax.tree.map(lambda x: nf4.dequantize(x, dtype) if isinstance(x, nf4.Nf4) else x,
+                        tree, is_leaf=lambda x: isinstance(x, nf4.Nf4))
 
 
 def prune(tree):
