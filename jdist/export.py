@@ -1,10 +1,18 @@
 """`python -m jdist.export CHECKPOINT --hf OUT_DIR`: a jdist training checkpoint as a Hugging
 Face Llama directory that `transformers`' `from_pretrained` loads (`jdist.hf.export`).
-CHECKPOINT is a step directory or a run directory (its newest good checkpoint)."""
+CHECKPOINT is a step directory or a run directory (its newest good checkpoint).
+
+A LoRA checkpoint (trained with --lora-rank): `--peft OUT` writes its adapters as a PEFT
+LoRA directory (`jdist.hf.peft`; `PeftModel.from_pretrained` loads it on the base model),
+and `--hf OUT --merge-lora` a plain Llama with the adapters merged into the base weights.
+The base comes from the checkpoint (trained with --save-base) or else from the Hugging Face
+directory it was trained from (--init-from); with --quantize-base nf4, merged into the NF4
+round trip of that base, which is what the adapters were trained against."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from pathlib import Path
@@ -49,10 +57,111 @@ def checkpoint_reader(found):
     return cfg, read_leaf
 
 
+def hf_reader(hf_dir: str | Path, cfg):
+    """`read_leaf(path)` over a Hugging Face Llama directory: one parameter of `cfg` (a
+    model without adapters) in jdist's layout, float32, model layer order."""
+    import numpy as np
+    from flax import nnx
+
+    from jdist.hf import layout
+    from jdist.hf.load import Source
+    from jdist.train.layer_order import BLOCKS
+    from jdist.train.state import build_model
+
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0))))
+    source = Source(hf_dir)
+
+    def read_leaf(path: tuple[str, ...]) -> np.ndarray:
+        leaf = abstract
+        for k in path:
+            leaf = leaf[k]
+        _, kind = layout.TENSORS[tuple(path)]
+        stacked = path[0] == BLOCKS
+        shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
+        whole = tuple(slice(None) for _ in shape)
+
+        def one(layer):
+            get = source.reader(layout.hf_name(tuple(path), layer), layout.hf_shape(kind, shape))
+            return layout.read(get, kind, shape, whole)
+        return np.stack([one(i) for i in range(cfg.n_layers)]) if stacked else one(None)
+    return read_leaf
+
+
+# The base weights a QLoRA run (--quantize-base nf4) holds in NF4: the blocks' projections.
+NF4_WEIGHTS = (("blocks", "attn", "wq"), ("blocks", "attn", "wk"), ("blocks", "attn", "wv"),
+               ("blocks", "attn", "wo"), ("blocks", "mlp", "w_gate"), ("blocks", "mlp", "w_up"),
+               ("blocks", "mlp", "w_down"))
+
+
+def nf4_round_trip(w, double_quant: bool):
+    """dequantize(quantize(w)) of a stacked [L, ...] weight, float32 on the host: the base
+    weight a --quantize-base nf4 run computes with."""
+    import jax
+    import numpy as np
+
+    cpu = jax.devices("cpu")[0]
+    return np.asarray(_nf4_jit()(jax.device_put(np.asarray(w, np.float32), cpu), double_quant))
+
+
+@functools.cache
+def _nf4_jit():
+    import jax
+
+    from jdist import nf4
+
+    return jax.jit(lambda w, dq: nf4.dequantize(nf4.quantize(w, dq, lead=1)),
+                   static_argnums=1)
+
+
+def nf4_reader(read_leaf, double_quant: bool):
+    """`read_leaf` whose NF4_WEIGHTS are their `nf4_round_trip`."""
+    def read(path: tuple[str, ...]):
+        w = read_leaf(path)
+        return nf4_round_trip(w, double_quant) if tuple(path) in NF4_WEIGHTS else w
+    return read
+
+
+def lora_base_reader(found, cfg, read_checkpoint):
+    """`read_leaf` of the base weights a LoRA checkpoint's adapters were trained on: from
+    the checkpoint if it saved them (--save-base), else from its --init-from directory."""
+    import dataclasses
+
+    from jdist.hf.config import model_config
+
+    train = found.meta.get("config") or {}
+    base_cfg = dataclasses.replace(cfg, lora=None)
+    init_from = train.get("init_from") or ""
+    if train.get("save_base"):
+        read = read_checkpoint
+    else:
+        require(bool(init_from), f"{found.path}: a LoRA checkpoint without its base weights and "
+                                 "trained from no base model; train with --save-base or "
+                                 "--init-from")
+        require(Path(init_from).is_dir(),
+                f"{found.path}: its base model (--init-from {init_from}) is not there; run the "
+                "export where that directory exists, or train with --save-base")
+        same = lambda c: dataclasses.replace(c, head_dim=c.dim_per_head)
+        require(same(model_config(init_from)) == same(base_cfg),
+                f"{found.path}: its base model {init_from} has a different config.json than "
+                "the checkpoint's model; restore the directory it was trained from")
+        read = hf_reader(init_from, base_cfg)
+    quantize = train.get("quantize_base") or "none"
+    require(quantize in ("none", "nf4"), f"{found.path}: unknown quantize_base {quantize!r}; "
+                                         "this jdist.export knows none and nf4")
+    if quantize == "nf4":
+        read = nf4_reader(read, bool(train.get("double_quant")))
+    return read
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jdist.export", description=__doc__)
     parser.add_argument("checkpoint", help="checkpoint step directory or run directory")
-    parser.add_argument("--hf", required=True, help="output directory (new or empty)")
+    parser.add_argument("--hf", default="", help="output directory (new or empty) for a "
+                        "Hugging Face Llama")
+    parser.add_argument("--merge-lora", action="store_true", help="LoRA checkpoint: write "
+                        "the base with the adapters merged in to --hf OUT")
+    parser.add_argument("--peft", default="", help="LoRA checkpoint: output directory (new "
+                        "or empty) for the adapters alone, as PEFT saves them")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file")
     parser.add_argument("--tokenizer", default="", help="copy tokenizer files from this dir")
@@ -64,16 +173,56 @@ def main(argv: list[str] | None = None) -> int:
         shard = parse_size(args.max_shard_size)
         require(not args.tokenizer or Path(args.tokenizer).is_dir(),
                 f"--tokenizer {args.tokenizer}: not a directory; pass the tokenizer's directory")
+        require(args.hf or args.peft, "nothing to write; pass --hf OUT (a Hugging Face "
+                                      "model) and/or --peft OUT (LoRA adapters)")
+        require(not (args.hf and args.peft and Path(args.hf).resolve() ==
+                     Path(args.peft).resolve()),
+                f"--hf and --peft are both {args.hf}; give them different directories")
         found = resolve_explicit(args.checkpoint, "jdist.export")
         cfg, read_leaf = checkpoint_reader(found)
-        weight_map = write_hf(args.hf, cfg, read_leaf, dtype=args.dtype, max_shard_bytes=shard,
-                              tokenizer_dir=args.tokenizer or None)
+        if cfg.lora is None:
+            require(not args.merge_lora, f"--merge-lora: {found.path} has no LoRA adapters; "
+                                         "drop --merge-lora to export it as it is")
+            require(not args.peft, f"--peft: {found.path} has no LoRA adapters; use --hf OUT")
+        else:
+            require(not args.hf or args.merge_lora,
+                    f"{found.path} is a LoRA checkpoint; pass --merge-lora to write the merged "
+                    "model, or --peft OUT for the adapters")
+        require(not args.merge_lora or args.hf, "--merge-lora writes the merged model to --hf "
+                                                "OUT; add --hf OUT")
+        for flag, out in (("--hf", args.hf), ("--peft", args.peft)):
+            require(not out or not Path(out).exists() or (Path(out).is_dir() and not any(
+                Path(out).iterdir())), f"{flag} {out}: exists and is not an empty directory; "
+                "choose a new output directory")
+        model, read = cfg, read_leaf
+        if args.hf and cfg.lora is not None:  # everything checked before anything is written
+            import dataclasses
+
+            from jdist.hf.peft import merged_reader
+            from models.lora import is_adapter
+
+            base = lora_base_reader(found, cfg, read_leaf)
+            combined = lambda path: read_leaf(path) if is_adapter(path) else base(path)
+            model, read = dataclasses.replace(cfg, lora=None), merged_reader(cfg, combined)
+        done = []
+        if args.peft:
+            from jdist.hf.peft import write_peft
+
+            base_model = (found.meta.get("config") or {}).get("init_from") or ""
+            names = write_peft(args.peft, cfg, read_leaf, base_model=base_model)
+            done.append(f"{len(names)} LoRA tensors (rank {cfg.lora.rank}, float32) to "
+                        f"{args.peft}")
+        if args.hf:
+            weight_map = write_hf(args.hf, model, read, dtype=args.dtype,
+                                  max_shard_bytes=shard, tokenizer_dir=args.tokenizer or None)
+            files = len(set(weight_map.values()))
+            merged = ", LoRA merged" if cfg.lora is not None else ""
+            done.append(f"{len(weight_map)} tensors in {files} safetensors file(s), "
+                        f"{args.dtype}{merged}, to {args.hf}")
     except ConfigError as e:
         print(f"jdist.export: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    files = len(set(weight_map.values()))
-    print(f"exported step {found.step} of {found.path} to {args.hf}: {len(weight_map)} tensors "
-          f"in {files} safetensors file(s), {args.dtype}")
+    print(f"exported step {found.step} of {found.path}: {'; '.join(done)}")
     return 0
 
 

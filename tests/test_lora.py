@@ -197,8 +197,8 @@ def test_qlora_quantizes_while_loading_shard_by_shard(tmp_path):
     np.testing.assert_array_equal(np.asarray(params["embed"]), host["embed"])
     fresh = flat(jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(build_model(QLORA, 0)))))
     for k, v in flat(jax.tree.map(np.asarray, params)).items():
-        if "_lora" in k:
-            np.testing.assert_array_equal(v, fresh[k])
+        if "_lora" in k:  # (jitted vs eager random draws differ in the last bit)
+            np.testing.assert_allclose(v, fresh[k], rtol=1e-6, atol=1e-7)
 
 
 def test_qlora_refuses_shards_that_split_nf4_blocks():
