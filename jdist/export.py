@@ -87,15 +87,9 @@ def hf_reader(hf_dir: str | Path, cfg):
     return read_leaf
 
 
-# The base weights a QLoRA run (--quantize-base nf4) holds in NF4: the blocks' projections.
-NF4_WEIGHTS = (("blocks", "attn", "wq"), ("blocks", "attn", "wk"), ("blocks", "attn", "wv"),
-               ("blocks", "attn", "wo"), ("blocks", "mlp", "w_gate"), ("blocks", "mlp", "w_up"),
-               ("blocks", "mlp", "w_down"))
-
-
 def nf4_round_trip(w, double_quant: bool):
     """dequantize(quantize(w)) of a stacked [L, ...] weight, float32 on the host: the base
-    weight a --quantize-base nf4 run computes with."""
+    weight a --quantize-base nf4 run computes with (`jdist.train.trainable.to_storage`)."""
     import jax
     import numpy as np
 
@@ -113,17 +107,61 @@ def _nf4_jit():
                    static_argnums=1)
 
 
+def _quantized(path) -> bool:
+    from jdist.train.trainable import NF4, quantized
+
+    return quantized(tuple(path), NF4)
+
+
 def nf4_reader(read_leaf, double_quant: bool):
-    """`read_leaf` whose NF4_WEIGHTS are their `nf4_round_trip`."""
+    """`read_leaf` whose NF4-quantized weights (the blocks' projections) are their
+    `nf4_round_trip`."""
     def read(path: tuple[str, ...]):
         w = read_leaf(path)
-        return nf4_round_trip(w, double_quant) if tuple(path) in NF4_WEIGHTS else w
+        return nf4_round_trip(w, double_quant) if _quantized(path) else w
+    return read
+
+
+def saved_nf4_reader(found, cfg, double_quant: bool, read_checkpoint):
+    """`read_leaf` of a --save-base --quantize-base nf4 checkpoint: its quantized weights
+    are stored as `jdist.nf4.Nf4` fields (params/.../wq/codes, absmax, [scale, offset]);
+    they are read and dequantized (float32, model layer order), the rest as stored."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jdist import nf4
+    from jdist.checkpoint import restore_leaf
+    from jdist.train.layer_order import CHECKPOINT_KEY
+    from jdist.train.state import build_model
+
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0))))
+    order = np.argsort(np.asarray(found.meta.get(CHECKPOINT_KEY) or range(cfg.n_layers)))
+    host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    dequantize = jax.jit(nf4.dequantize)
+
+    def read(path: tuple[str, ...]):
+        if not _quantized(path):
+            return read_checkpoint(path)
+        leaf = abstract
+        for k in path:
+            leaf = leaf[k]
+        fields = {}
+        for field in dataclasses.fields(nf4.Nf4):
+            sds = getattr(nf4.abstract(leaf.shape, double_quant, lead=1), field.name)
+            if sds is not None:
+                value = restore_leaf(found.path, ("params", *path, field.name), sds, host)
+                fields[field.name] = np.asarray(value)[order]  # every field leads with L
+        return np.asarray(dequantize(nf4.Nf4(**fields)))
     return read
 
 
 def lora_base_reader(found, cfg, read_checkpoint):
     """`read_leaf` of the base weights a LoRA checkpoint's adapters were trained on: from
-    the checkpoint if it saved them (--save-base), else from its --init-from directory."""
+    the checkpoint if it saved them (--save-base), else from its --init-from directory;
+    with --quantize-base nf4, as NF4 dequantized them."""
     import dataclasses
 
     from jdist.hf.config import model_config
@@ -131,26 +169,26 @@ def lora_base_reader(found, cfg, read_checkpoint):
     train = found.meta.get("config") or {}
     base_cfg = dataclasses.replace(cfg, lora=None)
     init_from = train.get("init_from") or ""
-    if train.get("save_base"):
-        read = read_checkpoint
-    else:
-        require(bool(init_from), f"{found.path}: a LoRA checkpoint without its base weights and "
-                                 "trained from no base model; train with --save-base or "
-                                 "--init-from")
-        require(Path(init_from).is_dir(),
-                f"{found.path}: its base model (--init-from {init_from}) is not there; run the "
-                "export where that directory exists, or train with --save-base")
-        same = lambda c: dataclasses.replace(c, head_dim=c.dim_per_head)
-        require(same(model_config(init_from)) == same(base_cfg),
-                f"{found.path}: its base model {init_from} has a different config.json than "
-                "the checkpoint's model; restore the directory it was trained from")
-        read = hf_reader(init_from, base_cfg)
     quantize = train.get("quantize_base") or "none"
+    double_quant = bool(train.get("double_quant"))
     require(quantize in ("none", "nf4"), f"{found.path}: unknown quantize_base {quantize!r}; "
                                          "this jdist.export knows none and nf4")
-    if quantize == "nf4":
-        read = nf4_reader(read, bool(train.get("double_quant")))
-    return read
+    if train.get("save_base"):
+        if quantize == "nf4":
+            return saved_nf4_reader(found, cfg, double_quant, read_checkpoint)
+        return read_checkpoint
+    require(bool(init_from), f"{found.path}: a LoRA checkpoint without its base weights and "
+                             "trained from no base model; train with --save-base or "
+                             "--init-from")
+    require(Path(init_from).is_dir(),
+            f"{found.path}: its base model (--init-from {init_from}) is not there; run the "
+            "export where that directory exists, or train with --save-base")
+    same = lambda c: dataclasses.replace(c, head_dim=c.dim_per_head)
+    require(same(model_config(init_from)) == same(base_cfg),
+            f"{found.path}: its base model {init_from} has a different config.json than "
+            "the checkpoint's model; restore the directory it was trained from")
+    read = hf_reader(init_from, base_cfg)
+    return nf4_reader(read, double_quant) if quantize == "nf4" else read
 
 
 def main(argv: list[str] | None = None) -> int:

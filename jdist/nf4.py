@@ -48,6 +48,11 @@ class Nf4:
     scale: jax.Array | None = None  # float32 [*lead, ceil(M/256)] with double quantization
     offset: jax.Array | None = None  # float32 [*lead]: mean absmax, with double quantization
 
+    def dequantize(self, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
+        """The weight in `dtype` (a layer calls this where it uses the weight, so only that
+        projection exists in full: `models.layers.weight`)."""
+        return dequantize(self, dtype)
+
 
 def _check(shape: tuple[int, ...], lead: int) -> None:
     if not shape or shape[-1] % BLOCK or not 0 <= lead < len(shape):

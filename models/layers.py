@@ -122,5 +122,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool
 
 def weight(p: nnx.Param, like: jax.Array) -> jax.Array:
     """A parameter's value in the dtype of the activation it multiplies (the step may hand
-    it over already cast, after gathering it in the compute dtype)."""
-    return p[...].astype(like.dtype)
+    it over already cast, after gathering it in the compute dtype). A frozen base weight
+    may be handed over quantized (QLoRA's NF4, anything with a `dequantize(dtype)`): it is
+    dequantized here, where it is used, so one projection at a time exists in full."""
+    value = p.get_value()
+    if hasattr(value, "dequantize"):
+        return value.dequantize(like.dtype)
+    return value.astype(like.dtype)

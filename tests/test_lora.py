@@ -11,17 +11,19 @@ from flax import nnx
 
 from jdist import hlo
 from jdist.equivalence import assert_matches, train_steps
-from jdist.parallel.pipeline import PipelineConfig
-from jdist.train.state import build_model, init_state, make_plan
-from jdist.train.optim import make_optimizer
 from jdist.mesh import build_mesh
+from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES
+from jdist.train.optim import make_optimizer
+from jdist.train.state import build_model, init_state, make_plan
 from models import get_preset
 from models.lora import LoraConfig, is_adapter
 
 # 4 layers so that an interleaved pipeline has two chunks per stage.
 LORA = dataclasses.replace(get_preset("tiny"), n_layers=4, lora=LoraConfig(4, 8.0))
-SETTINGS = {"steps": 3, "lr": 1e-2, "grads_step": 2}  # lr 0 at step 0 (warmup): A first gets a gradient at step 2
+# The lr is 0 at step 0 (warmup), so B leaves zero at step 1 and A's gradient is nonzero
+# from step 2: those are the gradients compared.
+SETTINGS = {"steps": 3, "lr": 1e-2, "grads_step": 2}
 
 
 def flat(tree) -> dict:
@@ -207,3 +209,24 @@ def test_qlora_refuses_shards_that_split_nf4_blocks():
     with pytest.raises(ConfigError, match="not a whole number of NF4 blocks of 64"):
         make_plan(QLORA, build_mesh("fsdp=4", jax.devices()[:4]), DEFAULT_RULES,
                   make_optimizer()[0], quantize="nf4")
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_memory_planner_knows_lora_and_qlora(quantize):
+    """Frozen base in its storage dtype (NF4 codes and scales), gradients and optimizer
+    state of the adapters only: predicted as the compiler lays them out."""
+    from jdist.memory import measure, predict
+
+    p = make_plan(QLORA, build_mesh("fsdp=2,tp=2", jax.devices()[:4]), DEFAULT_RULES,
+                  make_optimizer()[0], quantize=quantize, double_quant=quantize == "nf4")
+    predicted, measured = predict(p, 8, 64), measure(p, 8, 64)
+    for key in ("params", "grads", "optimizer"):
+        a, b = getattr(predicted, key), getattr(measured, key)
+        assert abs(a - b) <= 0.05 * b, (key, a, b)
+    from jdist.sharding import per_device_bytes
+    from jdist.train import trainable
+
+    adapters = per_device_bytes(trainable.select(QLORA, p.abstract.params), p.grad_shardings)
+    assert predicted.grads == adapters  # float32 gradients of the adapters only
+    assert abs(predicted.optimizer - 2 * adapters) <= 64  # two Adam moments (+ counters)
+    assert 0.5 <= measured.activations / predicted.activations <= 2.0

@@ -24,6 +24,7 @@ from jdist.loss import CHUNKED
 from jdist.parallel.blockwise import KEY_TILE, Q_TILE
 from jdist.parallel.vocab import chunk_size
 from jdist.sharding import per_device_bytes
+from jdist.train import trainable
 
 COMPONENTS = ("params", "grads", "optimizer", "activations")
 
@@ -106,7 +107,9 @@ def predict(plan, micro_batch: int, seq_len: int) -> Breakdown:
     dtype and remat policy are the plan's."""
     compute_bytes = plan.compute_dtype.itemsize
     params = per_device_bytes(plan.abstract.params, plan.shardings.params)
-    grads = per_device_bytes(plan.abstract.params, plan.grad_shardings)
+    # Gradients of the trained parameters only (with LoRA: the adapters).
+    grads = per_device_bytes(trainable.select(plan.model, plan.abstract.params),
+                             plan.grad_shardings)
     optimizer = 0 if plan.offload else per_device_bytes(plan.abstract.opt_state,
                                                         plan.shardings.opt_state)
     return Breakdown(params, grads, optimizer, in_flight_bytes(plan, compute_bytes) +
@@ -133,11 +136,10 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
             return NamedSharding(s.mesh, PartitionSpec(*spec))
         return per_device_bytes(tree, jax.tree.map(strip, shardings), itemsize)
 
-    blocks = plan.abstract.params[BLOCKS]
     layers = plan.model.n_layers  # a pipeline stage holds its share of them
     if plan.pipeline is not None:
         layers //= plan.mesh.shape[ax.STAGE]
-    layer = gathered(blocks, plan.shardings.params[BLOCKS], compute_bytes + 4) // layers
+    layer = sum(gathered(*part) for part in _layer_parts(plan, compute_bytes)) // layers
     # An untied table is looked up where it lies (jdist.parallel.embedding), never gathered;
     # the chunked loss gathers the output weight a chunk at a time (jdist.parallel.vocab).
     skip = {BLOCKS} | (set() if plan.model.tie_embeddings else {EMBED})
@@ -145,7 +147,46 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
         skip |= {EMBED if plan.model.tie_embeddings else HEAD}
     shared = {k: v for k, v in plan.abstract.params.items() if k not in skip}
     shared_sh = {k: v for k, v in plan.shardings.params.items() if k not in skip}
-    return layer + gathered(shared, shared_sh, 4 + 4)
+    # Frozen (LoRA): gathered in their storage dtype, without a gradient.
+    frozen = trainable.frozen_base(plan.model)
+    return layer + gathered(shared, shared_sh, None if frozen else 4 + 4)
+
+
+def _layer_parts(plan, compute_bytes: int):
+    """(abstract, shardings, bytes per element) of what one layer loop iteration holds of
+    the stacked blocks, summed over all layers: trained leaves gathered in the compute
+    dtype with their float32 gradient; frozen ones gathered in their storage dtype; NF4
+    ones gathered as stored, plus their weights dequantized in the compute dtype."""
+    import jax
+
+    from jdist import nf4
+    from jdist.train.layer_order import BLOCKS
+
+    blocks, shardings = plan.abstract.params[BLOCKS], plan.shardings.params[BLOCKS]
+    is_nf4 = lambda x: isinstance(x, nf4.Nf4)
+    trained = trainable.select(plan.model, blocks)
+    if trained is blocks:  # everything is trained
+        return [(blocks, shardings, compute_bytes + 4)]
+    frozen = jax.tree.map(lambda t, b: b if t is None else None, trained, blocks,
+                          is_leaf=lambda x: x is None or is_nf4(x))
+    weights = jax.tree.map(lambda q: jax.ShapeDtypeStruct(
+        (*q.codes.shape[:-1], 2 * q.codes.shape[-1]), q.codes.dtype) if is_nf4(q) else None,
+        frozen, is_leaf=is_nf4)
+    codes_sh = jax.tree.map(lambda s, q: s.codes if is_nf4(q) else None, shardings, frozen,
+                            is_leaf=is_nf4)
+    drop = lambda tree: jax.tree.map(lambda x: x, tree)  # None leaves vanish
+    return [(drop(trained), drop(trainable.select(plan.model, shardings)), compute_bytes + 4),
+            (drop(frozen), _prefix(frozen, shardings), None),
+            (drop(weights), drop(codes_sh), compute_bytes)]
+
+
+def _prefix(part, full):
+    """The leaves of `full` (shardings) under the leaves `part` holds (not None)."""
+    import jax
+    leaves = []
+    jax.tree.map(lambda p, f: leaves.append(f) if p is not None else None, part, full,
+                 is_leaf=lambda x: x is None)
+    return leaves
 
 
 def compile_step(plan, batch_size: int, seq_len: int):

@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"model {config.model}, mesh {config.mesh}, zero {config.zero}, "
               f"micro-batch {micro} x {config.seq_len}, remat {config.remat}, "
-              f"{config.compute_dtype}")
+              f"{plan.compute_dtype.name}" + (f", LoRA rank {plan.model.lora.rank}" if
+                                               plan.model.lora else "")
+              + (f", base {plan.quantize}" + (" double-quant" if plan.double_quant else "")
+                 if plan.quantize != "none" else ""))
         print(table(predicted, measured))
         if compiled is not None:
             print(f"{'peak':12} {'':>14} {gib(peak(compiled)):>14}  (arguments + outputs + "

@@ -26,7 +26,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     seed: int = 0
-    compute_dtype: str = "float32"
+    compute_dtype: str = "auto"  # float32; bfloat16 with --quantize-base (QLoRA)
     run_dir: str = ""
     eval_every: int = 100
     eval_batches: int = 4
@@ -102,7 +102,8 @@ HELP = {
     "mesh": "mesh as AXIS=SIZE pairs (dp, pp, fsdp, sp/cp, ep, tp; one may be -1) or a preset "
             "name from meshes/",
     "batch_size": "global batch size in sequences (split over data x fsdp)",
-    "compute_dtype": "dtype of matmuls and activations; master weights stay float32",
+    "compute_dtype": "dtype of matmuls and activations; master weights stay float32 "
+                     "(auto: float32, or bfloat16 with --quantize-base, as QLoRA computes)",
     "run_dir": "where config.json and metrics.jsonl go (default: runs/<time>)",
     "eval_every": "evaluate held-out loss every N steps (0: never)",
     "rules": "TOML file overriding the logical-axis rules ([rules] name = [mesh axes])",
@@ -172,7 +173,7 @@ HELP = {
 }
 
 
-CHOICES = {"compute_dtype": ["float32", "bfloat16"], "attention": list(IMPLEMENTATIONS),
+CHOICES = {"compute_dtype": ["auto", "float32", "bfloat16"], "attention": list(IMPLEMENTATIONS),
            "loss": list(LOSSES), "packing": list(PACKINGS), "zero": [0, 1, 2, 3],
            "offload": ["none", "optimizer"], "pp_schedule": list(SCHEDULES),
            "data_format": list(FORMATS), "quantize_base": ["none", "nf4"]}

@@ -128,8 +128,9 @@ def embed_lookup(plan, manual: tuple[str, ...], primal, stored, sync, defer: boo
         return None
     vocab = resolve((ax.VOCAB, ax.EMBED), inner_rules(plan.rules, manual), plan.mesh)[0]
     # A frozen table (primal None) is never differentiated: its stored block stands in.
-    return partial(embedding.lookup, stored if primal is None else primal, stored, sync=sync, dtype=plan.compute_dtype,
-                   defer=defer, mesh=plan.mesh, vocab_axes=mesh_axes_of(vocab))
+    return partial(embedding.lookup, stored if primal is None else primal, stored, sync=sync,
+                   dtype=plan.compute_dtype, defer=defer, mesh=plan.mesh,
+                   vocab_axes=mesh_axes_of(vocab))
 
 
 def unmaterialized(plan, lookup, head) -> set[str]:

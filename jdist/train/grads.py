@@ -97,11 +97,15 @@ def replica_map(plan, local, out_specs, manual: tuple[str, ...] = MANUAL):
 
 def materialized(primal: dict, stored: dict, sync: dict, dtype, defer: bool) -> dict:
     """The values a layer computes with; a frozen leaf (None in `primal`) is gathered
-    without a gradient (`stored` is never differentiated), and dequantized if stored NF4."""
-    values = jax.tree.map(lambda p, s, y: gs.gather(s, y, dtype) if p is None else
+    without a gradient (`stored` is never differentiated); an NF4-stored one stays
+    quantized until the layer uses it (`models.layers.weight`)."""
+    def frozen(s, y):  # a frozen array, or each array of an NF4-stored weight
+        return jax.tree.map(lambda a, b: gs.gather(a, b, dtype), s, y)
+
+    values = jax.tree.map(lambda p, s, y: frozen(s, y) if p is None else
                           gs.materialize(p, s, y, dtype, defer), primal, stored, sync,
                           is_leaf=lambda x: x is None)
-    return trainable.dequantized(values, dtype)  # QLoRA: NF4 base weights, once gathered
+    return values  # NF4 weights stay quantized: dequantized where used (models.layers.weight)
 
 
 def trained_primal(plan, stored: dict, stacked_syncs: dict) -> dict:

@@ -67,6 +67,15 @@ def mesh_devices(spec: MeshSpec, cpu_fill: int) -> list:
     return devices
 
 
+def compute_dtype_of(config: TrainConfig):
+    """`--compute-dtype`, with `auto` resolved: float32, but bfloat16 for QLoRA (whose base
+    is dequantized in the compute dtype, as the QLoRA paper computes)."""
+    name = config.compute_dtype
+    if name == "auto":
+        name = "float32" if config.quantize_base == "none" else "bfloat16"
+    return DTYPES[name]
+
+
 def rules_for(config: TrainConfig) -> Rules:
     rules = load_rules(config.rules) if config.rules else DEFAULT_RULES
     return with_sequence_parallel(rules) if config.sequence_parallel else rules
@@ -140,7 +149,7 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
         tx = faults.skip_nonfinite(tx)
     plan = make_plan(model, mesh, rules, tx, zero=config.zero,
                      offload_optimizer=config.offload == "optimizer",
-                     cp_strategy=config.cp_strategy, compute_dtype=DTYPES[config.compute_dtype],
+                     cp_strategy=config.cp_strategy, compute_dtype=compute_dtype_of(config),
                      remat=config.remat, grad_accum=config.grad_accum,
                      attention=config.attention, loss=config.loss,
                      quantize=config.quantize_base, double_quant=config.double_quant)

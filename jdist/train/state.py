@@ -13,13 +13,13 @@ import optax
 from flax import nnx
 
 from jdist import axes as ax
+from jdist import nf4
 from jdist import remat as remat_policies
 from jdist import sharding as sh
 from jdist.errors import require
 from jdist.loss import CHUNKED, LOSSES
 from jdist.parallel.attention import AUTO, IMPLEMENTATIONS
 from jdist.parallel.grad_sync import manual_part
-from jdist import nf4
 from jdist.rules import Rules, mesh_axes_of, resolve
 from jdist.train import trainable
 from jdist.train.layer_order import in_model_order, store

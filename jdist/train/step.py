@@ -8,9 +8,9 @@ import jax
 import optax
 
 from jdist.sharding import replicated
+from jdist.train import trainable
 from jdist.train.grads import step_eval, step_grads
 from jdist.train.pipelined import pipeline_eval, pipeline_grads
-from jdist.train import trainable
 from jdist.train.state import Plan, TrainState
 
 

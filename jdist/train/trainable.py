@@ -104,12 +104,6 @@ def to_storage(model, params: dict, compute_dtype, quantize: str = NONE,
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def dequantized(tree, dtype):
-    """`tree` with every `Nf4` leaf dequantized to `dtype` (inside the layer loop)."""
-    return jax.tree.map(lambda x: nf4.dequantize(x, dtype) if isinstance(x, nf4.Nf4) else x,
-                        tree, is_leaf=lambda x: isinstance(x, nf4.Nf4))
-
-
 def prune(tree):
     """A nested dict without its None leaves (and the dicts left empty): what is saved of
     the parameters when the base is not."""
