@@ -5,9 +5,10 @@ CHECKPOINT is a step directory or a run directory (its newest good checkpoint).
 A LoRA checkpoint (trained with --lora-rank): `--peft OUT` writes its adapters as a PEFT
 LoRA directory (`jdist.hf.peft`; `PeftModel.from_pretrained` loads it on the base model),
 and `--hf OUT --merge-lora` a plain Llama with the adapters merged into the base weights.
-The base comes from the checkpoint (trained with --save-base) or else from the Hugging Face
-directory it was trained from (--init-from); with --quantize-base nf4, merged into the NF4
-round trip of that base, which is what the adapters were trained against."""
+The base comes from the checkpoint (trained with --save-base), else from the Hugging Face
+directory it was trained from (--init-from), else from the seed's initialisation; with
+--quantize-base nf4, merged into the NF4 round trip of that base, which is what the adapters
+were trained against."""
 
 from __future__ import annotations
 
@@ -158,6 +159,23 @@ def saved_nf4_reader(found, cfg, double_quant: bool, read_checkpoint):
     return read
 
 
+def seed_reader(cfg, seed: int):
+    """`read_leaf` of the parameters `seed` initialises, computed as training initialises
+    them (jitted: eager random draws can differ in the last bit)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jdist.train.state import build_model
+
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg, seed))))()
+    host = jax.tree.map(np.asarray, params)
+
+    def read_leaf(path: tuple[str, ...]) -> np.ndarray:
+        return functools.reduce(lambda tree, k: tree[k], path, host)
+    return read_leaf
+
+
 def lora_base_reader(found, cfg, read_checkpoint):
     """`read_leaf` of the base weights a LoRA checkpoint's adapters were trained on: from
     the checkpoint if it saved them (--save-base), else from its --init-from directory;
@@ -177,9 +195,9 @@ def lora_base_reader(found, cfg, read_checkpoint):
         if quantize == "nf4":
             return saved_nf4_reader(found, cfg, double_quant, read_checkpoint)
         return read_checkpoint
-    require(bool(init_from), f"{found.path}: a LoRA checkpoint without its base weights and "
-                             "trained from no base model; train with --save-base or "
-                             "--init-from")
+    if not init_from:  # the base was the seed's initialisation
+        read = seed_reader(base_cfg, int((found.meta.get("rng") or {}).get("seed", 0)))
+        return nf4_reader(read, double_quant) if quantize == "nf4" else read
     require(Path(init_from).is_dir(),
             f"{found.path}: its base model (--init-from {init_from}) is not there; run the "
             "export where that directory exists, or train with --save-base")

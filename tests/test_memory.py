@@ -44,7 +44,7 @@ def test_prediction_matches_the_compiler(mesh, zero):
         assert abs(a - b) <= 0.05 * b, (key, a, b)
 
 
-@pytest.mark.parametrize("schedule, micro", [("gpipe", 16), ("1f1b", 16)])
+@pytest.mark.parametrize("schedule, micro", [("1f1b", 16)])
 def test_pipeline_activations_follow_the_schedule(schedule, micro):
     """Pipelined, a stage keeps its schedule's stashed micro-batch inputs (all M under gpipe,
     about P under 1f1b) and recomputes one chunk: the estimate stays in the planner's usual

@@ -238,18 +238,21 @@ def test_export_refuses_lora_flags_without_lora(tmp_path, capsys, setup, argv, s
     assert not (tmp_path / "out").exists()
 
 
-def test_export_refuses_lora_without_a_base(tmp_path, capsys, setup):
+def test_export_without_init_from_merges_into_the_seed_base(tmp_path, capsys, setup):
+    """A LoRA run from no Hugging Face model trained on the seed's base: that is what the
+    merge starts from (the untouched embedding shows it)."""
+    from jdist.export import seed_reader
+
     _, cfg, params = setup
     step = save_checkpoint(tmp_path / "run", cfg, adapters_only(cfg, params),
                            {"init_from": "", "save_base": False})
-    code, err = export(capsys, step, "--hf", tmp_path / "hf", "--merge-lora",
-                       "--peft", tmp_path / "peft")
-    assert code == 2 and "train with --save-base or --init-from" in err, err
-    assert len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "hf").exists() and not (tmp_path / "peft").exists()
-    # The adapters alone need no base.
-    code, err = export(capsys, step, "--peft", tmp_path / "peft")
+    code, err = export(capsys, step, "--hf", tmp_path / "hf", "--merge-lora")
     assert code == 0, err
+    merged = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        merged.update(load_file(f))
+    seed = seed_reader(dataclasses.replace(cfg, lora=None), 0)
+    np.testing.assert_array_equal(merged["model.embed_tokens.weight"], seed(("embed",)))
 
 
 @pytest.mark.parametrize("save_base", [False, True], ids=["init-from", "save-base"])

@@ -165,8 +165,7 @@ def long_reference(single_device):
 
 
 @pytest.mark.parametrize("mesh, schedule, strategy", [
-    ("pp=2,sp=2", "1f1b", "ring"), ("pp=2,sp=2", "interleaved", "ulysses"),
-    ("dp=2,pp=2,sp=2", "gpipe", "all_gather")])
+    ("pp=2,sp=2", "1f1b", "ring"), ("pp=2,sp=2", "interleaved", "ulysses")])
 def test_context_parallel_stages_match_single_device(corpus, long_reference, mesh, schedule,
                                                      strategy):
     run = train_steps(DEEP, mesh, corpus.train, batch_size=16, seq_len=64,
@@ -180,8 +179,7 @@ def test_context_parallel_stages_match_single_device(corpus, long_reference, mes
 
 
 @pytest.mark.parametrize("model, mesh, schedule, strategy", [
-    (MOE, "pp=2,ep=2,tp=2", "1f1b", "ring"), (DEEP, "pp=2,sp=2,tp=2", "1f1b", "ring"),
-    (DEEP, "pp=2,fsdp=2,tp=2", "interleaved", "ring")])
+    (MOE, "pp=2,ep=2,tp=2", "1f1b", "ring"), (DEEP, "pp=2,fsdp=2,tp=2", "interleaved", "ring")])
 def test_tensor_parallel_stages_match_single_device(request, corpus, model, mesh, schedule,
                                                     strategy):
     """tp next to another automatic axis inside a stage (MoE and attention kernels nested,

@@ -120,15 +120,17 @@ def _quantized_leaf(source: Source, path: tuple[str, ...], abstract: nf4.Nf4,
     layer_sharding = NamedSharding(mesh, PartitionSpec(*tuple(spec)[1:]))
     per_layer = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(*tuple(s.spec)[1:])),
                              sharding)
-    quantize = jax.jit(lambda w: nf4.quantize(w, double_quant), out_shardings=per_layer)
-    put = jax.jit(lambda stack, q, i: jax.tree.map(lambda s, x: s.at[i].set(x), stack, q),
-                  out_shardings=sharding, donate_argnums=0)
+    def put(stack, w, i):  # quantize one layer into its slot of the (donated) stack
+        q = jax.lax.with_sharding_constraint(nf4.quantize(w, double_quant), per_layer)
+        return jax.tree.map(lambda s, x: s.at[i].set(x), stack, q)
+
+    put = jax.jit(put, out_shardings=sharding, donate_argnums=0)
     stack = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
                     out_shardings=sharding)()
     layer_abstract = jax.ShapeDtypeStruct(shape, np.float32)
     for position, layer in enumerate(order):
         w = _leaf(source, path, layer_abstract, layer_sharding, None, layer=int(layer))
-        stack = put(stack, quantize(w), position)
+        stack = put(stack, w, position)
     return stack
 
 
