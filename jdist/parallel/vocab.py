@@ -162,9 +162,9 @@ def _backward(head: Head, with_weight: bool, h, primal, stored, labels, lse, g):
 
     like = tuple({*vma(h), *vma(stored), *vma(labels)})
     # dW chunks are summed over the token axes: the gradient varies only as the weight does.
-    dw_shape = primal.shape if with_weight else ()
-    start = (varying(jnp.zeros(h.shape, jnp.float32), like),
-             varying(jnp.zeros(dw_shape, primal.dtype), (*vma(stored), *vma(primal))))
+    dw = varying(jnp.zeros(primal.shape, primal.dtype), (*vma(stored), *vma(primal))) \
+        if with_weight else jnp.zeros((), primal.dtype)  # a frozen weight: a placeholder
+    start = (varying(jnp.zeros(h.shape, jnp.float32), like), dw)
     (dh, dw), _ = _over_chunks(body, start, _n_chunks(head, local))
     if head.vocab_axes:  # every vocab slice contributed to each token's hidden-state gradient
         dh = lax.psum(dh, head.vocab_axes)
