@@ -131,7 +131,7 @@ def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
         from jdist.hf import Source, load_params
 
         start, source = time.perf_counter(), Source(init_from)
-        state = state_from_params(plan, load_params(init_from, plan, source))
+        state = state_from_params(plan, load_params(init_from, plan, source, seed))
         if jax.process_index() == 0:
             print(f"init: {init_from}: this process read {source.bytes_read / 2**20:,.1f} of "
                   f"{source.total_bytes() / 2**20:,.1f} MiB in "
