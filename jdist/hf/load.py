@@ -109,12 +109,12 @@ def _leaf(source: Source, path: tuple[str, ...], abstract, sharding, order,
     return jax.make_array_from_callback(abstract.shape, sharding, block)
 
 
-def _quantized_leaf(source: Source, path: tuple[str, ...], abstract: nf4.Nf4,
+def _quantized_leaf(source: Source, path: tuple[str, ...], stack: nf4.Nf4,
                     sharding: nf4.Nf4, order, double_quant: bool) -> nf4.Nf4:
     """An NF4-stored stack of weights (QLoRA), quantized on the devices one layer at a time:
     each device reads and holds only its shard of one float32 layer (blocks never straddle
     shards: `jdist.train.state.check_quantizable`), written in place into the stack."""
-    codes = abstract.codes
+    codes = stack.codes
     shape = (*codes.shape[1:-1], codes.shape[-1] * 2)
     mesh, spec = sharding.codes.mesh, sharding.codes.spec
     layer_sharding = NamedSharding(mesh, PartitionSpec(*tuple(spec)[1:]))
@@ -125,8 +125,6 @@ def _quantized_leaf(source: Source, path: tuple[str, ...], abstract: nf4.Nf4,
         return jax.tree.map(lambda s, x: s.at[i].set(x), stack, q)
 
     put = jax.jit(put, out_shardings=sharding, donate_argnums=0)
-    stack = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
-                    out_shardings=sharding)()
     layer_abstract = jax.ShapeDtypeStruct(shape, np.float32)
     for position, layer in enumerate(order):
         w = _leaf(source, path, layer_abstract, layer_sharding, None, layer=int(layer))
@@ -149,14 +147,22 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None, seed: in
     source = source or Source(hf_dir)
     order = order_of(plan)
     adapters = dict(jax.tree_util.tree_leaves_with_path(init_adapters(plan, seed)))
+    is_nf4 = lambda x: isinstance(x, nf4.Nf4)
+    # Every NF4 stack starts as zeros, all made by one program, then filled layer by layer.
+    nf4_only = lambda tree: jax.tree.map(lambda x: x if is_nf4(x) else None, tree,
+                                         is_leaf=is_nf4)
+    stacks = dict(jax.tree_util.tree_leaves_with_path(jax.jit(
+        lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                             nf4_only(plan.abstract.params)),
+        out_shardings=nf4_only(plan.shardings.params))(), is_leaf=is_nf4))
 
     def one(path, abstract, sharding):
         if path in adapters:
             return adapters[path]
         keys = tuple(k.key for k in path)
         if quantized(path, plan.quantize):
-            return _quantized_leaf(source, keys, abstract, sharding, order, plan.double_quant)
+            return _quantized_leaf(source, keys, stacks[path], sharding, order,
+                                   plan.double_quant)
         return _leaf(source, keys, abstract, sharding, order)
-    is_nf4 = lambda x: isinstance(x, nf4.Nf4)
     return jax.tree_util.tree_map_with_path(one, plan.abstract.params, plan.shardings.params,
                                             is_leaf=is_nf4)
