@@ -96,8 +96,11 @@ def validate(path: Path) -> str | None:
     try:
         body = json.loads(manifest.read_text())
         files = body["files"]
-        assert body["format"] == MANIFEST_FORMAT and isinstance(files, dict) and files
-    except (ValueError, KeyError, TypeError, AssertionError):
+        # Checked explicitly, not by `assert`: `python -O` must still validate.
+        well_formed = body["format"] == MANIFEST_FORMAT and isinstance(files, dict) and files
+    except (ValueError, KeyError, TypeError):
+        well_formed = False
+    if not well_formed:
         return f"{MANIFEST} is unreadable"
     for rel, want in files.items():
         p = path / rel

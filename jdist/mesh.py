@@ -57,7 +57,10 @@ class MeshSpec:
 def parse_axes(text: str) -> dict[str, int]:
     """Parse `dp=2,fsdp=2,tp=2` into {canonical axis: size}."""
     sizes: dict[str, int] = {}
-    for entry in filter(None, (e.strip() for e in text.split(","))):
+    entries = [e.strip() for e in text.split(",")] if text.strip() else []
+    require(all(entries), f"mesh {text!r} has an empty entry (a stray comma); write AXIS=SIZE "
+                          "pairs separated by single commas, e.g. --mesh dp=2,tp=2")
+    for entry in entries:
         key, eq, value = entry.partition("=")
         require(bool(eq) and bool(key.strip()) and bool(value.strip()),
                 f"malformed mesh entry {entry!r}: expected AXIS=SIZE, e.g. --mesh dp=2,tp=4")

@@ -235,3 +235,19 @@ def test_rollback_after_resuming_from_elsewhere_restores_that_checkpoint(ref, tm
     assert "rolled back to step 10" in capsys.readouterr().err
     assert [r["step"] for r in history] == list(range(11, 21)) and history[1]["skipped"]
     assert history[0]["loss"] == full[11]
+
+
+def test_manifests_are_validated_under_python_O(tmp_path):
+    """Validation is written without `assert`, so optimised Python still refuses a bad
+    manifest."""
+    import subprocess
+    import sys
+
+    step = tmp_path / "7"
+    step.mkdir()
+    (step / ckpt.MANIFEST).write_text(json.dumps({"format": "not-ours", "files": {"x": {}}}))
+    code = f"from jdist import checkpoint as c; from pathlib import Path; " \
+           f"print(c.validate(Path({str(step)!r})))"
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "unreadable" in out, out

@@ -40,6 +40,8 @@ def test_single_device_mesh():
     ("dp=0", "sizes are positive integers"),
     ("dp=-1,tp=-1", "more than one -1"),
     ("no-such-preset", "unknown mesh preset"),
+    ("dp=2,,tp=2", "empty entry"),
+    ("dp=2,tp=2,", "empty entry"),
 ])
 def test_bad_mesh_strings(text, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -132,6 +132,7 @@ class StopSignal:
         self._mesh = mesh
         self._pending = None  # the agreed flag of the previous step (multi-process)
         self._agreed = False
+        self._announced = False
         if jax.process_count() > 1:
             from jax.sharding import NamedSharding, PartitionSpec
 
@@ -139,13 +140,20 @@ class StopSignal:
             self._reduce = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     def _handle(self, signum, frame) -> None:
+        # Only records the signal: writing to a stream here would re-enter a write the signal
+        # interrupted (e.g. the progress line: "RuntimeError: reentrant call inside
+        # <_io.BufferedWriter name='<stderr>'>", exit 1 instead of 75). `poll` announces it.
         if self.received:  # second signal: give up on the clean stop
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
-        if jax.process_index() == 0:
-            print(f"jdist: {self.received} received: finishing the current step and saving a "
-                  "checkpoint (send again to abort)", file=sys.stderr, flush=True)
+
+    def _announce(self) -> None:
+        if self.received and not self._announced:
+            self._announced = True
+            if jax.process_index() == 0:
+                print(f"jdist: {self.received} received: finishing the current step and saving "
+                      "a checkpoint (send again to abort)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> Self:
         for s in self.SIGNALS:
@@ -161,6 +169,7 @@ class StopSignal:
 
     def poll(self) -> bool:
         """Call once per step, on every process; True when all processes should stop now."""
+        self._announce()
         if jax.process_count() == 1:
             return bool(self.received)
         agreed = self._pending is not None and bool(self._pending)  # waits for last step's
