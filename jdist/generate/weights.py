@@ -52,6 +52,10 @@ def restore_params(found: ckpt.Found, plan: Plan) -> dict:
     model layer order; each device reads only its shards."""
     import orbax.checkpoint as ocp
 
+    require(found.meta.get("base_saved", True),
+            f"--checkpoint {found.path} holds LoRA adapters without their base model; merge "
+            f"them first (python -m jdist.export {found.path} --hf OUT --merge-lora) and "
+            "generate with --init-from OUT")
     start = time.perf_counter()
     target = {"params": ckpt.abstract_target(plan.abstract.params, plan.shardings.params)}
     args = ocp.args.PyTreeRestore(
