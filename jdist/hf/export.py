@@ -7,6 +7,7 @@ export leaves nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Callable, Iterator
@@ -52,23 +53,31 @@ def write_hf(out_dir: str | Path, cfg: ModelConfig, read_leaf: Callable, *,
     require(not out.exists() or not any(out.iterdir()),
             f"--hf {out}: directory exists and is not empty; choose a new output directory")
     require(dtype in DTYPES, f"--dtype {dtype!r}: use float32 or bfloat16")
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged(out) as staging:
         weight_map = _write_tensors(staging, cfg, read_leaf, DTYPES[dtype], max_shard_bytes)
         config = hf_config(cfg, torch_dtype=dtype)
         (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copy2(Path(tokenizer_dir) / name, staging / name)
+    return weight_map
+
+
+@contextlib.contextmanager
+def staged(out: Path):
+    """A directory filled as OUT.partial and renamed to `out` (absent or empty) only once
+    complete; on any failure it is removed and `out` is left as it was."""
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
         if out.exists():
             out.rmdir()
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return weight_map
 
 
 def _write_tensors(staging: Path, cfg: ModelConfig, read_leaf, dtype,

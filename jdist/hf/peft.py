@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from safetensors.numpy import save_file
 
 from jdist.errors import require
 from jdist.hf import layout
+from jdist.hf.export import staged
 from models.config import ModelConfig
 from models.lora import SUFFIX, TARGETS, LoraConfig
 
@@ -249,19 +249,10 @@ def write_peft(out_dir: str | Path, cfg: ModelConfig, read_leaf: ReadLeaf,
                                "experts")
     tensors = peft_tensors(cfg, read_leaf)
     config = peft_config(cfg, base_model)
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged(out) as staging:
         save_file(tensors, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True)
                                               + "\n")
-        if out.exists():
-            out.rmdir()
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return {name: tuple(x.shape) for name, x in tensors.items()}
 
 
