@@ -1,9 +1,15 @@
 """Framework overhead: steady-state steps/s of the full training loop (data, metrics,
-logging, progress) against a bare loop calling the same compiled step on a fixed batch.
+logging, progress, goodput, and the health checks at their default intervals) against a bare
+loop calling the same compiled step on a fixed batch; and a soak of the silent-data-corruption
+checks at every step on the meshes they guard, which must report nothing.
 
-    python benchmarks/overhead.py [--model small] [--mesh fsdp=8] [--steps 30] [--json]
+    python benchmarks/overhead.py [--model small] [--mesh dp=2,fsdp=4] [--steps 210]
+                                  [--soak-steps 200] [--json]
 
-Target: full / bare >= 0.95.
+Target: full / bare >= 0.95. The replica check runs every 100 steps (and before each save),
+the recomputed step every 1000: a run of `--steps` shorter than 1000 sees replica checks
+only, so the table also prints each check's own cost and its share of a step at its
+default interval.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 from jdist import data
+from jdist.train import health
 from jdist.train.config import TrainConfig
 from jdist.train.loop import prepare, train
 from jdist.train.state import init_state
@@ -53,11 +60,50 @@ def full_steps_per_sec(config: TrainConfig, warmup: int) -> float:
     return len(steady) / sum(r["step_time_s"] for r in steady)
 
 
+def check_costs(config: TrainConfig, repeats: int = 5) -> dict:
+    """Seconds of one replica check and one recomputed step beyond the step itself, warm."""
+    setup = prepare(config)
+    plan = setup.plan
+    state = init_state(plan, config.seed)
+    batch = setup.batch(0)
+    step = make_train_step(plan, setup.schedule).lower(state, batch).compile()
+    health.check_replicas(state, plan.mesh)
+    state, metrics = health.recompute_check(step, state, batch)[:2]
+    jax.block_until_ready(metrics)
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            jax.block_until_ready(fn())
+        return (time.perf_counter() - start) / repeats
+
+    replica = timed(lambda: health.check_replicas(state, plan.mesh) or 0)
+    plain = timed(lambda: step(health.copy_tree(state), batch)[1])
+    twice = timed(lambda: health.recompute_check(step, health.copy_tree(state), batch)[1])
+    return {"replica_check_s": replica, "recompute_extra_s": twice - plain, "step_s": plain}
+
+
+def soak(model: str, mesh: str, steps: int) -> dict:
+    """Both checks at every step for `steps` steps: a false positive stops the run."""
+    with tempfile.TemporaryDirectory() as run_dir, open(os.devnull, "w") as devnull, \
+            contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+        config = TrainConfig(model=model, mesh=mesh, steps=steps, batch_size=8, seq_len=32,
+                             eval_every=0, run_dir=run_dir, check_replicas_every=1,
+                             recompute_check_every=1)
+        try:
+            history = train(config)
+            return {"mesh": mesh, "steps": len(history), "false_positives": 0}
+        except Exception as e:  # noqa: BLE001 - the soak reports what stopped it
+            return {"mesh": mesh, "steps": steps, "false_positives": 1, "error": str(e)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
-    parser.add_argument("--mesh", default="fsdp=8")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--mesh", default="dp=2,fsdp=4")
+    parser.add_argument("--steps", type=int, default=210)
+    parser.add_argument("--soak-steps", type=int, default=200)
+    parser.add_argument("--soak-meshes", default="dp=4,fsdp=2;dp=2,tp=2,pp=2")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -71,16 +117,34 @@ def main() -> None:
         bare1 = bare_steps_per_sec(config, args.steps, args.warmup)
         full = full_steps_per_sec(config, args.warmup)
         bare2 = bare_steps_per_sec(config, args.steps, args.warmup)
+        costs = check_costs(config)
     bare = (bare1 + bare2) / 2
+    defaults = TrainConfig()
+    share = {"replica_check": costs["replica_check_s"] / (defaults.check_replicas_every
+                                                         * costs["step_s"]),
+             "recompute_check": costs["recompute_extra_s"] / (defaults.recompute_check_every
+                                                             * costs["step_s"])}
+    soaks = [soak("tiny", m, args.soak_steps) for m in args.soak_meshes.split(";")
+             if args.soak_steps]
     result = {"model": args.model, "mesh": args.mesh, "steps": args.steps,
               "bare_steps_per_sec": bare, "full_steps_per_sec": full, "ratio": full / bare,
-              "target": 0.95}
+              "target": 0.95, "check_costs": costs, "check_share_at_default": share,
+              "soak": soaks}
     if args.json:
         print(json.dumps(result))
         return
     print(f"{'model':8} {'mesh':12} {'bare steps/s':>13} {'full steps/s':>13} {'ratio':>7}")
     print(f"{args.model:8} {args.mesh:12} {bare:13.3f} {full:13.3f} {full / bare:7.3f}"
           f"   (target >= 0.95; bare runs {bare1:.3f}, {bare2:.3f})")
+    print(f"one step {costs['step_s'] * 1e3:.1f} ms; replica check "
+          f"{costs['replica_check_s'] * 1e3:.1f} ms (every {defaults.check_replicas_every}: "
+          f"{share['replica_check']:.2%} of step time); recompute check +"
+          f"{costs['recompute_extra_s'] * 1e3:.1f} ms (every {defaults.recompute_check_every}: "
+          f"{share['recompute_check']:.2%})")
+    for r in soaks:
+        print(f"soak: tiny on {r['mesh']}: both checks at every step for {r['steps']} steps: "
+              f"{r['false_positives']} false positives" + (f" ({r['error']})" if
+                                                           r.get("error") else ""))
 
 
 if __name__ == "__main__":

@@ -36,4 +36,6 @@ EXIT_OK = 0
 EXIT_CRASH = 1          # an unexpected error (traceback printed)
 EXIT_CONFIG = 2         # a user mistake, incl. an unusable --resume PATH (one line, no traceback)
 EXIT_NONFINITE = 3      # non-finite loss/gradient under --on-nan stop (or rollback gave up)
+EXIT_CORRUPTION = 4     # silent data corruption: replicas or a recomputed step disagree bitwise
+EXIT_SAVE_FAILED = 5    # a checkpoint save failed and no later save of the run replaced it
 EXIT_PREEMPTED = 75     # SIGTERM/SIGINT: a checkpoint of the current step was saved; rerun

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -11,8 +12,9 @@ _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 
 def _op_pattern(op: str) -> re.Pattern:
-    # `%x = (f32[..], f32[..]) all-reduce-start(...)`: match the op name, async form included.
-    return re.compile(rf"^\s*\S+ = (.*?) {op}(?:-start)?\(", re.MULTILINE)
+    # `%x = (f32[..], f32[..]) all-reduce-start(...)`: match the op name, async form included;
+    # a collective can be its computation's ROOT (e.g. a shard_map body's only op).
+    return re.compile(rf"^\s*(?:ROOT )?\S+ = (.*?) {op}(?:-start)?\(", re.MULTILINE)
 
 
 def collective_counts(hlo_text: str) -> dict[str, int]:
@@ -22,17 +24,84 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
     """Result bytes of each collective (summed over tuple elements), per device."""
-    out = {}
-    for op in COLLECTIVES:
-        total = 0
-        for result_type in _op_pattern(op).findall(hlo_text):
-            for dtype, dims in _SHAPE.findall(result_type):
-                n = 1
-                for d in filter(None, dims.split(",")):
-                    n *= int(d)
-                total += n * _DTYPE_BYTES[dtype]
-        out[op] = total
-    return out
+    return {op: sum(map(type_bytes, _op_pattern(op).findall(hlo_text))) for op in COLLECTIVES}
+
+
+def type_bytes(type_text: str) -> int:
+    """Bytes of an HLO type such as `(f32[4,8]{1,0}, bf16[2])`: its arrays summed."""
+    return sum(math.prod(int(d) for d in filter(None, dims.split(","))) * _DTYPE_BYTES[dtype]
+               for dtype, dims in _SHAPE.findall(type_text))
+
+
+def executed_collectives(hlo_text: str) -> list[tuple[str, str, str, int]]:
+    """(op, result type, rest of the line, executions per run) of every collective in HLO
+    module text; an async pair counts once, by its `-start` (as `collective_counts` does)."""
+    runs = executions(hlo_text)
+    return [(op, result, rest, runs[name]) for name, text in _computations(hlo_text).items()
+            for result, op, rest in _ANY_COLLECTIVE.findall(text)]
+
+
+_ANY_COLLECTIVE = re.compile(
+    rf"^\s*(?:ROOT )?\S+ = (.*?) ({'|'.join(COLLECTIVES)})(?:-start)?\((.*)$", re.MULTILINE)
+_GROUP = re.compile(r"\{([\d,]*)\}")
+
+
+def device_groups(attributes: str, n_devices: int) -> list[tuple[int, ...]]:
+    """The groups of devices one collective communicates within, from its attributes (the
+    rest of its HLO line). Devices are positions in the compiled device assignment, not
+    device ids. XLA prints three forms: explicit `replica_groups={{0,2},{1,3}}` (`{}`: one
+    group of all), iota `replica_groups=[2,4]<=[4,2]T(1,0)`, and mesh axes
+    `replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}`; a
+    collective-permute has `source_target_pairs={{0,1},...}` instead (pairs that move)."""
+    pairs = re.search(r"source_target_pairs=\{((?:\{[\d,]*\},?)*)\}", attributes)
+    if pairs:
+        return [(s, t) for s, t in (_ints(p) for p in _GROUP.findall(pairs.group(1))) if s != t]
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
+    if explicit:
+        groups = [tuple(_ints(g)) for g in _GROUP.findall(explicit.group(1))]
+        return groups or [tuple(range(n_devices))]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                     attributes)
+    if iota:
+        groups, size, dims, perm = iota.groups()
+        return [tuple(g) for g in _iota(dims, perm).reshape(int(groups), int(size)).tolist()]
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]"
+                     r"(?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}",
+                     attributes)
+    if mesh:
+        return _mesh_axes_groups(*mesh.groups())
+    raise ValueError(f"unrecognised device groups in HLO: {attributes[:200]}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in filter(None, text.split(","))]
+
+
+def _iota(dims: str, perm: str | None):
+    """XLA's iota tile assignment `[dims]T(perm)`: arange reshaped to dims, transposed."""
+    import numpy as np
+
+    shape = _ints(dims)
+    return np.arange(math.prod(shape)).reshape(shape).transpose(_ints(perm) if perm else None)
+
+
+def _mesh_axes_groups(axes: str, dims: str | None, perm: str | None, grouped: str):
+    """Groups of the mesh-axes form: devices that differ only along the grouped axes. A
+    sub-axis `'a':(p)k` of an axis of size n is Shardy's: the k-way digit after the p-way
+    major one, i.e. coordinate (index // (n / (p k))) % k."""
+    import numpy as np
+
+    names, sizes = zip(*((n, int(k)) for n, k in re.findall(r"'([^']+)'=(\d+)", axes)))
+    n = math.prod(sizes)
+    ids = (_iota(dims, perm) if dims else np.arange(n)).reshape(sizes)
+    coords = np.indices(sizes).reshape(len(sizes), n)  # coordinate of each mesh position
+    for name, pre, size in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", grouped):
+        i = names.index(name)
+        size = int(size or sizes[i])
+        minor = sizes[i] // (int(pre or 1) * size)
+        coords[i] -= (coords[i] // minor % size) * minor  # forget the grouped digit
+    key = np.ravel_multi_index(tuple(coords), sizes)
+    return [tuple(ids.reshape(n)[key == k].tolist()) for k in np.unique(key)]
 
 
 def collective_shapes(hlo_text: str, op: str) -> list[tuple[int, ...]]:
@@ -63,6 +132,19 @@ def executed_collective_bytes(hlo_text: str) -> dict[str, int]:
     """Like `collective_bytes`, but a while-loop body counts once per iteration (XLA's
     `known_trip_count`; once if unknown), nested loops multiplying: the bytes a run moves."""
     texts = _computations(hlo_text)
+    times = executions(hlo_text)
+    out = dict.fromkeys(COLLECTIVES, 0)
+    for name, text in texts.items():
+        for op, n in collective_bytes(text).items():
+            out[op] += times[name] * n
+    return out
+
+
+def executions(hlo_text: str) -> dict[str, int]:
+    """{computation name: how often one run of the module executes it}: a while-loop body
+    once per iteration (XLA's `known_trip_count`; once if unknown), nested loops
+    multiplying; every other computation once."""
+    texts = _computations(hlo_text)
     times = dict.fromkeys(texts, 1)
     for name in reversed(list(texts)):  # XLA prints callees first: walk callers first
         for line in texts[name].splitlines():
@@ -70,11 +152,7 @@ def executed_collective_bytes(hlo_text: str) -> dict[str, int]:
             if loop and loop.group(1) in times:
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 times[loop.group(1)] = times[name] * (int(trips.group(1)) if trips else 1)
-    out = dict.fromkeys(COLLECTIVES, 0)
-    for name, text in texts.items():
-        for op, n in collective_bytes(text).items():
-            out[op] += times[name] * n
-    return out
+    return times
 
 
 def _computations(hlo_text: str) -> dict[str, str]:

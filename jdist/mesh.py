@@ -20,12 +20,46 @@ FILL = -1  # "whatever is left over" on the command line
 
 
 @dataclasses.dataclass(frozen=True)
+class Link:
+    """One kind of link: bandwidth in GB/s (1e9 bytes per second) per device per direction,
+    and latency in microseconds per step of a collective (one hop of a ring)."""
+
+    gbps: float
+    latency_us: float
+
+
+# Defaults for a mesh given as AXIS=SIZE pairs (and the values of the cpu-8 preset): a host
+# of H100-class GPUs on NVLink (~450 GB/s per direction per GPU), hosts joined by one
+# 400 Gb/s NIC per GPU (50 GB/s). Simulated CPU devices have no links worth modelling, and
+# GPU numbers make a prediction read as what the same layout would cost where it is meant
+# to run. A preset names its own with `ici_gbps`, `ici_latency_us`, `dcn_gbps`, `dcn_latency_us`.
+ICI = Link(gbps=450.0, latency_us=2.0)
+DCN = Link(gbps=50.0, latency_us=10.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """The links of a topology: ICI within a host, DCN across hosts, and the mesh axes that
+    cross hosts. A collective over a group that spans any DCN axis runs at DCN speed."""
+
+    ici: Link = ICI
+    dcn: Link = DCN
+    dcn_axes: frozenset[str] = frozenset()
+
+    def over(self, axes) -> Link:
+        """The link a collective over these mesh axes is bound by: the slowest it crosses."""
+        return self.dcn if set(axes) & self.dcn_axes else self.ici
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """Axis sizes by canonical name (FILL allowed once) plus the part laid across hosts."""
+    """Axis sizes by canonical name (FILL allowed once) plus the part laid across hosts,
+    and the links of its topology (a preset's, else the defaults above)."""
 
     sizes: dict[str, int]
     dcn: dict[str, int] = dataclasses.field(default_factory=dict)
     name: str = ""
+    links: Links = Links()
 
     def resolve(self, n_devices: int) -> dict[str, int]:
         """Concrete sizes for every canonical axis on `n_devices` devices."""
@@ -90,14 +124,18 @@ def preset_names() -> list[str]:
 
 
 def load_preset(name: str) -> MeshSpec:
-    """Load `meshes/NAME.toml`: `mesh = "dp=2,fsdp=8"` and optionally `dcn = "dp=2"`."""
+    """Load `meshes/NAME.toml`: `mesh = "dp=2,fsdp=8"`, optionally `dcn = "dp=2"` (the
+    part across hosts) and the links: `ici_gbps`, `dcn_gbps` (GB/s per device per
+    direction), `ici_latency_us`, `dcn_latency_us` (microseconds per collective step)."""
     path = resources.files("meshes") / f"{name}.toml"
     require(path.is_file(), f"unknown mesh preset {name!r}; use AXIS=SIZE pairs like dp=2,tp=4 "
                             f"or one of: {', '.join(preset_names())}")
     table = tomllib.loads(path.read_text())
     sizes = parse_axes(table["mesh"])
     dcn = parse_axes(table.get("dcn", ""))
-    return MeshSpec(sizes, dcn, name)
+    link = lambda kind, default: Link(float(table.get(f"{kind}_gbps", default.gbps)),
+                                      float(table.get(f"{kind}_latency_us", default.latency_us)))
+    return MeshSpec(sizes, dcn, name, Links(link("ici", ICI), link("dcn", DCN)))
 
 
 def parse_mesh(text: str) -> MeshSpec:
@@ -125,6 +163,19 @@ def dcn_sizes(sizes: dict[str, int], dcn: dict[str, int], n_granules: int) -> di
                 f"axis {axis!r} of size {sizes[axis]} cannot span {out[axis]} hosts; "
                 "make it a multiple of the host count")
     return out
+
+
+def links_for(text: str, mesh=None) -> Links:
+    """The links of a `--mesh` argument (a preset's, else the defaults) and which of its axes
+    cross hosts: those its `dcn` declares, or, when `mesh` spans processes, those
+    `dcn_sizes` lays across them."""
+    spec = parse_mesh(text)
+    dcn = spec.dcn
+    n_processes = 1 if mesh is None else len({d.process_index for d in mesh.devices.flat})
+    if n_processes > 1:
+        dcn = dcn_sizes(dict(mesh.shape), spec.dcn, n_processes)
+    crossing = frozenset(axis for axis, n in dcn.items() if n > 1)
+    return dataclasses.replace(spec.links, dcn_axes=crossing)
 
 
 def build_mesh(spec: MeshSpec | str, devices=None):

@@ -1,7 +1,9 @@
 """Two real processes (jax.distributed on localhost, gloo) x 4 CPU devices train exactly like
 one process with 8 devices: the same global batches, the same losses. Pipelined, the stages
 land on different processes (`stage` is the slowest axis after `data`, so it spans DCN) and
-activations cross processes as collective-permutes."""
+activations cross processes as collective-permutes. Both runs compare the processes' host
+step times every step: the pipelined one slows process 1 (`--inject-straggler`), which must
+be reported within 3 windows; the data-parallel one is not slowed and must report nothing."""
 
 import json
 import socket
@@ -12,9 +14,11 @@ import pytest
 
 COMMON = ["--model", "tiny", "--steps", "4", "--batch-size", "16", "--seq-len", "32",
           "--eval-every", "4"]
-DATA_PARALLEL = (["--mesh", "dp=2,fsdp=4"], "mesh: data=2 fsdp=4 (8 devices, cpu)")
+STRAGGLERS = ["--straggler-every", "1", "--straggler-windows", "2"]
+DATA_PARALLEL = (["--mesh", "dp=2,fsdp=4", *STRAGGLERS], "mesh: data=2 fsdp=4 (8 devices, cpu)")
 PIPELINED = (["--mesh", "pp=2,fsdp=4", "--n-layers", "4", "--pp-schedule", "interleaved",
-              "--pp-virtual-stages", "2", "--microbatches", "2"],
+              "--pp-virtual-stages", "2", "--microbatches", "2", *STRAGGLERS,
+              "--inject-straggler", "1:0.4"],
              "mesh: stage=2 fsdp=4 (8 devices, cpu)")
 
 
@@ -24,9 +28,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def records(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(run_dir) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(x)["loss"] for x in lines]
+    return [r["loss"] for r in records(run_dir)]
 
 
 @pytest.mark.parametrize("mesh_args, banner", [DATA_PARALLEL, PIPELINED],
@@ -47,6 +54,12 @@ def test_two_processes_match_one(tmp_path, mesh_args, banner):
     assert banner in outputs[0], outputs[0]
     assert "step 4/4" not in outputs[1]  # only process 0 reports
     assert not (tmp_path / "p1").exists()  # ... and writes
+    reported = [r["step"] for r in records(tmp_path / "p0") if r.get("stragglers") == [1]]
+    if "--inject-straggler" in args:  # windows of 1 step, 2 in a row: step 2, at most 3
+        assert reported and reported[0] <= 3, outputs[0]
+        assert "straggler: process 1 on host" in outputs[0]
+    else:
+        assert "straggler" not in outputs[0] and not reported, outputs[0]
     single = subprocess.run([sys.executable, "-m", "jdist.train", *args, "--run-dir",
                              str(tmp_path / "single")], check=False, capture_output=True,
                             text=True, timeout=300)

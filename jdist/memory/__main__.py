@@ -1,11 +1,13 @@
 """`python -m jdist.memory`: the per-device memory plan of a training configuration,
-optionally beside the compiler's numbers (`--measure`), as a table or JSON."""
+optionally beside the compiler's numbers and the step's communication (`--measure`,
+`jdist.comm`), as a table or JSON."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+from jdist.comm import comm_table, step_report
 from jdist.memory import compile_step, gib, measure, peak, predict, table
 
 
@@ -37,12 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     predicted = predict(plan, micro, config.seq_len)
     compiled = compile_step(plan, config.batch_size, config.seq_len) if do_measure else None
     measured = measure(plan, config.batch_size, config.seq_len, compiled) if do_measure else None
+    comm = step_report(compiled, config.mesh, plan.mesh) if do_measure else None
     if as_json:
         out = {"model": config.model, "mesh": dict(plan.mesh.shape), "zero": config.zero,
                "predicted": predicted.as_dict()}
         if measured:
             out["measured"] = measured.as_dict()
             out["measured_peak"] = peak(compiled)
+            out["comm"] = comm.as_dict()
         print(json.dumps(out))
     else:
         print(f"model {config.model}, mesh {config.mesh}, zero {config.zero}, "
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if compiled is not None:
             print(f"{'peak':12} {'':>14} {gib(peak(compiled)):>14}  (arguments + outputs + "
                   f"temporaries of the compiled step)")
+            print(comm_table(comm))
     return 0
 
 

@@ -1,6 +1,7 @@
 """`python -m jdist.train`: parse flags, size the simulated CPU platform, join the process
 group, train. User mistakes end with one line on stderr and exit status 2; the other exit
-statuses are listed in `jdist.train.faults` (3: non-finite loss, 75: preempted)."""
+statuses are listed in `jdist.errors` (3: non-finite loss, 4: silent data corruption,
+5: a checkpoint save failed, 75: preempted)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def check_process_split(cpu_devices: int, n_proc: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jdist.checkpoint import SaveFailed
     from jdist.train import faults
 
     def body() -> int:
@@ -44,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         except faults.NonFinite as e:
             print(f"jdist: error: {e}", file=sys.stderr)
             return faults.EXIT_NONFINITE
+        except faults.Corruption as e:
+            print(f"jdist: error: {e}; stopped without saving (the newest checkpoint predates "
+                  "the corruption); check or replace the named devices", file=sys.stderr)
+            return faults.EXIT_CORRUPTION
+        except SaveFailed as e:
+            print(f"jdist: error: {e}", file=sys.stderr)
+            return faults.EXIT_SAVE_FAILED
         return 0
     return run_cli(body)
 

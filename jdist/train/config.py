@@ -87,6 +87,17 @@ class TrainConfig:
     resume: str = "auto"
     on_nan: str = "stop"
     inject_nan_at_step: int = 0
+    verify_checkpoint: str = "size"
+    # Observability and health checks (see jdist.train.observe, jdist.train.health).
+    tensorboard: bool = False
+    profile_steps: str = ""
+    straggler_every: int = 10
+    straggler_threshold: float = 1.5
+    straggler_windows: int = 3
+    check_replicas_every: int = 100
+    recompute_check_every: int = 1000
+    inject_corruption_at_step: int = 0
+    inject_straggler: str = ""
 
     def model_overrides(self) -> dict:
         keys = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size",
@@ -170,13 +181,32 @@ HELP = {
     "on_nan": "non-finite loss or gradient: skip the update, rollback to the last checkpoint "
               "and skip that batch, or stop (exit status 3)",
     "inject_nan_at_step": "debug: make step N's loss and gradients NaN (tests --on-nan)",
+    "verify_checkpoint": "size (every file of a checkpoint present with its recorded size) or "
+                         "full (also re-hash every file) before resuming from it",
+    "tensorboard": "also write the metrics as TensorBoard event files under RUN_DIR/tensorboard",
+    "profile_steps": "A-B: capture a jax.profiler trace of steps A..B into RUN_DIR/profile and "
+                     "record each step's collective/compute/idle fractions of device time",
+    "straggler_every": "with several processes: compare the processes' host step times every "
+                       "N steps (0: never)",
+    "straggler_threshold": "a process whose step time is above this times the median is slow",
+    "straggler_windows": "report a process slow for this many consecutive windows",
+    "check_replicas_every": "every N steps (and before each save) compare a bitwise "
+                            "fingerprint of every parameter and optimizer-state shard across "
+                            "the replicas that must be identical (0: never); exit 4 on mismatch",
+    "recompute_check_every": "every N steps run the step twice on the same inputs and compare "
+                             "the results bitwise (0: never); exit 4 on mismatch",
+    "inject_corruption_at_step": "test-only: after step N flip a bit of one replica's copy of a "
+                                 "parameter (tests --check-replicas-every)",
+    "inject_straggler": "test-only: PROCESS:SECONDS makes that process sleep SECONDS per step "
+                        "(tests straggler detection)",
 }
 
 
 CHOICES = {"compute_dtype": ["auto", "float32", "bfloat16"], "attention": list(IMPLEMENTATIONS),
            "loss": list(LOSSES), "packing": list(PACKINGS), "zero": [0, 1, 2, 3],
            "offload": ["none", "optimizer"], "pp_schedule": list(SCHEDULES),
-           "data_format": list(FORMATS), "quantize_base": ["none", "nf4"]}
+           "data_format": list(FORMATS), "quantize_base": ["none", "nf4"],
+           "verify_checkpoint": ["size", "full"]}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -16,10 +16,12 @@ import optax
 
 from jdist.errors import (  # noqa: F401 - the exit statuses are part of this module's story
     EXIT_CONFIG,
+    EXIT_CORRUPTION,
     EXIT_CRASH,
     EXIT_NONFINITE,
     EXIT_OK,
     EXIT_PREEMPTED,
+    EXIT_SAVE_FAILED,
     require,
 )
 
@@ -40,6 +42,11 @@ class NonFinite(Exception):
     """A step's loss or gradient norm was not finite and the policy says stop."""
 
 
+class Corruption(Exception):
+    """Silent data corruption found by a health check (`jdist.train.health`): stop, keep the
+    last good checkpoint (nothing after the last passing check was saved)."""
+
+
 class Rollback(Exception):
     """Internal: restore the last good checkpoint and skip the batch of `step`."""
 
@@ -55,8 +62,15 @@ def check_flags(config) -> None:
     require(config.checkpoint_every >= 0,
             f"--checkpoint-every {config.checkpoint_every} must be 0 (never) or positive")
     require(config.keep >= 1, f"--keep {config.keep} must be at least 1")
-    require(config.inject_nan_at_step >= 0,
-            f"--inject-nan-at-step {config.inject_nan_at_step} must be 0 (off) or a step number")
+    for flag in ("inject_nan_at_step", "inject_corruption_at_step", "check_replicas_every",
+                 "recompute_check_every", "straggler_every"):
+        value = getattr(config, flag)
+        require(value >= 0, f"--{flag.replace('_', '-')} {value} must be 0 (off) or positive")
+    require(config.straggler_windows >= 1,
+            f"--straggler-windows {config.straggler_windows} must be at least 1")
+    require(config.straggler_threshold > 1,
+            f"--straggler-threshold {config.straggler_threshold} must be above 1 (a ratio "
+            "to the median step time)")
 
 
 def is_finite(record: dict) -> bool:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jdist.comm import comm_table, step_report
 from jdist.errors import ConfigError
-from jdist.memory import Breakdown, measure, predict, table
+from jdist.memory import Breakdown, compile_step, measure, predict, table
 from jdist.train.setup import plan_for
 
 
@@ -61,14 +62,17 @@ def check_fits(config, plan) -> None:
 
 def dry_run(config) -> None:
     """`--dry-run`: compile the step ahead of time, print the plan beside the compiler's
-    numbers, check it fits, and return without allocating anything."""
+    numbers and the step's communication (`jdist.comm`), check it fits, and return without
+    allocating anything."""
     from jdist.train.report import compute_line, layout_table
 
     _, plan, _ = plan_for(config)
     print(layout_table(plan), flush=True)
     print(compute_line(plan, config.seq_len), flush=True)
-    measured = measure(plan, config.batch_size, config.seq_len)
+    compiled = compile_step(plan, config.batch_size, config.seq_len)
+    measured = measure(plan, config.batch_size, config.seq_len, compiled)
     print(table(plan_breakdown(config, plan), measured), flush=True)
+    print(comm_table(step_report(compiled, config.mesh, plan.mesh)), flush=True)
     check_fits(config, plan)
     print("dry run: the plan fits; nothing was allocated", flush=True)
 

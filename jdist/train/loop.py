@@ -15,10 +15,12 @@ from jdist.parallel.pipeline import show_schedule
 from jdist.sharding import replicated
 from jdist.train import faults, fit, report, resume
 from jdist.train.optim import updates_applied
+from jdist.train.goodput import Goodput
 from jdist.train.run import Run
 from jdist.train.setup import Setup, plan_for, prepare
 from jdist.train.state import Plan, TrainState
 from jdist.train.step import make_eval_step, make_train_step
+from jdist.train.tensorboard import TensorBoardLog
 
 
 def train(config) -> list[dict]:
@@ -30,19 +32,27 @@ def train(config) -> list[dict]:
     if config.dry_run:
         fit.dry_run(config)
         return []
-    setup = prepare(config)
-    fit.check_fits(config, setup.plan)
-    run_dir = Path(config.run_dir or report.default_run_dir())
-    data_id = data.fingerprint(setup.corpus)
-    found = resume.find(config, setup.model, run_dir, data_id)  # before anything is written
-    first = found.step if found else 0
-    main = is_main_process()
-    log = report.open_run_dir(run_dir, setup, first) if main else report.MetricsLog(None)
-    state = resume.start_state(setup.plan, config.seed, found, config.init_from)
-    step_fn = compile_step(setup, state)
-    eval_fn = make_eval_step(setup.plan)
+    clock = Goodput()
+    with clock("setup"):
+        setup = prepare(config)
+        fit.check_fits(config, setup.plan)
+        run_dir = Path(config.run_dir or report.default_run_dir())
+        data_id = data.fingerprint(setup.corpus)
+        found = resume.find(config, setup.model, run_dir, data_id,  # before anything is written
+                            dict(setup.plan.mesh.shape))
+        first = found.step if found else 0
+        main = is_main_process()
+        log = report.open_run_dir(run_dir, setup, first) if main else report.MetricsLog(None)
+        clock.lost_before_resume = log.dropped_s
+        sinks = [TensorBoardLog(run_dir)] if config.tensorboard and main else []
+    with clock("checkpoint" if found else "init"):
+        state = resume.start_state(setup.plan, config.seed, found, config.init_from)
+    with clock("compile"):
+        step_fn = compile_step(setup, state)
+        eval_fn = make_eval_step(setup.plan)
     run = Run(setup, run_dir, data_id, state, step_fn, eval_fn,
-              report.StepRecords(config, log, main, setup.plan), origin=found)
+              report.StepRecords(config, log, main, setup.plan, sinks), origin=found,
+              clock=clock, main=main)
     return run.train_from(first)
 
 

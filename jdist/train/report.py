@@ -75,12 +75,13 @@ class Progress:
 
 class MetricsLog:
     """`RUN_DIR/metrics.jsonl`: one JSON object per step, flushed as written. Opening it
-    drops the records after `resume_step` (they are about to be redone). `None`: no file
-    (processes other than the first)."""
+    drops the records after `resume_step` (they are about to be redone; `dropped_s` is the
+    step time they took). `None`: no file (processes other than the first)."""
 
     def __init__(self, run_dir: Path | None, resume_step: int = 0):
         self.path = run_dir / "metrics.jsonl" if run_dir else None
         self.file = None
+        self.dropped_s = 0.0
         self.truncate(resume_step)
 
     def truncate(self, last_step: int) -> None:
@@ -89,9 +90,11 @@ class MetricsLog:
             return
         self.close()
         if self.path.exists():
-            lines = [x for x in self.path.read_text().splitlines()
-                     if x.strip() and json.loads(x).get("step", 0) <= last_step]
-            self.path.write_text("".join(x + "\n" for x in lines))
+            records = [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
+            kept = [r for r in records if r.get("step", 0) <= last_step]
+            self.dropped_s += sum(r.get("step_time_s", 0.0) for r in records
+                                  if r.get("step", 0) > last_step)
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.file = self.path.open("a")
 
     def write(self, record: dict) -> None:
@@ -105,11 +108,23 @@ class MetricsLog:
             self.file = None
 
 
+def device_memory() -> dict:
+    """Bytes in use now and at peak on this process's busiest device, where the platform
+    reports them (accelerators; the CPU reports nothing)."""
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    if not all(stats):
+        return {}
+    return {"memory_in_use_bytes": max(s.get("bytes_in_use", 0) for s in stats),
+            "memory_peak_bytes": max(s.get("peak_bytes_in_use", 0) for s in stats)}
+
+
 class StepRecords:
     """Every step's metrics record: timed from when the previous one was kept (so evaluation
-    is not training time), kept in `history`, written to metrics.jsonl, shown as progress."""
+    is not training time), kept in `history`, written to metrics.jsonl (and the other
+    `sinks`), shown as progress. `host_time_s` is the step's time less the time the host
+    blocked waiting for the devices' results (what tells a straggling host apart)."""
 
-    def __init__(self, config, log: MetricsLog, show: bool, plan=None):
+    def __init__(self, config, log: MetricsLog, show: bool, plan=None, sinks=()):
         self.tokens_per_step = config.batch_size * config.seq_len
         self.flops = flops_per_token(plan.model, config.seq_len) if plan else 0.0
         self.devices = plan.mesh.size if plan else 1
@@ -117,15 +132,20 @@ class StepRecords:
                                 config.peak_tflops) if plan else 0.0
         self.attention = attention_of(plan, config.seq_len) if plan else None
         self.progress = Progress(config.steps, config.log_every, show)
-        self.log, self.history = log, []
+        self.log, self.sinks, self.history = log, list(sinks), []
         self.last_done = time.perf_counter()
 
-    def new(self, step: int, metrics: dict) -> dict:
-        """The record of `step` from its metrics (waits for them to be computed)."""
+    def new(self, step: int, metrics: dict, data_wait: float = 0.0) -> dict:
+        """The record of `step` from its metrics (waits for them to be computed);
+        `data_wait`: the seconds spent building its batch."""
+        blocked = time.perf_counter()
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        elapsed = time.perf_counter() - self.last_done
+        now = time.perf_counter()
+        elapsed = now - self.last_done
         tokens_per_sec = self.tokens_per_step / max(elapsed, 1e-9)
         return {"step": step, **values, "step_time_s": elapsed, "tokens_per_sec": tokens_per_sec,
+                "host_time_s": elapsed - (now - blocked), "data_wait_s": data_wait,
+                **device_memory(),
                 **({"attention": self.attention} if self.attention else {}),
                 **(utilisation(tokens_per_sec, self.flops, self.devices, self.peak)
                    if self.flops else {})}
@@ -134,6 +154,8 @@ class StepRecords:
         self.last_done = time.perf_counter()
         self.history.append(record)
         self.log.write(record)
+        for sink in self.sinks:
+            sink.write(record)
         self.progress.update(record)
 
     def forget_after(self, step: int) -> None:
@@ -143,6 +165,8 @@ class StepRecords:
 
     def close(self) -> None:
         self.log.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def open_run_dir(run_dir: Path, setup, resume_step: int) -> MetricsLog:

@@ -80,7 +80,40 @@ def check_compatible(found: ckpt.Found, config, model, data_fingerprint: str = "
                 "change only the mesh, ZeRO stage, process count and other layout flags)")
 
 
-def find(config, model, run_dir: Path, data_fingerprint: str = "") -> ckpt.Found | None:
+def micro_batches(config, mesh_shape: dict) -> int:
+    """Micro-batches per optimizer step: accumulated (--grad-accum) or pipelined
+    (--microbatches, default one per stage)."""
+    stages = mesh_shape.get("stage", 1)
+    return config["grad_accum"] * ((config["microbatches"] or stages) if stages > 1 else 1)
+
+
+def check_numerics(found: ckpt.Found, config, model, mesh_shape: dict) -> None:
+    """Layout flags that change more than rounding: the compute dtype (auto resolved), and
+    for mixture-of-experts models the micro-batching (routing capacity and the balancing
+    loss are computed per micro-batch). A dense model's micro-batching changes only the
+    order of a sum, so it may change on resume."""
+    from jdist.train.setup import compute_dtype_of
+
+    defaults = _plain(dataclasses.asdict(type(config)()))
+    saved = {**defaults, **found.meta.get("config", {})}
+    was = compute_dtype_of(dataclasses.replace(config, compute_dtype=saved["compute_dtype"],
+                                               quantize_base=saved["quantize_base"]))
+    now = compute_dtype_of(config)
+    require(was == now, f"--resume: checkpoint {found.path} was trained in {was.__name__} "
+            f"but this run computes in {now.__name__}; pass --compute-dtype "
+            f"{was.__name__} (or start a new --run-dir)")
+    if model.n_experts:
+        was, now = (micro_batches(c, m) for c, m in
+                    ((saved, found.meta.get("mesh", {})), (dataclasses.asdict(config),
+                                                           mesh_shape)))
+        require(was == now, f"--resume: checkpoint {found.path} was trained with {was} "
+                f"micro-batches per step but this run uses {now}, which changes a "
+                "mixture-of-experts model's routing; keep --grad-accum x --microbatches "
+                f"at {was}")
+
+
+def find(config, model, run_dir: Path, data_fingerprint: str = "",
+         mesh_shape: dict | None = None) -> ckpt.Found | None:
     """The checkpoint to start from, or None for a fresh start. Raises ConfigError for an
     unusable explicit PATH or a mismatched checkpoint; with `auto`, passes over (and moves
     aside) unusable checkpoints, saying so. Runs on every process."""
@@ -109,6 +142,8 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "") -> ckpt.Found
                 "choose a new --run-dir or --resume auto")
     if found.step >= 0:
         check_compatible(found, config, model, data_fingerprint)
+        if mesh_shape is not None:
+            check_numerics(found, config, model, mesh_shape)
     ckpt.set_aside(found, root)
     return found if found.step >= 0 else None
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+
 from jdist import checkpoint as ckpt
 from jdist import data
-from jdist.train import faults, resume
+from jdist.train import faults, goodput, health, resume, straggler
+from jdist.train.goodput import Goodput
 from jdist.train.layer_order import order_of
 from jdist.train.report import StepRecords
 from jdist.train.setup import Setup
@@ -42,11 +46,20 @@ class Run:
     rollbacks: int = 0
     stop: Any = None  # the faults.StopSignal, while training
     origin: ckpt.Found | None = None  # the checkpoint the run resumed from (any directory)
+    clock: Goodput = dataclasses.field(default_factory=Goodput)
+    main: bool = True  # the process that reports
 
     def __post_init__(self):
         self.config, self.plan = self.setup.config, self.setup.plan
         self.checkpoints = ckpt.Checkpointer(resume.checkpoint_root(self.run_dir),
                                              self.config.keep)
+        self.stragglers = None
+        if jax.process_count() > 1 and self.config.straggler_every:
+            self.stragglers = straggler.Detector(
+                self.config.straggler_every, self.config.straggler_threshold,
+                self.config.straggler_windows, straggler.hostnames())
+        delay = straggler.parse_injection(self.config.inject_straggler)
+        self.delay = delay[1] if delay and delay[0] == jax.process_index() else 0.0
 
     def train_from(self, step: int) -> list[dict]:
         """Train from `step` to the end and save the final state; returns every step's
@@ -60,38 +73,96 @@ class Run:
                     except faults.Rollback as e:
                         step = self.roll_back(e.step)
                 if self.config.checkpoint_every and self.records.history:
+                    self.check_replicas(self.config.steps)
                     self.save(self.config.steps)  # skipped if just saved
+            with self.clock("checkpoint"):
+                self.checkpoints.close()  # raises SaveFailed if the last save did not land
         finally:
-            self.checkpoints.close()
+            if sys.exc_info()[0] is not None:
+                self._close_quietly()
             self.records.close()
+            self.report_goodput()
         return self.records.history
+
+    def _close_quietly(self) -> None:
+        """Closing after an error: the first error is the one reported."""
+        try:
+            self.checkpoints.close()
+        except ckpt.SaveFailed as e:
+            print(f"jdist: {e}", file=sys.stderr, flush=True)
+
+    def report_goodput(self) -> None:
+        if self.main:
+            summary = self.clock.summary()
+            goodput.write(self.run_dir, summary)
+            print(goodput.table(summary), flush=True)
 
     def steps_from(self, i: int) -> None:
         while i < self.config.steps:
             if i in self.passed_over:
-                self.flush()  # keep the records in step order
-                self.pass_over(i)
+                with self.clock("train"):
+                    self.flush()  # keep the records in step order
+                    self.pass_over(i)
             else:
                 self.take_step(i)
             i += 1
-        self.flush()
+        with self.clock("train", step=i):
+            self.flush()
 
     def take_step(self, i: int) -> None:
         """Dispatch the step on batch `i`, then read the previous step's metrics."""
-        self.state, metrics = self.step_fn(self.state, self.setup.batch(i))
-        stop_now = self.stop.poll()
-        self.flush()
-        self.pending, done = (i + 1, metrics), i + 1
-        save_now = _every(self.config.checkpoint_every, done)
-        eval_now = _every(self.config.eval_every, done) or (bool(self.config.eval_every)
-                                                            and done == self.config.steps)
+        config, done = self.config, i + 1
+        with self.clock("data"):
+            start = time.perf_counter()
+            batch = self.setup.batch(i)
+            data_wait = time.perf_counter() - start
+        with self.clock("train", step=done):
+            if self.delay:
+                time.sleep(self.delay)  # --inject-straggler: this host is slow
+            self.state, metrics = self.dispatch(done, batch)
+            stop_now = self.stop.poll()
+            self.flush()
+            self.pending = (done, metrics, data_wait)
+        save_now = _every(config.checkpoint_every, done)
+        eval_now = _every(config.eval_every, done) or (bool(config.eval_every)
+                                                       and done == config.steps)
         if save_now or stop_now or eval_now:
-            self.flush(params=self.state.params if eval_now else None)
+            with self.clock("train", step=done):
+                self.flush(params=self.state.params if eval_now else None)
+        if save_now or stop_now or _every(config.check_replicas_every, done):
+            self.check_replicas(done)  # nothing unchecked is ever saved
         if save_now or stop_now:
             self.save(done)
         if stop_now:
-            self.checkpoints.wait()
+            with self.clock("checkpoint"):
+                self.checkpoints.wait()  # raises SaveFailed: no exit 75 without a checkpoint
             raise faults.Preempted(done, self.stop.received)
+
+    def dispatch(self, done: int, batch: dict):
+        """The step (twice, compared, on `--recompute-check-every` steps), and the test-only
+        corruption after step `--inject-corruption-at-step`."""
+        if _every(self.config.recompute_check_every, done):
+            with self.clock("checks"):
+                state, metrics, mismatch = health.recompute_check(self.step_fn, self.state,
+                                                                  batch)
+            if mismatch is not None:
+                raise faults.Corruption(f"step {done}: {mismatch.message()}")
+        else:
+            state, metrics = self.step_fn(self.state, batch)
+        if done == self.config.inject_corruption_at_step:
+            state = state._replace(params=health.inject_corruption(state.params,
+                                                                   self.plan.mesh, bit=None))
+        return state, metrics
+
+    def check_replicas(self, done: int) -> None:
+        """`--check-replicas-every`: every copy of every parameter and optimizer-state shard
+        bitwise equal to the others."""
+        if not self.config.check_replicas_every:
+            return
+        with self.clock("checks"):
+            mismatch = health.check_replicas(self.state._replace(step=None), self.plan.mesh)
+        if mismatch is not None:
+            raise faults.Corruption(f"after step {done}: {mismatch.message()}")
 
     def pass_over(self, i: int) -> None:
         """Replaying after a rollback: count the step of bad batch `i`, change nothing else."""
@@ -104,8 +175,15 @@ class Run:
             pending, self.pending = self.pending, None
             self.finish(*pending, params=params)
 
-    def finish(self, step: int, metrics: dict, params=None, passed_over: bool = False) -> None:
-        record = self.records.new(step, metrics)
+    def finish(self, step: int, metrics: dict, data_wait: float = 0.0, params=None,
+               passed_over: bool = False) -> None:
+        record = self.records.new(step, metrics, data_wait)
+        if self.stragglers is not None and not passed_over:
+            reports = self.stragglers.add(record["host_time_s"])
+            straggler.say(self.stragglers, reports, self.main)
+            if reports:
+                record["stragglers"] = [r["process"] for r in reports]
+        record["goodput"] = self.clock.fraction()
         if passed_over:
             record["skipped"] = True
         elif not faults.is_finite(record):
@@ -122,6 +200,10 @@ class Run:
             raise faults.stopped(record)
 
     def evaluate(self, params) -> dict:
+        with self.clock("eval"):
+            return self._evaluate(params)
+
+    def _evaluate(self, params) -> dict:
         losses = [self.eval_fn(params, self.setup.batch(i, data.VAL_STREAM))
                   for i in range(self.config.eval_batches)]
         return {"val_loss": sum(float(x) for x in losses) / len(losses)}
@@ -131,7 +213,8 @@ class Run:
         state = resume.saved_state(self.plan, self.state, save_base)
         meta = resume.run_meta(self.config, self.setup.model, self.plan.mesh, step, self.data_id,
                                order_of(self.plan))
-        self.checkpoints.save(step, state, {**meta, resume.BASE_SAVED: state is self.state})
+        with self.clock("checkpoint"):
+            self.checkpoints.save(step, state, {**meta, resume.BASE_SAVED: state is self.state})
 
     def roll_back(self, bad_step: int) -> int:
         """Restore the newest good checkpoint (or the initial state) and from now on pass over
@@ -140,7 +223,8 @@ class Run:
         if self.rollbacks > faults.MAX_ROLLBACKS:
             raise faults.NonFinite(f"step {bad_step}: loss not finite after "
                                    f"{self.rollbacks - 1} rollbacks; giving up (--on-nan rollback)")
-        self.checkpoints.close()
+        with self.clock("checkpoint"):
+            self.checkpoints.close()
         self.state = self.pending = None  # free the devices before restoring
         good = resume.find(dataclasses.replace(self.config, resume="auto"), self.setup.model,
                            self.run_dir, self.data_id)
@@ -148,9 +232,11 @@ class Run:
         if origin is not None and (good is None or origin.step > good.step) \
                 and ckpt.validate(origin.path) is None:
             good = origin  # resumed from elsewhere; nothing as recent saved here yet
-        self.state = resume.start_state(self.plan, self.config.seed, good,
-                                         self.config.init_from)
+        with self.clock("checkpoint" if good else "init"):
+            self.state = resume.start_state(self.plan, self.config.seed, good,
+                                             self.config.init_from)
         first = good.step if good else 0
+        self.clock.redo_after(first)
         self.passed_over.add(bad_step - 1)
         print(f"jdist: step {bad_step}: non-finite loss; rolled back to step {first} and will "
               f"skip batch {bad_step}", file=sys.stderr, flush=True)
