@@ -14,8 +14,8 @@ from jdist.distributed import is_main_process
 from jdist.parallel.pipeline import show_schedule
 from jdist.sharding import replicated
 from jdist.train import faults, fit, report, resume
-from jdist.train.optim import updates_applied
 from jdist.train.goodput import Goodput
+from jdist.train.optim import updates_applied
 from jdist.train.run import Run
 from jdist.train.setup import Setup, plan_for, prepare
 from jdist.train.state import Plan, TrainState
