@@ -29,7 +29,7 @@ def observed(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("observed")
     config = TrainConfig(**TINY, mesh="dp=2,fsdp=2,tp=2", steps=6, checkpoint_every=3,
                          eval_every=3, eval_batches=1, tensorboard=True, run_dir=str(run_dir),
-                         check_replicas_every=2, recompute_check_every=4)
+                         check_replicas_every=2, recompute_check_every=4, profile_steps="2-3")
     train(config)
     return config, run_dir
 
@@ -45,6 +45,19 @@ def test_tensorboard_holds_the_metrics(observed):
         got = {e.step: e.value for e in events.Scalars(key)}
         assert got == {r["step"]: float(np.float32(r[key])) for r in records}
     assert [e.step for e in events.Scalars("val_loss")] == [3, 6]
+
+
+def test_profiled_steps_carry_their_device_time_fractions(observed):
+    _, run_dir = observed
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 7))  # in order, none lost
+    for r in records:
+        fractions = [r.get(f"{k}_fraction") for k in ("comm", "compute", "idle")]
+        if r["step"] in (2, 3):
+            assert sum(fractions) == pytest.approx(1, abs=0.02) and fractions[0] > 0, r
+        else:
+            assert fractions == [None] * 3
+    assert list((run_dir / "profile").rglob("*.trace.json.gz"))
 
 
 def test_records_carry_host_time_and_data_wait(observed):

@@ -66,6 +66,10 @@ def check_flags(config) -> None:
                  "recompute_check_every", "straggler_every"):
         value = getattr(config, flag)
         require(value >= 0, f"--{flag.replace('_', '-')} {value} must be 0 (off) or positive")
+    if config.profile_steps:
+        from jdist.profile import parse_steps
+
+        parse_steps(config.profile_steps)
     require(config.straggler_windows >= 1,
             f"--straggler-windows {config.straggler_windows} must be at least 1")
     require(config.straggler_threshold > 1,

@@ -5,6 +5,7 @@ whose metrics were checked are saved. `--on-nan` decides what a non-finite step 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -14,7 +15,7 @@ from typing import Any, Callable
 import jax
 
 from jdist import checkpoint as ckpt
-from jdist import data
+from jdist import data, profile
 from jdist.train import faults, goodput, health, resume, straggler
 from jdist.train.goodput import Goodput
 from jdist.train.layer_order import order_of
@@ -60,6 +61,13 @@ class Run:
                 self.config.straggler_windows, straggler.hostnames())
         delay = straggler.parse_injection(self.config.inject_straggler)
         self.delay = delay[1] if delay and delay[0] == jax.process_index() else 0.0
+        self.tracer, self.held = None, []  # held: records of profiled steps, until read
+        if self.config.profile_steps:
+            where = self.run_dir / "profile"  # trace files are named after the host:
+            if jax.process_count() > 1:      # one directory per process
+                where = where / f"process{jax.process_index()}"
+            self.tracer = profile.StepTracer(where, *profile.parse_steps(
+                self.config.profile_steps))
 
     def train_from(self, step: int) -> list[dict]:
         """Train from `step` to the end and save the final state; returns every step's
@@ -80,6 +88,9 @@ class Run:
         finally:
             if sys.exc_info()[0] is not None:
                 self._close_quietly()
+            if self.tracer is not None:
+                self.tracer.close()
+                self.release_profile(self.held)  # a run stopped inside the profiled steps
             self.records.close()
             self.report_goodput()
         return self.records.history
@@ -141,14 +152,17 @@ class Run:
     def dispatch(self, done: int, batch: dict):
         """The step (twice, compared, on `--recompute-check-every` steps), and the test-only
         corruption after step `--inject-corruption-at-step`."""
-        if _every(self.config.recompute_check_every, done):
-            with self.clock("checks"):
-                state, metrics, mismatch = health.recompute_check(self.step_fn, self.state,
-                                                                  batch)
-            if mismatch is not None:
-                raise faults.Corruption(f"step {done}: {mismatch.message()}")
-        else:
-            state, metrics = self.step_fn(self.state, batch)
+        traced = (self.tracer.step(done, pending=self.state) if self.tracer is not None
+                  else contextlib.nullcontext())
+        with traced:
+            if _every(self.config.recompute_check_every, done):
+                with self.clock("checks"):
+                    state, metrics, mismatch = health.recompute_check(self.step_fn, self.state,
+                                                                      batch)
+                if mismatch is not None:
+                    raise faults.Corruption(f"step {done}: {mismatch.message()}")
+            else:
+                state, metrics = self.step_fn(self.state, batch)
         if done == self.config.inject_corruption_at_step:
             state = state._replace(params=health.inject_corruption(state.params,
                                                                    self.plan.mesh, bit=None))
@@ -195,9 +209,36 @@ class Run:
         record["nonfinite_steps"] = self.nonfinite
         if params is not None and not record.get("skipped"):
             record.update(self.evaluate(params))
-        self.records.keep(record)
+        self.keep(record)
         if self.config.on_nan == "stop" and not passed_over and not faults.is_finite(record):
             raise faults.stopped(record)
+
+    def keep(self, record: dict) -> None:
+        """Keep `record`; a profiled step's waits for the trace to be read (its last one)."""
+        if self.tracer is None or not self.tracer.first <= record["step"] <= self.tracer.last:
+            self.records.keep(record)
+            return
+        self.held.append(record)
+        if record["step"] == self.tracer.last:
+            self.release_profile(self.held, pending=self.state)
+
+    def release_profile(self, held: list[dict], pending=None) -> None:
+        """Add each held record's collective/compute/idle fractions from the trace (once it
+        is stopped and read), then keep them."""
+        if not held:
+            return
+        with self.clock("profile"):
+            try:
+                read = {r["step"]: r for r in self.tracer.finish(pending)}
+            except profile.TraceError as e:
+                print(f"jdist: --profile-steps: the trace could not be read: {e}",
+                      file=sys.stderr, flush=True)
+                read = {}
+        for record in held:
+            record.update({k: v for k, v in read.get(record["step"], {}).items()
+                           if k.endswith("_fraction")})
+            self.records.keep(record)
+        held.clear()
 
     def evaluate(self, params) -> dict:
         with self.clock("eval"):
@@ -241,4 +282,5 @@ class Run:
         print(f"jdist: step {bad_step}: non-finite loss; rolled back to step {first} and will "
               f"skip batch {bad_step}", file=sys.stderr, flush=True)
         self.records.forget_after(first)
+        self.held[:] = [r for r in self.held if r["step"] <= first]
         return first
