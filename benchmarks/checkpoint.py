@@ -1,16 +1,23 @@
 """Checkpoint costs: how long the training loop is blocked by an async save vs a synchronous
-one, restore time onto the same and onto a different mesh, checkpoint vs state bytes.
+one, restore time onto the same and onto a different mesh, checkpoint vs state bytes, and the
+integrity costs: save-to-manifest time (when a checkpoint becomes *good*) and resume-time
+validation (default, and the full re-hash).
 
     python benchmarks/checkpoint.py [--model small] [--mesh fsdp=8] [--other-mesh dp=2,fsdp=2,tp=2]
                                     [--repeats 3] [--json]
+    python benchmarks/checkpoint.py --model 1b --n-layers 4 --integrity-only [--repeats 2]
 
 Saves are timed after one warm-up save (the first save of a process also compiles Orbax's
-replica-slicing ops; that one-off cost is reported separately).
+replica-slicing ops; that one-off cost is reported separately). `--integrity-only` skips the
+training step, the synchronous saver and the restores: what a model too large to train on
+this host needs (shape-only presets such as 1b are then initialised, not refused; their
+state must still fit in memory twice over, as an async save copies it to host buffers).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import tempfile
@@ -18,6 +25,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -26,19 +34,99 @@ from jdist import data
 from jdist.train.config import TrainConfig
 from jdist.train.faults import tree_bytes
 from jdist.train.loop import prepare
+from jdist.train.setup import plan_for
 from jdist.train.state import TrainState, init_state
 from jdist.train.step import make_train_step
+
+
+def drop_page_cache() -> bool:
+    """Whether the kernel's page cache could be dropped (root on Linux), so that a read
+    measures the disk, as the first validation of a resumed job on a fresh host does."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def trained(x: jax.Array) -> jax.Array:
+    """A float leaf filled with noise, in place: a fresh optimizer state is all zeros, which
+    compresses to nothing and would understate the bytes a real checkpoint writes and hashes."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    fill = jax.jit(lambda x: jax.random.normal(jax.random.key(x.size), x.shape, x.dtype) * 1e-3,
+                   donate_argnums=0, out_shardings=x.sharding)
+    return fill(x)
+
+
+def integrity(saver: ckpt.Checkpointer, state, first_step: int, repeats: int) -> dict:
+    """Save-to-manifest time split into Orbax's commit and the manifest after it, and the
+    validation a resume pays (default and full)."""
+    commit, total = [], []
+    for r in range(first_step, first_step + repeats):
+        t = time.perf_counter()
+        saver.save(r, state, {"step": r})
+        saver._manager.wait_until_finished()  # Orbax committed: the manifest's work starts
+        commit.append(time.perf_counter() - t)
+        saver.wait()
+        total.append(time.perf_counter() - t)
+    path = saver.root / str(first_step + repeats - 1)
+    full = {"full": True} if "full" in inspect.signature(ckpt.validate).parameters else {}
+
+    def timed(**kw) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            assert ckpt.validate(path, **kw) is None
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    out = {"save_to_manifest_s": statistics.median(total), "commit_s": statistics.median(commit),
+           "validate_s": timed(), "validate_full_s": timed(**full),
+           "checkpoint_files": sum(1 for p in path.rglob("*") if p.is_file())}
+    out["manifest_s"] = out["save_to_manifest_s"] - out["commit_s"]
+    if drop_page_cache():
+        t = time.perf_counter()
+        assert ckpt.validate(path, **full) is None
+        out["validate_full_cold_s"] = time.perf_counter() - t
+        drop_page_cache()
+        t = time.perf_counter()
+        assert ckpt.validate(path) is None
+        out["validate_cold_s"] = time.perf_counter() - t
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
+    parser.add_argument("--n-layers", type=int, default=None,
+                        help="override the preset's layer count (to fit a host)")
     parser.add_argument("--mesh", default="fsdp=8")
     parser.add_argument("--other-mesh", default="dp=2,fsdp=2,tp=2")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--integrity-only", action="store_true",
+                        help="only the save-to-manifest and validation times (no training step)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    config = TrainConfig(model=args.model, mesh=args.mesh, steps=100, eval_every=0)
+    config = TrainConfig(model=args.model, mesh=args.mesh, steps=100, eval_every=0,
+                         n_layers=args.n_layers)
+    if args.integrity_only:
+        _, plan, _ = plan_for(config)  # no shape-only refusal: nothing is compiled
+        state = init_state(plan, 0)
+        state = state._replace(opt_state=jax.tree.map(trained, state.opt_state))
+        with tempfile.TemporaryDirectory() as tmp:
+            saver = ckpt.Checkpointer(Path(tmp) / "async", keep=1)
+            t = time.perf_counter()
+            saver.save(0, state, {"step": 0})
+            saver.wait()
+            out = {"model": args.model, "n_layers": plan.model.n_layers, "mesh": args.mesh,
+                   "state_bytes": tree_bytes(plan.abstract),
+                   "first_save_to_manifest_s": time.perf_counter() - t,
+                   **integrity(saver, state, 1, args.repeats)}
+            saver.close()
+        print(json.dumps(out) if args.json else "\n".join(f"{k:26} {v}" for k, v in out.items()))
+        return
     setup = prepare(config)
     plan = setup.plan
     state = init_state(plan, 0)
@@ -89,10 +177,12 @@ def main() -> None:
         path = root / "async" / str(args.repeats)
         out["checkpoint_bytes"] = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
         out["state_bytes"] = tree_bytes(plan.abstract)
+        out.update(integrity(asyn, state, args.repeats + 1, args.repeats))
         asyn.close()
         sync.close()
         for name, mesh in (("same", args.mesh), ("other", args.other_mesh)):
-            other = prepare(TrainConfig(model=args.model, mesh=mesh, steps=100)).plan
+            other = prepare(TrainConfig(model=args.model, mesh=mesh, steps=100,
+                                        n_layers=args.n_layers)).plan
             times = []
             for _ in range(args.repeats):
                 t = time.perf_counter()
@@ -115,6 +205,10 @@ def main() -> None:
     print(f"(async save finishes in the background in {out['async_total_s']:.3f}s; the first "
           f"save of a process blocked {out['first_save_blocked_s']:.3f}s; other mesh: "
           f"{args.other_mesh})")
+    print(f"integrity: good (manifest written) {out['save_to_manifest_s']:.3f}s after save() "
+          f"(Orbax commit {out['commit_s']:.3f}s + manifest {out['manifest_s']:.3f}s); "
+          f"validate on resume {out['validate_s']:.3f}s, full re-hash "
+          f"{out['validate_full_s']:.3f}s")
 
 
 if __name__ == "__main__":
