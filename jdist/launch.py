@@ -1,6 +1,10 @@
 """`python -m jdist.launch --nproc N [--max-restarts K] -- <train args>`: run N training
 processes on this host as one `jax.distributed` group (localhost coordinator), each with its
-share of the CPU devices.
+share of the CPU devices, or on a host with GPUs its own, disjoint share of them: the
+visible GPUs (CUDA_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES or ROCR_VISIBLE_DEVICES when set,
+else those `nvidia-smi -L` lists) are split evenly, in order, and a count that does not
+split over N is refused (exit 2). JAX_PLATFORMS=cpu keeps the CPU. TPU hosts are not split
+(one process per TPU host is the usual layout there).
 
 Every output line is prefixed with `[pI]`. When a process fails, the others are killed at
 once (a group with a dead member cannot make progress; its collectives would hang) and,
@@ -17,17 +21,83 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from typing import Callable, Mapping
 
 from jdist.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED
 
 NOT_RETRIED = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED)
 POLL_S = 0.05
+
+
+# Variables that choose the GPUs a process sees, the first set one wins. The launcher never
+# imports JAX: a parent that initialised a GPU backend would take memory on every GPU.
+VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def nvidia_smi_list() -> str | None:
+    """`nvidia-smi -L`'s output, or None where there is no working nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        return subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def visible_devices(environ: Mapping[str, str],
+                    list_gpus: Callable[[], str | None] = nvidia_smi_list
+                    ) -> tuple[str, list[str]] | None:
+    """(the variable that selects them, their ids) for the GPUs this host gives its
+    processes, or None when they run on the CPU. A visibility variable already set wins
+    (its ids as given: indices or UUIDs, in its order); else the GPUs `nvidia-smi -L` lists
+    (by index)."""
+    platforms = environ.get("JAX_PLATFORMS", "").lower()
+    if platforms and not re.search(r"cuda|gpu|rocm", platforms):
+        return None
+    for var in VISIBILITY_VARS:
+        if var in environ:
+            ids = [d.strip() for d in environ[var].split(",") if d.strip()]
+            # CUDA reads up to the first invalid id: "-1" (or "") hides every GPU.
+            ids = ids[:next((i for i, d in enumerate(ids) if d.startswith("-")), len(ids))]
+            return (var, ids) if ids else None
+    ids = re.findall(r"^GPU (\d+):", list_gpus() or "", re.MULTILINE)
+    return ("CUDA_VISIBLE_DEVICES", ids) if ids else None
+
+
+def split_devices(ids: list[str], nproc: int) -> list[list[str]]:
+    """`nproc` disjoint, equal shares of `ids`, each contiguous (neighbouring GPUs are the
+    likeliest to share a switch); ValueError when they do not split evenly."""
+    if nproc < 1 or len(ids) % nproc:
+        raise ValueError(f"{len(ids)} devices do not split evenly over {nproc} processes")
+    per = len(ids) // nproc
+    return [ids[i * per:(i + 1) * per] for i in range(nproc)]
+
+
+def device_env(environ: Mapping[str, str], nproc: int,
+               list_gpus: Callable[[], str | None] = nvidia_smi_list) -> list[dict[str, str]]:
+    """For each process, the variables that give it its own GPUs ({} each on the CPU).
+    ValueError, with what to do, when the GPUs do not split over `nproc`."""
+    found = visible_devices(environ, list_gpus)
+    if found is None:
+        return [{} for _ in range(nproc)]
+    var, ids = found
+    try:
+        shares = split_devices(ids, nproc)
+    except ValueError:
+        raise ValueError(f"{len(ids)} GPUs ({var}={','.join(ids)}) do not split evenly over "
+                         f"--nproc {nproc}; pass an --nproc that divides {len(ids)}, or set "
+                         f"{var} to a multiple of {nproc} devices") from None
+    return [{var: ",".join(share)} for share in shares]
 
 
 def free_port() -> int:
@@ -71,13 +141,13 @@ def _without_flag(args: list[str], flag: str) -> list[str]:
 class Group:
     """One attempt: N processes started together and stopped together."""
 
-    def __init__(self, nproc: int, train_args: list[str]):
+    def __init__(self, nproc: int, train_args: list[str], devices: list[dict[str, str]]):
         port = free_port()
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for i in range(nproc):
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **devices[i]}
             cmd = [sys.executable, "-m", "jdist.train", *train_args,
                    "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(nproc),
                    "--process-id", str(i)]
@@ -89,6 +159,8 @@ class Group:
             t.start()
             self.pumps.append(t)
             _say(f"started process {i} (pid {p.pid})")
+            if devices[i]:
+                _say(f"process {i} sees " + " ".join(f"{k}={v}" for k, v in devices[i].items()))
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -144,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jdist.launch: error: {flag} is set by the launcher; remove it",
                   file=sys.stderr)
             return EXIT_CONFIG
+    try:
+        devices = device_env(os.environ, args.nproc)
+    except ValueError as e:
+        print(f"jdist.launch: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     if _flag_value(train_args, "--run-dir") is None:  # all processes (and restarts) share it
         train_args += ["--run-dir", time.strftime("runs/%Y%m%d-%H%M%S")]
     _say(f"run dir: {_flag_value(train_args, '--run-dir')}")
@@ -160,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     attempt = 0
     while True:
-        group = Group(args.nproc, train_args)
+        group = Group(args.nproc, train_args, devices)
         code = group.wait()
         if code == EXIT_OK:
             _say("all processes finished")

@@ -102,7 +102,7 @@ def corrupt_copy(ref, tmp_path, how: str):
     return run_dir, newest
 
 
-@pytest.mark.parametrize("how", ["truncate", "delete", "tamper", "no-manifest"])
+@pytest.mark.parametrize("how", ["truncate", "delete", "no-manifest"])
 def test_corrupt_newest_is_detected(ref, tmp_path, how, capsys):
     run_dir, newest = corrupt_copy(ref, tmp_path, how)
     assert ckpt.validate(newest) is not None
@@ -118,6 +118,22 @@ def test_corrupt_newest_is_detected(ref, tmp_path, how, capsys):
     assert found.step == 15
     assert "falling back" in capsys.readouterr().out
     assert not newest.exists() and any((run_dir / "checkpoints.bad").iterdir())
+
+
+def test_same_size_tampering_is_found_by_a_full_validation(ref, tmp_path):
+    """Resuming checks only that every file is there at its size (no re-read of the whole
+    checkpoint); `full` re-hashes and so finds a flipped byte, and never falls back from an
+    explicit PATH."""
+    run_dir, newest = corrupt_copy(ref, tmp_path, "tamper")
+    root = run_dir / "checkpoints"
+    assert ckpt.validate(newest) is None
+    assert "does not match its recorded sha256" in ckpt.validate(newest, full=True)
+    assert ckpt.latest_good(root).step == 20
+    found = ckpt.latest_good(root, full=True)
+    assert found.step == 15 and found.skipped[0][0] == newest
+    with pytest.raises(ConfigError, match="not usable: file .* sha256"):
+        ckpt.resolve_explicit(str(newest), full=True)
+    assert ckpt.resolve_explicit(str(root), full=False).step == 20
 
 
 def ref_model():

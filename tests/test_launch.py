@@ -1,6 +1,7 @@
 """`python -m jdist.launch`: 2 local processes x 4 CPU devices (jax.distributed, gloo).
 Checkpoints move between process counts; a dead process takes the group down quickly;
---max-restarts resumes the group from its newest checkpoint."""
+--max-restarts resumes the group from its newest checkpoint; GPUs are split between the
+processes (the assignment as a pure function: there is no GPU here)."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from jdist import checkpoint as ckpt
+from jdist.launch import device_env, split_devices, visible_devices
 from jdist.train.config import TrainConfig
 from jdist.train.loop import train
 
@@ -92,11 +94,66 @@ def test_restart_resumes_two_process_checkpoint_and_it_moves_to_one(tmp_path, si
 
 
 def test_one_process_checkpoint_restores_in_two(tmp_path, single):
+    """... and each process hashes its own files of the 2-process checkpoint it saves. With
+    CUDA_VISIBLE_DEVICES set (no GPU here: JAX stays on the CPU), each gets its own GPU."""
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "jdist.launch", "--nproc", "2", "--", *ARGS,
                            "--run-dir", str(run_dir),
                            "--resume", str(single[0] / "checkpoints" / "4")],
-                          capture_output=True, text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5"})
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "process 0 sees CUDA_VISIBLE_DEVICES=4" in done.stdout
+    assert "process 1 sees CUDA_VISIBLE_DEVICES=5" in done.stdout
     assert close(losses(run_dir), {s: single[1][s] for s in (5, 6, 7, 8)})
-    assert ckpt.validate(run_dir / "checkpoints" / "8") is None
+    path = run_dir / "checkpoints" / "8"
+    assert ckpt.validate(path, full=True) is None
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    assert manifest["processes"] == 2 and not list(path.glob("jdist_manifest.process_*"))
+    by = {k: [r for r, f in manifest["files"].items() if f["process"] == k] for k in (0, 1)}
+    assert by[1] and all("process_1" in r for r in by[1])
+    assert sorted(by[0] + by[1]) == sorted(ckpt._files(path))
+
+
+SMI = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0c2d)
+GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1a7e)
+GPU 2: NVIDIA H100 80GB HBM3 (UUID: GPU-5f00)
+GPU 3: NVIDIA H100 80GB HBM3 (UUID: GPU-77b1)
+"""
+
+
+def test_gpus_are_split_evenly_and_disjointly():
+    assert split_devices(list("01234567"), 4) == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
+    assert device_env({}, 2, lambda: SMI) == [{"CUDA_VISIBLE_DEVICES": "0,1"},
+                                             {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    # A variable already set wins over nvidia-smi, in its order and its ids (here UUIDs).
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-77b1,GPU-0c2d"}
+    assert device_env(env, 2, lambda: SMI) == [{"CUDA_VISIBLE_DEVICES": "GPU-77b1"},
+                                               {"CUDA_VISIBLE_DEVICES": "GPU-0c2d"}]
+    assert device_env({"HIP_VISIBLE_DEVICES": "0,1"}, 1, lambda: None) == [
+        {"HIP_VISIBLE_DEVICES": "0,1"}]
+    # The CPU: nothing to split (the processes share it, as before).
+    assert visible_devices({}, lambda: None) is None  # no nvidia-smi
+    for env in ({"JAX_PLATFORMS": "cpu"}, {"CUDA_VISIBLE_DEVICES": ""},
+                {"CUDA_VISIBLE_DEVICES": "-1"}):
+        assert device_env(env, 3, lambda: SMI) == [{}, {}, {}]
+    with pytest.raises(ValueError, match=r"4 GPUs \(CUDA_VISIBLE_DEVICES=0,1,2,3\) do not "
+                                         r"split evenly over --nproc 3; pass an --nproc that "
+                                         "divides 4"):
+        device_env({}, 3, lambda: SMI)
+
+
+def test_launcher_refuses_gpus_that_do_not_split_before_starting_anything(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "jdist.launch", "--nproc", "3", "--", *ARGS,
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=60, check=False,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr.splitlines() == [
+        "jdist.launch: error: 4 GPUs (CUDA_VISIBLE_DEVICES=0,1,2,3) do not split evenly over "
+        "--nproc 3; pass an --nproc that divides 4, or set CUDA_VISIBLE_DEVICES to a multiple "
+        "of 3 devices"]
+    # The launcher itself never imports JAX (which would take memory on every GPU).
+    probe = "import sys, jdist.launch; print('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

@@ -135,16 +135,19 @@ class StepRecords:
         self.log, self.sinks, self.history = log, list(sinks), []
         self.last_done = time.perf_counter()
 
-    def new(self, step: int, metrics: dict, data_wait: float = 0.0) -> dict:
+    def new(self, step: int, metrics: dict, data_wait: float = 0.0, waited: float = 0.0) -> dict:
         """The record of `step` from its metrics (waits for them to be computed);
-        `data_wait`: the seconds spent building its batch."""
+        `data_wait`: the seconds spent building its batch; `waited`: other seconds the host
+        may have blocked on the devices or other processes since the last record (dispatch,
+        agreeing on a stop, exchanging step times)."""
         blocked = time.perf_counter()
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         elapsed = now - self.last_done
         tokens_per_sec = self.tokens_per_step / max(elapsed, 1e-9)
         return {"step": step, **values, "step_time_s": elapsed, "tokens_per_sec": tokens_per_sec,
-                "host_time_s": elapsed - (now - blocked), "data_wait_s": data_wait,
+                "host_time_s": max(0.0, elapsed - (now - blocked) - waited),
+                "data_wait_s": data_wait,
                 **device_memory(),
                 **({"attention": self.attention} if self.attention else {}),
                 **(utilisation(tokens_per_sec, self.flops, self.devices, self.peak)

@@ -126,7 +126,7 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "",
                 "or choose a new --run-dir")
         return None
     if config.resume == "auto":
-        found = ckpt.latest_good(root)
+        found = ckpt.latest_good(root, full=config.verify_checkpoint == "full")
         if found is None:
             return None
         for path, why in found.skipped:
@@ -134,7 +134,7 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "",
         if found.step < 0:
             ckpt._say(f"no usable checkpoint in {root}; starting from scratch")
     else:
-        found = ckpt.resolve_explicit(config.resume)
+        found = ckpt.resolve_explicit(config.resume, full=config.verify_checkpoint == "full")
         newer = [s for s, p in ckpt.step_dirs(root) if s > found.step]
         require(not newer,
                 f"--resume {config.resume}: this run's {root} already holds later checkpoints "

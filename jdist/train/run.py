@@ -61,6 +61,7 @@ class Run:
                 self.config.straggler_windows, straggler.hostnames())
         delay = straggler.parse_injection(self.config.inject_straggler)
         self.delay = delay[1] if delay and delay[0] == jax.process_index() else 0.0
+        self.waited = 0.0  # seconds blocked on other processes outside reading metrics
         self.tracer, self.held = None, []  # held: records of profiled steps, until read
         if self.config.profile_steps:
             where = self.run_dir / "profile"  # trace files are named after the host:
@@ -130,8 +131,12 @@ class Run:
         with self.clock("train", step=done):
             if self.delay:
                 time.sleep(self.delay)  # --inject-straggler: this host is slow
+            # Dispatch can wait for the previous step (and so for the slowest process), as
+            # can agreeing on a stop: neither is this host's own time (`host_time_s`).
+            start = time.perf_counter()
             self.state, metrics = self.dispatch(done, batch)
             stop_now = self.stop.poll()
+            self.waited += time.perf_counter() - start
             self.flush()
             self.pending = (done, metrics, data_wait)
         save_now = _every(config.checkpoint_every, done)
@@ -191,9 +196,12 @@ class Run:
 
     def finish(self, step: int, metrics: dict, data_wait: float = 0.0, params=None,
                passed_over: bool = False) -> None:
-        record = self.records.new(step, metrics, data_wait)
+        record = self.records.new(step, metrics, data_wait, self.waited)
+        self.waited = 0.0
         if self.stragglers is not None and not passed_over:
+            start = time.perf_counter()
             reports = self.stragglers.add(record["host_time_s"])
+            self.waited += time.perf_counter() - start  # an exchange: waits for the slowest
             straggler.say(self.stragglers, reports, self.main)
             if reports:
                 record["stragglers"] = [r["process"] for r in reports]

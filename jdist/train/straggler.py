@@ -22,6 +22,8 @@ import numpy as np
 from jdist.errors import ConfigError
 
 HOSTNAME_BYTES = 64
+FLOOR_S = 0.01  # host times are compared with at least 10 ms per step: below that, the
+# difference is bookkeeping (process 0 alone writes metrics), not a straggling host
 
 
 def _allgather(x: np.ndarray) -> np.ndarray:
@@ -78,11 +80,11 @@ class Detector:
         for p, t in enumerate(means):
             others = np.delete(means, p)
             median = float(np.median(others)) if len(others) else float(t)
-            slow = median > 0 and t > self.threshold * median
+            slow = t > self.threshold * max(median, FLOOR_S)
             self._slow_for[p] = self._slow_for[p] + 1 if slow else 0
             if self._slow_for[p] == self.windows:  # once per slow spell
                 reports.append({"process": p, "host": self.names[p], "seconds": float(t),
-                                "median_s": median, "ratio": float(t / median)})
+                                "median_s": median, "ratio": float(t / max(median, FLOOR_S))})
         return reports
 
     def message(self, r: dict) -> str:
