@@ -4,6 +4,7 @@ their target shardings (no device or host ever holds the full model)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -86,6 +87,13 @@ def build_model(cfg: ModelConfig, seed: int) -> Llama:
     return Llama(cfg, rngs=nnx.Rngs(params=seed, lora=lora))
 
 
+@functools.lru_cache(maxsize=8)
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's structure and parameter shapes (nothing allocated). Tracing the model
+    is most of a plan's cost, and the parallelism planner plans one model many times."""
+    return nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)))
+
+
 def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation,
               zero: int = 0, offload_optimizer: bool = False, cp_strategy: str = "ring",
               compute_dtype=jnp.float32, remat: str = "none", grad_accum: int = 1,
@@ -100,7 +108,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     require(attention in IMPLEMENTATIONS,
             f"unknown --attention {attention!r}; use {', '.join(IMPLEMENTATIONS)}")
     require(loss in LOSSES, f"unknown --loss {loss!r}; use {', '.join(LOSSES)}")
-    graphdef, abstract_vars = nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)))
+    graphdef, abstract_vars = abstract_model(cfg)
     require(quantize in trainable.QUANTIZATIONS,
             f"unknown --quantize-base {quantize!r}; use {' or '.join(trainable.QUANTIZATIONS)}")
     require(quantize == "none" or trainable.frozen_base(cfg),

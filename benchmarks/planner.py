@@ -1,0 +1,159 @@
+"""Is the planner right? It ranks the layouts of `small` on 8 simulated CPU devices with the
+`cpu-sim` profile (`python -m jdist.plan calibrate` measures it), then this script runs the
+top and bottom of its ranking plus the best layout of each parallel family (dp, fsdp, tp,
+sp, pp, ZeRO) for real, and prints, per layout: predicted vs measured median step time,
+predicted vs compiled memory per device, predicted vs HLO collective bytes per step; then
+the median absolute step-time error and the Spearman rank correlation.
+
+    python benchmarks/planner.py [--batch-size 16] [--seq-len 256] [--steps 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from jdist import axes as ax  # noqa: E402
+from jdist import data  # noqa: E402
+from jdist.comm import report  # noqa: E402
+from jdist.memory import compile_step, measure  # noqa: E402
+from jdist.plan.profiles import load_profile  # noqa: E402
+from jdist.plan.search import search  # noqa: E402
+from jdist.plan.traffic import step_traffic  # noqa: E402
+from jdist.train import init_state  # noqa: E402
+from jdist.train.config import TrainConfig  # noqa: E402
+from jdist.train.setup import plan_for  # noqa: E402
+
+FAMILIES = {  # a layout belongs to each family whose test it passes
+    "dp": lambda s, lay: s[ax.DATA] == 8,
+    "fsdp": lambda s, lay: s[ax.FSDP] == 8,
+    "tp": lambda s, lay: s[ax.TENSOR] >= 4,
+    "sp": lambda s, lay: s[ax.SEQUENCE] >= 2,
+    "sp-ulysses": lambda s, lay: s[ax.SEQUENCE] >= 2 and lay.cp_strategy == "ulysses",
+    "pp": lambda s, lay: s[ax.STAGE] >= 2,
+    "pp-interleaved": lambda s, lay: lay.pp_schedule == "interleaved",
+    "zero1": lambda s, lay: lay.zero == 1,
+    "zero2": lambda s, lay: lay.zero == 2,
+    "hsdp": lambda s, lay: s[ax.DATA] >= 2 and s[ax.FSDP] >= 2,
+    "dp-tp": lambda s, lay: s[ax.DATA] >= 2 and s[ax.TENSOR] >= 2,
+}
+
+
+def pick(ranked: list, top: int, bottom: int) -> list:
+    """The planner's top and bottom layouts, and the best of each family not yet in."""
+    chosen = ranked[:top] + ranked[-bottom:]
+    for test in FAMILIES.values():
+        if not any(test(e.layout.shape, e.layout) for e in chosen):
+            chosen += [e for e in ranked if test(e.layout.shape, e.layout)][:1]
+    seen, out = set(), []
+    for e in chosen:
+        if e.layout not in seen:
+            seen.add(e.layout)
+            out.append(e)
+    return out
+
+
+def run(estimate, base, corpus, steps: int) -> dict:
+    """Compile and run one layout: median step time, compiled memory, HLO bytes."""
+    config = estimate.layout.to_config(base)
+    _, plan, _ = plan_for(config)
+    compiled = compile_step(plan, base.batch_size, base.seq_len)
+    memory = measure(plan, base.batch_size, base.seq_len, compiled)
+    hlo_bytes = sum(r.bytes for r in report(compiled.as_text(), plan.mesh).rows)
+    predicted_bytes = sum(r.bytes for r in step_traffic(plan, base.batch_size, base.seq_len))
+    state = init_state(plan, 0)
+    times = []
+    for i in range(steps + 2):  # two warm-up steps
+        batch = data.global_batch(corpus.train, 0, i, base.batch_size, base.seq_len,
+                                  plan.batch_sharding)
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    del state
+    measured = statistics.median(times[2:])
+    return {"layout": estimate.layout.label(), "predicted_s": estimate.step_s,
+            "measured_s": measured, "error": estimate.step_s / measured - 1,
+            "bottleneck": estimate.bottleneck, "predicted_memory": estimate.memory.total,
+            "compiled_memory": memory.total,
+            "memory_ratio": estimate.memory.total / memory.total,
+            "predicted_comm_bytes": predicted_bytes, "hlo_comm_bytes": hlo_bytes,
+            "comm_ratio": predicted_bytes / hlo_bytes if hlo_bytes else float(
+                predicted_bytes == 0)}
+
+
+def ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        out[i] = float(rank)
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (Pearson's r of the ranks)."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=4)
+    parser.add_argument("--bottom", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    profile = load_profile("cpu-sim")
+    base = TrainConfig(model="small", batch_size=args.batch_size, seq_len=args.seq_len,
+                       compute_dtype="float32")
+    result = search(base, 8, 1, profile)
+    chosen = pick(result.ranked, args.top, args.bottom)
+    corpus = data.load_corpus(None, args.seq_len)
+    rows = []
+    for e in chosen:
+        rows.append(run(e, base, corpus, args.steps))
+        if not args.json:
+            r = rows[-1]
+            print(f"{r['layout']:44} predicted {r['predicted_s']:7.3f} s measured "
+                  f"{r['measured_s']:7.3f} s ({r['error']:+6.1%})  memory x{r['memory_ratio']:.3f}"
+                  f"  comm x{r['comm_ratio']:.3f}  [{r['bottleneck']}]", flush=True)
+    errors = [abs(r["error"]) for r in rows]
+    summary = {
+        "profile": dataclasses.asdict(profile) if dataclasses.is_dataclass(profile) else {},
+        "layouts_ranked": len(result.ranked), "layouts_run": len(rows),
+        "median_abs_error": statistics.median(errors),
+        "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
+        "max_memory_deviation": max(abs(r["memory_ratio"] - 1) for r in rows),
+        "max_comm_deviation": max(abs(r["comm_ratio"] - 1) for r in rows)}
+    if args.json:
+        print(json.dumps({"rows": rows, **summary}, default=str))
+        return
+    print(f"\n{'layout':44} {'pred s':>8} {'meas s':>8} {'error':>7} {'mem pred':>9} "
+          f"{'mem comp':>9} {'ratio':>6} {'comm pred':>10} {'comm HLO':>10} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['layout']:44} {r['predicted_s']:8.3f} {r['measured_s']:8.3f} "
+              f"{r['error']:+7.1%} {r['predicted_memory'] / 2**20:8.1f}M "
+              f"{r['compiled_memory'] / 2**20:8.1f}M {r['memory_ratio']:6.3f} "
+              f"{r['predicted_comm_bytes'] / 2**20:9.2f}M {r['hlo_comm_bytes'] / 2**20:9.2f}M "
+              f"{r['comm_ratio']:6.3f}")
+    print(f"\n{len(rows)} layouts run (of {len(result.ranked)} ranked): median |error| "
+          f"{summary['median_abs_error']:.1%} (target <= 25%), Spearman "
+          f"{summary['spearman']:.3f} (target >= 0.8); memory within "
+          f"{summary['max_memory_deviation']:.1%} (target 10%), communication within "
+          f"{summary['max_comm_deviation']:.1%} (target 5%)")
+
+
+if __name__ == "__main__":
+    main()

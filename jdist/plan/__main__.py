@@ -1,0 +1,162 @@
+"""`python -m jdist.plan`: rank the layouts of a model on N devices of an accelerator, and
+print the best as a `python -m jdist.train` command line. `python -m jdist.plan calibrate`
+measures the `cpu-sim` profile on this machine (`jdist.plan.calibrate`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+from jdist.errors import ConfigError, require, run_cli
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        raise ConfigError(f"{message}; see --help")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m jdist.plan",
+                description="Choose the parallel layout of a training run before renting "
+                            "hardware (calibrate: python -m jdist.plan calibrate).")
+    p.add_argument("--model", required=True,
+                   help="a preset (llama3.1-70b, small, ...) or a Hugging Face model directory "
+                        "or config.json")
+    p.add_argument("--devices", type=int, required=True, help="accelerators in all")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="hosts they sit on (default: devices / the profile's devices per host)")
+    p.add_argument("--accelerator", required=True,
+                   help="profile: h100-80gb, h200-141gb, a100-80gb, cpu-sim (jdist/plan/"
+                        "profiles.toml)")
+    p.add_argument("--batch-size", type=int, required=True, help="global batch in sequences")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--fix", action="append", default=[],
+                   help="pin axis sizes, e.g. --fix tp=8 --fix pp=1 (repeatable)")
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: bfloat16 on accelerators, float32 on cpu-sim")
+    p.add_argument("--memory-gb", type=float, default=0.0,
+                   help="per-device memory budget in GiB (default: the profile's)")
+    p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning")
+    p.add_argument("--quantize-base", choices=["none", "nf4"], default="none", help="QLoRA")
+    p.add_argument("--double-quant", action="store_true")
+    return p
+
+
+def base_config(args):
+    """The TrainConfig every layout shares: model, batch, sequence, dtype, fine-tuning."""
+    from jdist.train.config import TrainConfig
+
+    dtype = args.compute_dtype
+    if dtype == "auto":
+        dtype = "float32" if args.profile.name == "cpu-sim" else "bfloat16"
+    model = {"model": args.model}
+    if os.path.exists(args.model):
+        path = args.model[:-len("config.json")] if args.model.endswith("config.json") \
+            else args.model
+        model = {"init_from": path or "."}
+    return TrainConfig(**model, batch_size=args.batch_size, seq_len=args.seq_len,
+                       compute_dtype=dtype, lora_rank=args.lora_rank,
+                       quantize_base=args.quantize_base, double_quant=args.double_quant)
+
+
+def command(base, layout) -> str:
+    head = ["python -m jdist.train"]
+    head += [f"--init-from {base.init_from}"] if base.init_from else [f"--model {base.model}"]
+    head += [f"--batch-size {base.batch_size}", f"--seq-len {base.seq_len}",
+             f"--compute-dtype {base.compute_dtype}"]
+    if base.lora_rank is not None:
+        head.append(f"--lora-rank {base.lora_rank}")
+    if base.quantize_base != "none":
+        head.append(f"--quantize-base {base.quantize_base}")
+    if base.double_quant:
+        head.append("--double-quant")
+    return " ".join(head + layout.flags())
+
+
+def table(ranked, top: int) -> str:
+    lines = [f"{'#':>3} {'layout':44} {'GiB/dev':>8} {'step s':>9} {'tokens/s':>11} "
+             f"{'MFU':>6}  bottleneck"]
+    for i, e in enumerate(ranked[:top], 1):
+        lines.append(f"{i:3d} {e.layout.label():44} {e.memory.total / 2**30:8.2f} "
+                     f"{e.step_s:9.4g} {e.tokens_per_s:11.4g} {e.mfu:6.1%}  {e.bottleneck}")
+    return "\n".join(lines)
+
+
+def as_json(e, base) -> dict:
+    return {"layout": e.layout.label(), "flags": e.layout.flags(),
+            "memory": e.memory.as_dict(), "step_s": e.step_s, "tokens_per_s": e.tokens_per_s,
+            "mfu": e.mfu, "bottleneck": e.bottleneck, "compute_s": e.compute_s,
+            "memory_bound_s": e.memory_bound_s, "comm_s": e.comm_s, "bubble": e.bubble,
+            "flops_per_device": e.flops, "command": command(base, e.layout)}
+
+
+def plan_main(argv: list[str]) -> int:
+    from jdist.mesh import parse_axes
+    from jdist.plan.profiles import load_profile
+
+    args = make_parser().parse_args(argv)
+    args.profile = load_profile(args.accelerator)
+    require(args.devices >= 1, f"--devices {args.devices} must be at least 1")
+    hosts = args.hosts or max(1, args.devices // args.profile.devices_per_host)
+    require(args.devices % hosts == 0,
+            f"--devices {args.devices} do not split evenly over --hosts {hosts}; give a "
+            "multiple of the host count")
+    fixed = {}
+    for text in args.fix:
+        fixed.update(parse_axes(text))
+    require(all(n >= 1 for n in fixed.values()), "--fix takes positive sizes, e.g. --fix tp=8")
+    require(args.devices % math.prod(fixed.values()) == 0,
+            f"--fix {','.join(args.fix)} uses {math.prod(fixed.values())} devices, which does not "
+            f"divide --devices {args.devices}")
+    from jdist.train.__main__ import configure_devices
+    configure_devices(args.devices)
+    from jdist.plan.search import describe_counts, search, smallest_change
+
+    base = base_config(args)
+    budget = args.memory_gb * 2**30 if args.memory_gb else None
+    start = time.perf_counter()
+    result = search(base, args.devices, hosts, args.profile, fixed, budget)
+    took = time.perf_counter() - start
+    if not result.ranked:
+        need = ""
+        if result.smallest:
+            need = (f" (the most frugal, {result.smallest[1].label()}, needs "
+                    f"{result.smallest[0] / 2**30:.1f} GiB)")
+        changes = smallest_change(base, args.devices, hosts, args.profile) if not fixed else []
+        fix = ("it fits with " + ", or ".join(changes)) if changes else \
+            "use more devices, a shorter --seq-len, a smaller --batch-size or QLoRA"
+        budget_gib = (budget or args.profile.memory_bytes * 0.95) / 2**30
+        raise ConfigError(f"no layout of {args.model} on {args.devices} {args.profile.name} "
+                          f"devices fits in {budget_gib:.1f} GiB per device{need}; {fix}")
+    best = result.ranked[0]
+    if args.json:
+        print(json.dumps({"model": args.model, "devices": args.devices, "hosts": hosts,
+                          "accelerator": args.profile.name, "batch_size": args.batch_size,
+                          "seq_len": args.seq_len, "search_s": took,
+                          "layouts": [as_json(e, base) for e in result.ranked[:args.top]],
+                          "command": command(base, best.layout)}))
+        return 0
+    print(f"{args.model} on {args.devices} x {args.profile.name} ({hosts} hosts), batch "
+          f"{args.batch_size} x {args.seq_len}, {base.compute_dtype}: {describe_counts(result)} "
+          f"({took:.1f} s)")
+    print(table(result.ranked, args.top))
+    print(f"\nbest: {command(base, best.layout)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["calibrate"]:
+        from jdist.plan.calibrate import main as calibrate
+        return calibrate(argv[1:])
+    return run_cli(lambda: plan_main(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

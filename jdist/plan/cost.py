@@ -1,0 +1,164 @@
+"""What one layout costs, predicted without compiling: memory per device, the FLOPs a
+device executes, the time of compute, memory-bound work, communication and pipeline
+bubble, and which of them bounds the step.
+
+The model (every term is a function below, each checked by `benchmarks/planner.py`):
+
+  compute      executed FLOPs per device / the profile's achievable FLOP/s. Executed, not
+               model FLOPs: recomputation counts (a pipeline backward re-runs its chunk's
+               forward, `--remat full` re-runs each block's, `selective` its attention
+               scores), so does the chunked loss's recomputed head, and causal blocks the
+               kernel skips do not (flash and the ring skip tiles above the diagonal; dense
+               `xla` attention computes every score and masks).
+  memory-bound the optimizer update reads parameters, gradients and both moments and writes
+               parameters and moments (HBM bandwidth); `--offload optimizer` moves the
+               moments to the device and back each step (host link bandwidth).
+  comm         `traffic.step_traffic` rows priced by `jdist.comm.transfer_time` on the link
+               each row's mesh axes cross (ICI within a host, DCN across). Overlap
+               assumption, per collective: the replica-axis gathers and gradient reductions
+               (over `data`/`fsdp` only) are issued per layer inside the layer loop and may
+               run under the neighbouring layers' compute, so a fraction `profile.overlap` of
+               their time hides, never more than the compute itself; ring-attention permutes
+               hide the same way under their attention blocks. Tensor-parallel activation
+               reductions, all-to-alls and pipeline permutes are on the critical path: exposed.
+  bubble       a pipelined step's work is spread over the executed schedule's ticks; the
+               idle fraction (the schedule simulator's, `jdist.parallel.schedule`) stretches
+               compute and exposed communication by 1 / (1 - bubble).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jdist import axes as ax
+from jdist.comm import Row, transfer_time
+from jdist.loss import CHUNKED
+from jdist.memory import Breakdown
+from jdist.parallel.blockwise import Q_TILE
+from jdist.plan.layouts import Layout
+from jdist.train.throughput import flops_per_token
+
+
+@dataclasses.dataclass
+class Estimate:
+    """The predicted cost of one layout (per device, per optimizer step)."""
+
+    layout: Layout
+    memory: Breakdown
+    flops: float              # executed FLOPs per device per step
+    compute_s: float
+    memory_bound_s: float
+    comm: list[tuple[Row, float, bool]]  # (row, seconds, may hide under compute)
+    bubble: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float                # model FLOPs (jdist.train.throughput) over peak
+    bottleneck: str
+
+    @property
+    def comm_s(self) -> float:
+        return sum(s for _, s, _ in self.comm)
+
+
+def attention_fraction(attention: str, seq_len: int) -> float:
+    """Fraction of the full [S, S] score matrix a causal kernel computes: blockwise kernels
+    skip [Q_TILE, Q_TILE] tiles above the diagonal; dense attention computes all of it."""
+    if attention == "xla":
+        return 1.0
+    n = math.ceil(seq_len / Q_TILE)
+    return (n + 1) / (2 * n)
+
+
+def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: str,
+                   pipelined: bool, loss: str, stages: int) -> float:
+    """FLOPs one pipeline stage (the whole model when `stages` is 1) executes for `tokens`
+    tokens: blocks / stages, plus the head and loss on the last stage (the slowest)."""
+    per_token = flops_per_token(model, seq_len)
+    head = 6.0 * model.d_model * model.vocab_size
+    scores = 12.0 * model.n_layers * model.n_heads * model.dim_per_head * seq_len
+    blocks_matmul = per_token - head - scores
+    if model.lora is not None:  # a frozen base needs no weight gradient: 4 of the 6
+        blocks_matmul *= 4 / 6
+    scores *= attention_fraction(attention, seq_len)
+    forward = blocks_matmul / 3 + scores / 3          # one forward of the blocks
+    recompute = (forward if pipelined else 0.0) + {
+        "full": forward, "selective": scores / 3}.get(remat, 0.0)
+    if loss == CHUNKED:  # the custom VJP recomputes each vocabulary chunk's logits
+        head += 2.0 * model.d_model * model.vocab_size
+    return tokens * ((blocks_matmul + scores + recompute) / stages + head)
+
+
+def model_flops(model, seq_len: int, tokens: float) -> float:
+    """Model FLOPs (PaLM's convention, what MFU counts)."""
+    return tokens * flops_per_token(model, seq_len)
+
+
+def group_size(shape: dict[str, int], axes: tuple[str, ...]) -> int:
+    return math.prod(shape[a] for a in axes) if axes else 1
+
+
+def hideable(row: Row) -> bool:
+    """May this row run under the layer loop's compute (see the module docstring)?"""
+    if set(row.axes) <= set(ax.REPLICA_AXES) and row.kind in (
+            "all-gather", "reduce-scatter", "all-reduce"):
+        return True
+    return row.kind == "collective-permute" and set(row.axes) == {ax.SEQUENCE}
+
+
+def price(rows: list[Row], shape: dict[str, int], links) -> list[tuple[Row, float, bool]]:
+    """Each row's seconds per step on the link its axes cross."""
+    out = []
+    for row in rows:
+        if not row.count or not row.axes:
+            continue
+        per_run = row.bytes / row.count
+        seconds = row.count * transfer_time(row.kind, per_run, group_size(shape, row.axes),
+                                            links.over(row.axes))
+        out.append((row, seconds, hideable(row)))
+    return out
+
+
+def optimizer_seconds(memory: Breakdown, offload_bytes: int, profile) -> float:
+    """The update streams state through HBM: read parameters, gradients and moments, write
+    parameters and moments; offloaded moments also cross the host link twice."""
+    hbm = (memory.params * 2 + memory.grads + memory.optimizer * 2) / (profile.memory_gbps * 1e9)
+    return hbm + 2 * offload_bytes / (profile.host_gbps * 1e9)
+
+
+def bottleneck(compute: float, memory_bound: float, exposed: dict[str, float],
+               bubble_s: float) -> str:
+    parts = {"compute": compute, "memory-bound (optimizer)": memory_bound,
+             "pipeline bubble": bubble_s, **exposed}
+    return max(parts, key=parts.get)
+
+
+def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile, links,
+             batch_size: int, seq_len: int, attention: str, offload_bytes: int = 0) -> Estimate:
+    """Cost of `layout` whose plan, memory and traffic are already known."""
+    shape = layout.shape
+    stages = shape[ax.STAGE]
+    devices = math.prod(shape.values())
+    tokens_per_stage_group = batch_size * seq_len / (devices / stages)
+    flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
+                           plan.remat, stages > 1, plan.loss, stages)
+    compute = flops / profile.achievable_flops
+    comm = price(rows, shape, links)
+    hide = sum(s for _, s, h in comm if h)
+    hidden = min(profile.overlap * hide, compute)
+    exposed_rows: dict[str, float] = {}
+    for row, s, h in comm:
+        name = f"{row.kind} over {','.join(row.axes)}"
+        exposed_rows[name] = exposed_rows.get(name, 0.0) + s * (1 - (hidden / hide if h and hide
+                                                                     else 0.0))
+    exposed = sum(exposed_rows.values())
+    bubble = plan.pipeline.table(stages).bubble_fraction if plan.pipeline else 0.0
+    busy = compute + exposed
+    stretched = busy / (1 - bubble)
+    memory_bound = optimizer_seconds(memory, offload_bytes, profile)
+    step = stretched + memory_bound
+    tokens = batch_size * seq_len
+    mfu = model_flops(plan.model, seq_len, tokens) / step / devices / (profile.peak_tflops * 1e12)
+    return Estimate(layout, memory, flops, compute, memory_bound, comm, bubble, step,
+                    tokens / step, mfu, bottleneck(compute, memory_bound, exposed_rows,
+                                                   stretched - busy))

@@ -1,0 +1,168 @@
+"""The search: every layout of `jdist.plan.layouts` on N devices, pruned with the trainer's
+own checks (`plan_for`) and memory model, costed (`jdist.plan.cost`) and ranked.
+
+Per mesh shape and choice of ZeRO stage, sequence-parallel, context-parallel strategy and
+pipeline schedule, the trainer plans the layout once; remat policies, attention kernels
+and gradient accumulation are then varied on that plan (they change no sharding), the
+smallest accumulation that fits is kept for each, and the fastest fitting variant stands
+for the group. Optimizer offload is tried only where nothing else fits: it is never faster.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jdist import axes as ax
+from jdist.errors import ConfigError
+from jdist.memory import predict
+from jdist.mesh import dcn_sizes
+from jdist.plan import cost
+from jdist.plan.layouts import REMATS, Layout, divisors, mesh_variants, meshes
+from jdist.plan.traffic import step_traffic
+
+# A layout fits when its predicted total is within this share of the device's memory: the
+# rest is left to the allocator's fragmentation and the runtime's own buffers.
+HEADROOM = 0.95
+
+
+@dataclasses.dataclass
+class Result:
+    ranked: list[cost.Estimate]              # fitting layouts, fastest first
+    considered: int = 0                      # layouts planned
+    pruned: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    smallest: tuple[int, Layout] | None = None  # least memory of the layouts that do not fit
+
+
+def state_lower_bound(model, shape: dict[str, int], zero: int) -> float:
+    """Bytes per device of float32 weights, gradients and Adam moments if every parameter
+    split over every axis that may shard it: no layout of this mesh needs less."""
+    n = model.n_params()
+    split = shape[ax.FSDP] * shape[ax.TENSOR] * shape[ax.STAGE] * shape[ax.EXPERT]
+    dp = shape[ax.DATA]
+    return 4 * n / split + 4 * n / (split * (dp if zero >= 2 else 1)) + \
+        8 * n / (split * (dp if zero >= 1 else 1))
+
+
+def other_attention(plan, seq_len: int) -> str:
+    """The kernel `auto` does not pick here: dense `xla` or blockwise `flash`."""
+    from jdist.train.context import attention_of
+    return "xla" if attention_of(plan, seq_len) != "xla" else "flash"
+
+
+def accumulations(per_replica: int, pipelined: bool) -> list[int]:
+    """Gradient accumulation steps to try, smallest first (pipelines accumulate over their
+    micro-batches instead)."""
+    return [1] if pipelined else divisors(per_replica)
+
+
+def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | None = None,
+           budget: float | None = None) -> Result:
+    """Every fitting layout of `base` (a TrainConfig: model, batch, sequence, dtype,
+    fine-tuning) on `n_devices` devices over `hosts` hosts, ranked by predicted step time."""
+    from jdist.train.setup import model_of, plan_for
+
+    fixed = fixed or {}
+    budget = budget if budget is not None else profile.memory_bytes * HEADROOM
+    model = model_of(base)
+    result = Result([])
+    per_host = n_devices // hosts
+    for shape in meshes(n_devices, bool(model.n_experts), fixed, max_tensor=per_host):
+        try:
+            dcn = dcn_sizes(shape, {}, hosts)
+        except ConfigError:
+            result.pruned["axes do not split over the hosts"] += 1
+            continue
+        links = dataclasses.replace(profile.links(),
+                                    dcn_axes=frozenset(a for a, n in dcn.items() if n > 1))
+        for layout in mesh_variants(shape, base.batch_size, model.n_layers, remats=("none",)):
+            if not model.lora and state_lower_bound(model, shape, layout.zero) > budget:
+                result.pruned["state cannot fit"] += 1
+                continue
+            best = _best_variant(base, layout, plan_for, profile, links, budget, result)
+            if best is None and not layout.offload:
+                best = _best_variant(base, dataclasses.replace(layout, offload=True), plan_for,
+                                     profile, links, budget, result)
+            if best is not None:
+                result.ranked.append(best)
+    result.ranked.sort(key=lambda e: (e.step_s, e.memory.total))
+    return result
+
+
+def _best_variant(base, layout: Layout, plan_for, profile, links, budget: float,
+                  result: Result) -> cost.Estimate | None:
+    """The fastest fitting (remat, attention, accumulation) on one planned layout."""
+    config = layout.to_config(base)
+    try:
+        _, plan, _ = plan_for(config)
+    except ConfigError as e:
+        result.pruned[str(e).split(";")[0][:60]] += 1
+        return None
+    result.considered += 1
+    shape = layout.shape
+    replicas = shape[ax.DATA] * shape[ax.FSDP] * shape[ax.EXPERT]
+    best = None
+    for remat in REMATS:
+        for attention in (config.attention, other_attention(plan, base.seq_len)):
+            for accum in accumulations(base.batch_size // replicas, plan.pipeline is not None):
+                variant = dataclasses.replace(plan, remat=remat, grad_accum=accum,
+                                              attention=attention)
+                memory = predict(variant, base.batch_size // accum, base.seq_len)
+                if memory.total > budget:
+                    if result.smallest is None or memory.total < result.smallest[0]:
+                        result.smallest = (memory.total, dataclasses.replace(
+                            layout, remat=remat, grad_accum=accum, attention=attention))
+                    continue
+                chosen = dataclasses.replace(layout, remat=remat, grad_accum=accum,
+                                             attention=attention)
+                est = _estimate(chosen, variant, memory, profile, links, base)
+                if best is None or est.step_s < best.step_s:
+                    best = est
+                break  # more accumulation only adds per-micro-batch gathers
+    return best
+
+
+def _estimate(layout: Layout, plan, memory, profile, links, base) -> cost.Estimate:
+    from jdist.train.context import attention_of
+
+    offload = 0
+    if layout.offload:
+        from jdist.sharding import per_device_bytes
+        offload = per_device_bytes(plan.abstract.opt_state, plan.opt_device_shardings)
+    rows = step_traffic(plan, base.batch_size, base.seq_len)
+    return cost.estimate(layout, plan, memory, rows, profile, links, base.batch_size,
+                         base.seq_len, attention_of(plan, base.seq_len), offload)
+
+
+def devices_needed(base, n_devices: int, hosts: int, profile) -> int | None:
+    """The smallest multiple of `n_devices` (up to 16x) on which something fits."""
+    for k in (2, 4, 8, 16):
+        if search(base, n_devices * k, hosts * k, profile).ranked:
+            return n_devices * k
+    return None
+
+
+def smallest_change(base, n_devices: int, hosts: int, profile) -> list[str]:
+    """Changes that would make something fit: more devices, a shorter sequence, QLoRA."""
+    out = []
+    more = devices_needed(base, n_devices, hosts, profile)
+    if more:
+        out.append(f"--devices {more} --hosts {hosts * more // n_devices}")
+    seq = base.seq_len // 2
+    while seq >= 128:
+        if search(dataclasses.replace(base, seq_len=seq), n_devices, hosts, profile).ranked:
+            out.append(f"--seq-len {seq}")
+            break
+        seq //= 2
+    if base.lora_rank is None:
+        qlora = dataclasses.replace(base, lora_rank=16, quantize_base="nf4", double_quant=True,
+                                    compute_dtype="bfloat16")
+        if search(qlora, n_devices, hosts, profile).ranked:
+            out.append("QLoRA (--lora-rank 16 --quantize-base nf4 --double-quant)")
+    return out
+
+
+def describe_counts(result: Result) -> str:
+    pruned = sum(result.pruned.values())
+    return (f"{result.considered + pruned} layouts: {result.considered} planned, "
+            f"{pruned} refused by the trainer's checks, {len(result.ranked)} fit")
