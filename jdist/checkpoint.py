@@ -32,6 +32,7 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -326,6 +327,58 @@ class SaveFailed(Exception):
                          f"{root} is writable and has space; {good}")
 
 
+class _OrbaxErrors(logging.Filter):
+    """Drops the errors with a traceback through Orbax that Orbax logs (absl) when a save
+    fails, once from every thread the error passes through, and asyncio's for each of its
+    write futures: about 1,000 lines of stderr for one full disk, burying the one line that
+    says what failed. The Checkpointer records the same error and says it (SaveFailed)."""
+
+    def __init__(self, orbax_dir: str):
+        super().__init__()
+        self.orbax_dir = orbax_dir
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.levelno >= logging.ERROR and record.exc_info else None
+        tb = exc.__traceback__ if exc is not None else None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(self.orbax_dir):
+                return False
+            tb = tb.tb_next
+        return True
+
+
+def _quiet_unraisable(previous):
+    """sys.unraisablehook without asyncio's "Event loop is closed" from call_soon_threadsafe
+    called by tensorstore: once one write of a save fails, Orbax closes the event loop that
+    awaited them, and tensorstore reports each write that finishes after that (one to ~80
+    tracebacks, as timing has it) with PyErr_WriteUnraisable. Everything else passes."""
+    import asyncio.base_events
+
+    def hook(args):
+        tb = args.exc_traceback
+        code = tb.tb_frame.f_code if tb is not None else None
+        if not (args.exc_type is RuntimeError and code is not None
+                and code.co_name == "call_soon_threadsafe"
+                and code.co_filename == asyncio.base_events.__file__):
+            previous(args)
+
+    hook.jdist_quiet = True
+    return hook
+
+
+def _quiet_orbax_errors() -> None:
+    """Leave reporting a failed save to the Checkpointer (see `_OrbaxErrors`)."""
+    import orbax.checkpoint as ocp
+
+    orbax_dir = os.path.dirname(os.path.dirname(ocp.__file__)) + os.sep
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
+            logger.addFilter(_OrbaxErrors(orbax_dir))
+    if not getattr(sys.unraisablehook, "jdist_quiet", False):
+        sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+
+
 class Checkpointer:
     """Asynchronous saves into `root` with an Orbax CheckpointManager (created on first use,
     so runs that never save create nothing). Keeps the newest `keep` good checkpoints.
@@ -356,6 +409,7 @@ class Checkpointer:
         import orbax.checkpoint as ocp
 
         if self._manager is None:
+            _quiet_orbax_errors()  # a failed save is said once, by SaveFailed
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=None,  # pruning waits for the manifest; see _prune
                 create=True, cleanup_tmp_directories=True,
