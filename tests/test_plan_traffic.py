@@ -58,6 +58,7 @@ LAYOUTS = {  # id: (mesh, flags)
     "dp=2,sp=4 ring": ("dp=2,sp=4", {"cp_strategy": "ring"}),
     "dp=2,sp=4 ulysses": ("dp=2,sp=4", {"cp_strategy": "ulysses"}),
     "pp=2,dp=4 1f1b": ("pp=2,dp=4", {"batch": 16}),
+    "moe fsdp=2,ep=2,tp=2": ("fsdp=2,ep=2,tp=2", {"model": "moe-tiny"}),
 }
 
 

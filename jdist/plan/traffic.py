@@ -13,13 +13,15 @@ prices one.
 One small function per source of traffic, named after the code that emits it: per-layer
 parameter gathers and gradient reductions (`jdist.parallel.grad_sync`), the embedding lookup
 (`jdist.parallel.embedding`), the chunked loss (`jdist.parallel.vocab`), the context-
-parallel kernels (`ring_attention`, `all_gather_attention`, `ulysses_attention`), the
-pipeline's per-tick permutes and end-of-step sums (`jdist.parallel.stage_program`,
-`jdist.train.pipelined`), and what GSPMD adds around them: Megatron's tensor-parallel
-all-reduces, sequence parallelism's all-gathers, the ZeRO-1/2 update's all-gathers, partial
-sums of gradients over axes that split the tokens, the gradient norm's scalars. What GSPMD
-emits is described as jax 0.10.2 / XLA compile it on CPU ("empirical"), found by compiling
-the step and reading `jdist.comm.report` (tests/test_plan_traffic.py keeps them honest).
+parallel kernels (`ring_attention`, `all_gather_attention`, `ulysses_attention`), the MoE
+dispatch (`jdist.parallel.moe`), the pipeline's per-tick permutes and end-of-step sums
+(`jdist.parallel.stage_program`, `jdist.train.pipelined`), and what GSPMD adds around
+them: Megatron's tensor-parallel all-reduces, sequence parallelism's all-gathers, the
+ZeRO-1/2 update's all-gathers, partial sums of gradients over automatic axes that split
+the tokens, the gradient norm's scalars. What GSPMD and XLA do is described as jax 0.10.2
+compiles the step on CPU ("empirical"), found by compiling steps and reading
+`jdist.comm.report`; tests/test_plan_traffic.py keeps it honest. (By hand, 70 layouts of
+`tiny`, `moe-tiny` and `small` matched the report's bytes per kind to 0.7%, most exactly.)
 
 Conventions:
 - dtypes are the program's: parameters gather in the compute dtype (norm scales in float32),
@@ -27,7 +29,7 @@ Conventions:
   that made them), activations move in the compute dtype. The CPU backend upcasts bf16
   collectives to f32 after partitioning, so a CPU report of a bfloat16 step reads what
   `step_traffic` predicts for the same plan in float32 (`jdist.hlo.partitioned` shows the
-  program's dtypes, which these follow).
+  program's dtypes, which these are).
 - On CPU, GSPMD leaves sequence parallelism's reductions as all-reduces (the CPU backend
   never forms reduce-scatters); a GPU compile may turn each into a reduce-scatter of 1/T
   the bytes. Predicted as on CPU.
@@ -42,11 +44,10 @@ Conventions:
 - `count` is executions per step before XLA's combiners merge small all-reduces into
   tuples (the report counts merged ones): bytes match the report, counts need not.
 
-Not covered (estimates, documented where made): mixture-of-experts layers (the expert
-all-to-alls are not modelled), `--loss full` (head gathered whole, logits' reductions not
-modelled), packed documents' segment ids travelling with the ring, sequence parallelism
-combined with context parallelism outside the layers, QLoRA's NF4 storage, rules other
-than the defaults.
+Not covered (estimates, unchecked against a compile): the tensor-parallel logits of
+`--loss full` (their reductions are not modelled), packed documents' segment ids travelling
+with the ring, sequence parallelism combined with context parallelism or expert
+parallelism outside the layers, QLoRA's NF4 storage, rules other than the defaults.
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ class Leaf:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
+    """One step as a device of the plan's mesh sees it."""
+
     plan: object
     n: dict                  # mesh axis -> size
     batch: int
@@ -176,6 +179,7 @@ class Step:
     tp: tuple[str, ...]      # axes splitting attention heads and MLP units (Megatron)
     cp: tuple[str, ...]      # axes splitting the attention's sequence (context parallel)
     sp: tuple[str, ...]      # further axes splitting the residual's sequence (Megatron SP)
+    bt: tuple[str, ...]      # automatic axes splitting the batch (expert: data parallel there)
     leaves: tuple[Leaf, ...]
 
     @property
@@ -246,6 +250,7 @@ def leaves_of(plan) -> tuple[Leaf, ...]:
 
 
 def step_of(plan, batch_size: int, seq_len: int) -> Step:
+    """The sizes and layouts every traffic function reads, from the plan's rules."""
     mesh = plan.mesh
     n = dict(mesh.shape)
     pipelined = plan.pipeline is not None
@@ -258,7 +263,8 @@ def step_of(plan, batch_size: int, seq_len: int) -> Step:
                 batch_size // math.prod(n[a] for a in batch_axes) // micro,
                 HLO_DTYPE[jnp.dtype(plan.compute_dtype).name],
                 _resolved(plan, (ax.HEADS,), 0, manual), cp,
-                tuple(a for a in residual if a not in cp), leaves_of(plan))
+                tuple(a for a in residual if a not in cp),
+                _resolved(plan, (ax.BATCH, ax.LENGTH), 0, manual), leaves_of(plan))
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,16 +280,28 @@ def gather(st: Step, leaf: Leaf, source: str = "grad_sync.gather") -> list[Colle
     manual = math.prod(st.size(axes) for axes in leaf.sync.stored)
     out, full = [], leaf.local
     if leaf.auto:
-        # Empirical (GSPMD, jax 0.10.2): an all_gather over manual axes of a block that an
-        # automatic axis (tensor) splits too is partitioned by first gathering it over
-        # that axis, so the whole leaf, not its tensor shard, is gathered over the replicas.
-        out.append(Collective(AG, leaf.auto, 1, leaf.size // manual, dtype, source))
+        # Empirical (GSPMD, jax 0.10.2): an all_gather over manual axes of a block that
+        # automatic axes (tensor, expert) split too is partitioned by first gathering it
+        # over those, innermost first, so the whole leaf, not its shard, is gathered over
+        # the replicas.
+        out += _gather_auto(st, leaf, leaf.local // manual, dtype, source)
         full = leaf.size
     left = manual
     for axes in leaf.sync.stored:
         if axes:
             left //= st.size(axes)
             out.append(Collective(AG, _axes(axes, st.plan.mesh), 1, full // left, dtype, source))
+    return out
+
+
+def _gather_auto(st: Step, leaf: Leaf, elements: int, dtype: str, source: str
+                 ) -> list[Collective]:
+    """All-gathers of a block of `elements` over each automatic axis splitting the leaf,
+    the innermost first (as GSPMD orders them)."""
+    out = []
+    for a in reversed(leaf.auto):
+        elements *= st.n[a]
+        out.append(Collective(AG, (a,), 1, elements, dtype, source))
     return out
 
 
@@ -304,9 +322,9 @@ def reduce(st: Step, leaf: Leaf, defer: bool, source: str = "grad_sync.reduce",
         full = elements
         if auto:
             # Empirical (GSPMD, jax 0.10.2), as in `gather`: a psum_scatter over manual
-            # axes of a tensor-split cotangent first gathers it whole over tensor.
+            # axes of a cotangent split over automatic axes first gathers it whole there.
+            out += _gather_auto(st, dataclasses.replace(leaf, auto=auto), elements, F32, source)
             full = elements * st.size(auto)
-            out.append(Collective(AG, auto, 1, full, F32, source))
         for axes in leaf.sync.grad:
             if axes:
                 full //= st.size(axes)
@@ -337,10 +355,11 @@ def regathers(st: Step, leaf: Leaf) -> bool:
 def token_partials(st: Step, leaf: Leaf) -> list[Collective]:
     """Empirical (GSPMD, jax 0.10.2): where automatic axes split the tokens a weight
     gradient sums over, GSPMD all-reduces the partial sums there, before grad_sync's
-    reductions: over the context-parallel axes for every leaf (in the dtype of the dot
-    that made it; norm scales in float32), over Megatron SP's tensor for the norm scales
-    (the matrices see tokens gathered over tensor)."""
-    axes = set(st.cp) | (set() if leaf.matrix else set(st.sp))
+    reductions: over the context-parallel axes and the automatic batch axes (expert) for
+    every leaf they do not split (in the dtype of the dot that made it; norm scales in
+    float32), over Megatron SP's tensor for the norm scales (the matrices see tokens
+    gathered over tensor)."""
+    axes = set(st.cp) | set(st.bt) | (set() if leaf.matrix else set(st.sp))
     axes = tuple(a for a in st.plan.mesh.axis_names if a in axes and a not in leaf.auto)
     if not (leaf.trained and axes):
         return []
@@ -354,19 +373,19 @@ def token_partials(st: Step, leaf: Leaf) -> list[Collective]:
 
 def layer_forward(st: Step) -> list[Collective]:
     """A layer's forward: its parameters gathered, Megatron's activation collectives, the
-    context-parallel kernel's."""
+    context-parallel kernel's, the MoE dispatch's."""
     gathers = [c for leaf in st.blocks() for c in gather(st, leaf)]
-    return gathers + tensor_forward(st) + attention_forward(st)
+    return gathers + tensor_forward(st) + attention_forward(st) + moe_forward(st)
 
 
 def layer_backward(st: Step, defer: bool, merged: Callable[[Leaf], bool] = lambda _: False
                    ) -> list[Collective]:
     """A layer's backward: parameters gathered again (`regathers`; not those whose
-    regather XLA `merged` with an earlier identical gather), recomputation, Megatron's and
-    the attention kernel's backward, gradient reductions."""
+    regather XLA `merged` with an earlier identical gather), recomputation, Megatron's,
+    the attention kernel's and the MoE dispatch's backward, gradient reductions."""
     out = [c for leaf in st.blocks() if regathers(st, leaf) and not merged(leaf)
            for c in gather(st, leaf, "grad_sync.gather (backward)")]
-    out += tensor_backward(st) + attention_backward(st)
+    out += tensor_backward(st) + attention_backward(st) + moe_backward(st)
     for leaf in st.blocks():
         out += token_partials(st, leaf) + reduce(st, leaf, defer)
     return out
@@ -378,7 +397,9 @@ def tensor_forward(st: Step) -> list[Collective]:
     normed inputs of attention and MLP are first all-gathered over it."""
     if not st.tp:
         return []
-    out = [Collective(AR, st.tp, 2, st.act, st.dtype, "GSPMD: Megatron row-parallel outputs")]
+    dense = 0 if st.model.n_experts else 1  # an MoE MLP reduces inside its kernel
+    out = [Collective(AR, st.tp, 1 + dense, st.act, st.dtype,
+                      "GSPMD: Megatron row-parallel outputs")]
     out += _lora_partials(st, ("o", "down"))
     if st.sp:
         out.append(Collective(AG, st.sp, 2, st.act, st.dtype, "GSPMD: sequence-parallel inputs"))
@@ -393,11 +414,59 @@ def tensor_backward(st: Step) -> list[Collective]:
     if not st.tp:
         return []
     again = 1 if st.plan.remat == "full" else 0
-    out = [Collective(AR, st.tp, 5 + again, st.act, st.dtype, "GSPMD: Megatron input grads")]
+    dense = 0 if st.model.n_experts else 2
+    out = [Collective(AR, st.tp, 3 + dense + again, st.act, st.dtype,
+                      "GSPMD: Megatron input grads")]
     out += _lora_partials(st, ("q", "k", "v", "gate", "up") + (("o",) if again else ()))
     if st.sp:
         out.append(Collective(AG, st.sp, 4, st.act, st.dtype, "GSPMD: sequence-parallel grads"))
     return out
+
+
+def _moe_buffer(st: Step) -> int:
+    """Elements of one device's dispatch buffer [experts, capacity, d_model]
+    (models.moe.capacity_of: all its tokens when dropless)."""
+    m = st.model
+    tokens = st.rows * st.seq // st.size(st.cp + st.sp)
+    capacity = tokens if m.moe_routing == "dropless" else \
+        max(1, math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts))
+    return m.n_experts * capacity * m.d_model
+
+
+def _moe_moves(st: Step, backward: bool) -> list[Collective]:
+    """jdist.parallel.moe: the dispatch buffer all-to-all'ed to the experts' devices and
+    back over the expert axes, the experts' output summed over the tensor axes splitting
+    their hidden units; backward the same reversed, with gate's and up's input gradients
+    summed separately (empirical, jax 0.10.2)."""
+    ep = _resolved(st.plan, (ax.EXPERTS,), 0)
+    tp = _resolved(st.plan, (ax.EXPERTS, ax.EMBED, ax.MLP), 2)
+    out = []
+    if ep:
+        out.append(Collective(A2A, ep, 2, _moe_buffer(st), st.dtype, "moe: dispatch, combine"))
+    if tp:
+        out.append(Collective(AR, tp, 2 if backward else 1, _moe_buffer(st), st.dtype,
+                              "moe: expert hidden units"))
+    return out
+
+
+def moe_forward(st: Step) -> list[Collective]:
+    """The MoE kernel's forward, and its balance statistics (2 E + 2 floats) summed over
+    the kernel's token axes."""
+    m = st.model
+    if not m.n_experts:
+        return []
+    tokens = _axes(set(st.bt) | set(st.cp) | set(st.sp), st.plan.mesh)
+    stats = [Collective(AR, tokens, 1, 2 * m.n_experts + 2, F32, "moe: balance sums")]
+    return _moe_moves(st, False) + (stats if tokens else [])
+
+
+def moe_backward(st: Step) -> list[Collective]:
+    """The MoE kernel's backward; `--remat full` redoes its forward first (not checked
+    against a compile)."""
+    if not st.model.n_experts:
+        return []
+    again = _moe_moves(st, False) if st.plan.remat == "full" else []
+    return again + _moe_moves(st, True)
 
 
 def _lora_partials(st: Step, projections: tuple[str, ...]) -> list[Collective]:
@@ -508,7 +577,8 @@ def embedding_forward(st: Step) -> list[Collective]:
     if not _lookup_supported(st):  # the table gathered whole, as any parameter
         return gather(st, st.leaf(EMBED), "grad_sync.gather (embedding)")
     split = _embed_split(st)
-    tokens, d = st.rows * st.seq, st.model.d_model
+    # The replica's rows, all of them on every device of an automatic batch axis (expert).
+    tokens, d = st.rows * st.size(st.bt) * st.seq, st.model.d_model
     vocab = _vocab_axes(st, st.leaf(EMBED), 0)
     out = []
     if split:
@@ -529,8 +599,8 @@ def embedding_backward(st: Step, defer: bool) -> list[Collective]:
     split = _embed_split(st)
     out = []
     if split and leaf.trained:  # a frozen table's rows need no gradient
-        out.append(Collective(A2A, split, 1, st.rows * st.seq * st.model.d_model, F32,
-                              "embedding: row gradients"))
+        out.append(Collective(A2A, split, 1, st.rows * st.size(st.bt) * st.seq * st.model.d_model,
+                              F32, "embedding: row gradients"))
     further = tuple(g[len(s):] for s, g in zip(leaf.sync.stored, leaf.sync.grad))
     table = dataclasses.replace(leaf, sync=dataclasses.replace(leaf.sync, grad=further))
     return out + reduce(st, table, defer, "embedding: table gradient",
@@ -683,6 +753,32 @@ def context_parallel_extras(st: Step) -> Extras:
                   per_step=per_step)
 
 
+def batch_split_extras(st: Step) -> Extras:
+    """Empirical (GSPMD, jax 0.10.2): an automatic axis splitting the batch (expert, which
+    is data parallel outside the experts) has the embedding's backward gather the ids and
+    the rows' gradients of its rows over it, and the token count and loss sum reduced
+    there, as context parallelism does over the sequence."""
+    if not st.bt:
+        return Extras()
+    tokens, d, bt = st.rows * st.size(st.bt) * st.seq, st.model.d_model, st.bt
+    return Extras(
+        embed_backward=[Collective(AG, bt, 1, tokens, S32, "GSPMD/batch: embedding ids"),
+                        Collective(AG, bt, 1, tokens * d, F32, "GSPMD/batch: row gradients")],
+        loss_forward=[Collective(AR, bt, 1, 1, F32, "GSPMD/batch: loss sum")],
+        per_step=[Collective(AR, bt, 1, 1, S32, "GSPMD/batch: token count")])
+
+
+def balance_totals(st: Step) -> list[Collective]:
+    """jdist.loss.loss_terms: an MoE model's balance statistics of every layer summed over
+    the replica axes, per micro-batch."""
+    m = st.model
+    replicas = _axes(MANUAL, st.plan.mesh)
+    if not (m.n_experts and replicas):
+        return []
+    return [Collective(AR, replicas, 1, m.n_layers * (2 * m.n_experts + 3), F32,
+                       "loss: balance statistics over replicas")]
+
+
 # ---------------------------------------------------------------------------------------
 # Once per step
 
@@ -725,9 +821,10 @@ def plain_step(st: Step) -> list[Collective]:
     per_micro = [c.times(layers) for c in layer_forward(st) + layer_backward(st, defer)]
     per_micro += embedding_forward(st) + embedding_backward(st, defer)
     per_micro += final_norm_grad(st, defer)
-    extras = sequence_parallel_extras(st) + context_parallel_extras(st)
-    per_micro += extras.embed_forward + extras.embed_backward + extras.loss_forward
-    per_micro += extras.loss_backward
+    extras = sequence_parallel_extras(st) + context_parallel_extras(st) + \
+        batch_split_extras(st)
+    per_micro += balance_totals(st) + extras.embed_forward + extras.embed_backward
+    per_micro += extras.loss_forward + extras.loss_backward
     # The final norm's gather is loop-invariant: XLA hoists it out of the micro-batch scan
     # and merges the backward's with it (once per step; jax 0.10.2).
     once = gather(st, st.leaf(FINAL_NORM), "grad_sync.gather (final norm)")
@@ -753,7 +850,7 @@ def chunk_recompute(st: Step, k: int) -> list[Collective]:
     """The forward a pipeline backward redoes (jax.vjp of the chunk), its ring shifts
     merged with the backward's where `_ring_merges`."""
     out = [c for leaf in st.blocks() for c in gather(st, leaf)] + tensor_forward(st)
-    return out + ([] if _ring_merges(st) else attention_forward(st))
+    return out + ([] if _ring_merges(st) else attention_forward(st)) + moe_forward(st)
 
 
 def pipelined_step(st: Step, executed: bool) -> list[Collective]:
@@ -769,7 +866,8 @@ def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     forward = [c.times(k) for c in layer_forward(st)]
     backward = [c.times(k) for c in chunk_recompute(st, k) + layer_backward(
         st, True, merged=lambda leaf: k == 1 and not leaf.auto)]
-    extras = sequence_parallel_extras(st) + context_parallel_extras(st)
+    extras = sequence_parallel_extras(st) + context_parallel_extras(st) + \
+        batch_split_extras(st)
     first = embedding_forward(st) + extras.embed_forward
     first_back = first + embedding_backward(st, True) + extras.embed_backward
     norm = gather(st, st.leaf(FINAL_NORM), "grad_sync.gather (final norm)")
