@@ -225,7 +225,10 @@ def _resolved(plan, names: tuple[str, ...], dim: int, manual=MANUAL) -> tuple[st
 def leaves_of(plan) -> tuple[Leaf, ...]:
     """Every parameter leaf with its layout, from the plan's shardings and grad_sync."""
     mesh = plan.mesh
-    flat = lambda tree, **kw: [x for _, x in jax.tree_util.tree_flatten_with_path(tree, **kw)[0]]
+    # Every tree flattened up to the parameters' own leaves (an NF4 weight's codes and
+    # scales are leaves; a leaf's logical names are one tuple), so the columns align.
+    treedef = jax.tree_util.tree_structure(plan.abstract.params)
+    flat = lambda tree, **_: treedef.flatten_up_to(tree)
     paths = jax.tree_util.tree_flatten_with_path(plan.abstract.params)[0]
     grads = trainable.combine(plan.grad_shardings, plan.shardings.params)
     base = sh.param_shardings(plan.abstract.params, plan.names, mesh, plan.rules)
