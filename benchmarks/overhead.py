@@ -41,12 +41,18 @@ def bare_steps_per_sec(config: TrainConfig, steps: int, warmup: int) -> float:
                               config.seq_len, plan.batch_sharding)
     step = make_train_step(plan, setup.schedule)
     step = step.lower(state, batch).compile()
+    # Like the training loop, read each step's metrics one step late: never more than two
+    # steps in flight. (Found on jax 0.10.2: XLA CPU deadlocks once ~30-40 multi-device
+    # executions with collectives are queued — the rendezvous aborts the process after 40 s.)
     for _ in range(warmup):
         state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     start = time.perf_counter()
+    previous = metrics
     for _ in range(steps - warmup):
         state, metrics = step(state, batch)
+        jax.block_until_ready(previous)
+        previous = metrics
     jax.block_until_ready(metrics)
     return (steps - warmup) / (time.perf_counter() - start)
 
