@@ -102,18 +102,26 @@ def _attention(plan, seq_len: int) -> str:
     return attention_of(plan, seq_len)
 
 
-def predict(plan, micro_batch: int, seq_len: int) -> Breakdown:
+def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None = None) -> \
+        Breakdown:
     """The analytical plan, from shapes and shardings alone (nothing compiled); the compute
-    dtype and remat policy are the plan's."""
-    compute_bytes = plan.compute_dtype.itemsize
+    dtype and remat policy are the plan's. `state` is `state_bytes(plan)` when already known
+    (it does not change with remat, accumulation, attention or the pipeline schedule)."""
+    params, grads, optimizer, in_flight = state or state_bytes(plan)
+    return Breakdown(params, grads, optimizer, in_flight + activation_bytes(
+        plan, micro_batch, seq_len, plan.compute_dtype.itemsize, plan.remat))
+
+
+def state_bytes(plan) -> tuple[int, int, int, int]:
+    """Per device: parameters, gradients, optimizer state, and what the per-layer gradient
+    path holds in flight (`in_flight_bytes`)."""
     params = per_device_bytes(plan.abstract.params, plan.shardings.params)
     # Gradients of the trained parameters only (with LoRA: the adapters).
     grads = per_device_bytes(trainable.select(plan.model, plan.abstract.params),
                              plan.grad_shardings)
     optimizer = 0 if plan.offload else per_device_bytes(plan.abstract.opt_state,
                                                         plan.shardings.opt_state)
-    return Breakdown(params, grads, optimizer, in_flight_bytes(plan, compute_bytes) +
-                     activation_bytes(plan, micro_batch, seq_len, compute_bytes, plan.remat))
+    return params, grads, optimizer, in_flight_bytes(plan, plan.compute_dtype.itemsize)
 
 
 def in_flight_bytes(plan, compute_bytes: int) -> int:

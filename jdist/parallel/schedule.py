@@ -16,6 +16,7 @@ c // P (V = 1: chunk c is stage c).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jdist.errors import require
 
@@ -150,6 +151,7 @@ class Schedule:
         return "\n".join([head, *rows])
 
 
+@functools.lru_cache(maxsize=256)  # pure; the planner and memory model ask for the same tables
 def build(schedule: str, stages: int, micro: int, virtual: int = 1,
           forward_only: bool = False) -> Schedule:
     """The executed schedule: play each stage's order against the data dependencies.

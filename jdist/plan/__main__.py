@@ -41,7 +41,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on accelerators, float32 on cpu-sim")
     p.add_argument("--memory-gb", type=float, default=0.0,
-                   help="per-device memory budget in GiB (default: the profile's)")
+                   help="per-device memory a process may use, in GB (1e9 bytes; default: the "
+                        "profile's memory_gb x usable_memory_fraction)")
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning")
     p.add_argument("--quantize-base", choices=["none", "nf4"], default="none", help="QLoRA")
     p.add_argument("--double-quant", action="store_true")
@@ -80,10 +81,11 @@ def command(base, layout) -> str:
 
 
 def table(ranked, top: int) -> str:
-    lines = [f"{'#':>3} {'layout':44} {'GiB/dev':>8} {'step s':>9} {'tokens/s':>11} "
+    width = max(len(e.layout.label()) for e in ranked[:top])
+    lines = [f"{'#':>3} {'layout':{width}} {'GB/dev':>7} {'step s':>9} {'tokens/s':>11} "
              f"{'MFU':>6}  bottleneck"]
     for i, e in enumerate(ranked[:top], 1):
-        lines.append(f"{i:3d} {e.layout.label():44} {e.memory.total / 2**30:8.2f} "
+        lines.append(f"{i:3d} {e.layout.label():{width}} {e.memory.total / 1e9:7.2f} "
                      f"{e.step_s:9.4g} {e.tokens_per_s:11.4g} {e.mfu:6.1%}  {e.bottleneck}")
     return "\n".join(lines)
 
@@ -116,10 +118,10 @@ def plan_main(argv: list[str]) -> int:
             f"divide --devices {args.devices}")
     from jdist.train.__main__ import configure_devices
     configure_devices(args.devices)
-    from jdist.plan.search import describe_counts, search, smallest_change
+    from jdist.plan.search import HEADROOM, describe_counts, search, smallest_change
 
     base = base_config(args)
-    budget = args.memory_gb * 2**30 if args.memory_gb else None
+    budget = args.memory_gb * 1e9 * HEADROOM if args.memory_gb else None
     start = time.perf_counter()
     result = search(base, args.devices, hosts, args.profile, fixed, budget)
     took = time.perf_counter() - start
@@ -127,13 +129,13 @@ def plan_main(argv: list[str]) -> int:
         need = ""
         if result.smallest:
             need = (f" (the most frugal, {result.smallest[1].label()}, needs "
-                    f"{result.smallest[0] / 2**30:.1f} GiB)")
+                    f"{result.smallest[0] / 1e9:.1f} GB)")
         changes = smallest_change(base, args.devices, hosts, args.profile) if not fixed else []
         fix = ("it fits with " + ", or ".join(changes)) if changes else \
             "use more devices, a shorter --seq-len, a smaller --batch-size or QLoRA"
-        budget_gib = (budget or args.profile.memory_bytes * 0.95) / 2**30
+        budget_gb = (budget or args.profile.usable_memory_bytes * HEADROOM) / 1e9
         raise ConfigError(f"no layout of {args.model} on {args.devices} {args.profile.name} "
-                          f"devices fits in {budget_gib:.1f} GiB per device{need}; {fix}")
+                          f"devices fits in {budget_gb:.1f} GB per device{need}; {fix}")
     best = result.ranked[0]
     if args.json:
         print(json.dumps({"model": args.model, "devices": args.devices, "hosts": hosts,

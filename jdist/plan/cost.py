@@ -18,12 +18,15 @@ The model (every term is a function below, each checked by `benchmarks/planner.p
                assumption, per collective: the replica-axis gathers and gradient reductions
                (over `data`/`fsdp` only) are issued per layer inside the layer loop and may
                run under the neighbouring layers' compute, so a fraction `profile.overlap` of
-               their time hides, never more than the compute itself; ring-attention permutes
-               hide the same way under their attention blocks. Tensor-parallel activation
-               reductions, all-to-alls and pipeline permutes are on the critical path: exposed.
-  bubble       a pipelined step's work is spread over the executed schedule's ticks; the
-               idle fraction (the schedule simulator's, `jdist.parallel.schedule`) stretches
-               compute and exposed communication by 1 / (1 - bubble).
+               their time hides; ring-attention permutes hide the same way under their attention
+               blocks. Tensor-parallel activation reductions, all-to-alls and pipeline
+               permutes sit between dependent matmuls: `profile.overlap_tensor` of them hides
+               (0 in every shipped profile: exposed). Together no more hides than the
+               compute lasts.
+  bubble       a pipelined step's work is spread over the executed schedule's ticks (the
+               schedule simulator's table, `jdist.parallel.schedule`), each as long as its
+               slowest operation; the idle share stretches compute and exposed
+               communication by 1 / (1 - bubble) (`pipeline_bubble`).
 """
 
 from __future__ import annotations
@@ -106,17 +109,34 @@ def hideable(row: Row) -> bool:
     return row.kind == "collective-permute" and set(row.axes) == {ax.SEQUENCE}
 
 
-def price(rows: list[Row], shape: dict[str, int], links) -> list[tuple[Row, float, bool]]:
-    """Each row's seconds per step on the link its axes cross."""
+def price(rows: list[Row], shape: dict[str, int], profile, dcn_axes: frozenset) -> \
+        list[tuple[Row, float, bool]]:
+    """Each row's seconds per step on the link its axes cross: DCN when any of them spans
+    hosts, else the ICI link (calibrated per collective kind where `cpu-sim` measured one)."""
     out = []
     for row in rows:
         if not row.count or not row.axes:
             continue
-        per_run = row.bytes / row.count
-        seconds = row.count * transfer_time(row.kind, per_run, group_size(shape, row.axes),
-                                            links.over(row.axes))
+        link = profile.link(row.kind, across_hosts=bool(set(row.axes) & dcn_axes))
+        seconds = row.count * transfer_time(row.kind, row.bytes / row.count,
+                                            group_size(shape, row.axes), link)
         out.append((row, seconds, hideable(row)))
     return out
+
+
+def pipeline_bubble(table, remat: str) -> float:
+    """Idle share of a pipelined step's time. The executor advances all stages tick by tick
+    (each tick ends in the activation/cotangent permutes), so a tick lasts as long as its
+    slowest operation: a forward is 1 unit, a backward 3 (its chunk's forward recomputed,
+    then twice the forward's FLOPs), 4 with `--remat full` inside it. Unlike the schedule's
+    own `bubble_fraction`, which counts ticks as equal, this weighs them."""
+    from jdist.parallel.schedule import BWD, FWD
+
+    cost = {FWD: 1.0, BWD: 3.0 + (remat == "full")}
+    span = sum(max((cost[op.kind] for op in tick if op is not None), default=0.0)
+               for tick in table.grid)
+    busy = table.micro * table.virtual * (cost[FWD] + cost[BWD])
+    return 1 - busy / span
 
 
 def optimizer_seconds(memory: Breakdown, offload_bytes: int, profile) -> float:
@@ -133,8 +153,9 @@ def bottleneck(compute: float, memory_bound: float, exposed: dict[str, float],
     return max(parts, key=parts.get)
 
 
-def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile, links,
-             batch_size: int, seq_len: int, attention: str, offload_bytes: int = 0) -> Estimate:
+def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
+             dcn_axes: frozenset, batch_size: int, seq_len: int, attention: str,
+             offload_bytes: int = 0) -> Estimate:
     """Cost of `layout` whose plan, memory and traffic are already known."""
     shape = layout.shape
     stages = shape[ax.STAGE]
@@ -143,16 +164,17 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile, 
     flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
                            plan.remat, stages > 1, plan.loss, stages)
     compute = flops / profile.achievable_flops
-    comm = price(rows, shape, links)
-    hide = sum(s for _, s, h in comm if h)
-    hidden = min(profile.overlap * hide, compute)
+    comm = price(rows, shape, profile, dcn_axes)
+    # Each class hides its overlap fraction, the two together never more than the compute.
+    wanted = {True: profile.overlap, False: profile.overlap_tensor}
+    hide = sum(s * wanted[h] for _, s, h in comm)
+    scale = min(1.0, compute / hide) if hide else 0.0
     exposed_rows: dict[str, float] = {}
     for row, s, h in comm:
         name = f"{row.kind} over {','.join(row.axes)}"
-        exposed_rows[name] = exposed_rows.get(name, 0.0) + s * (1 - (hidden / hide if h and hide
-                                                                     else 0.0))
+        exposed_rows[name] = exposed_rows.get(name, 0.0) + s * (1 - wanted[h] * scale)
     exposed = sum(exposed_rows.values())
-    bubble = plan.pipeline.table(stages).bubble_fraction if plan.pipeline else 0.0
+    bubble = pipeline_bubble(plan.pipeline.table(stages), plan.remat) if plan.pipeline else 0.0
     busy = compute + exposed
     stretched = busy / (1 - bubble)
     memory_bound = optimizer_seconds(memory, offload_bytes, profile)

@@ -21,8 +21,8 @@ from jdist.plan import cost
 from jdist.plan.layouts import REMATS, Layout, divisors, mesh_variants, meshes
 from jdist.plan.traffic import step_traffic
 
-# A layout fits when its predicted total is within this share of the device's memory: the
-# rest is left to the allocator's fragmentation and the runtime's own buffers.
+# A layout fits when its predicted total is within this share of what a process may allocate
+# on a device: the rest is left to the allocator's fragmentation and the runtime's buffers.
 HEADROOM = 0.95
 
 
@@ -44,10 +44,17 @@ def state_lower_bound(model, shape: dict[str, int], zero: int) -> float:
         8 * n / (split * (dp if zero >= 1 else 1))
 
 
-def other_attention(plan, seq_len: int) -> str:
-    """The kernel `auto` does not pick here: dense `xla` or blockwise `flash`."""
+def attentions(plan, seq_len: int) -> list[str]:
+    """`auto`, and the kernel it does not pick here (dense `xla` or blockwise `flash`) when
+    the trainer accepts it for this layout."""
     from jdist.train.context import attention_of
-    return "xla" if attention_of(plan, seq_len) != "xla" else "flash"
+
+    other = "xla" if attention_of(plan, seq_len) != "xla" else "flash"
+    try:
+        attention_of(dataclasses.replace(plan, attention=other), seq_len)
+    except ConfigError:
+        return ["auto"]
+    return ["auto", other]
 
 
 def accumulations(per_replica: int, pipelined: bool) -> list[int]:
@@ -60,10 +67,10 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
            budget: float | None = None) -> Result:
     """Every fitting layout of `base` (a TrainConfig: model, batch, sequence, dtype,
     fine-tuning) on `n_devices` devices over `hosts` hosts, ranked by predicted step time."""
-    from jdist.train.setup import model_of, plan_for
+    from jdist.train.setup import model_of
 
     fixed = fixed or {}
-    budget = budget if budget is not None else profile.memory_bytes * HEADROOM
+    budget = budget if budget is not None else profile.usable_memory_bytes * HEADROOM
     model = model_of(base)
     result = Result([])
     per_host = n_devices // hosts
@@ -73,56 +80,77 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
         except ConfigError:
             result.pruned["axes do not split over the hosts"] += 1
             continue
-        links = dataclasses.replace(profile.links(),
-                                    dcn_axes=frozenset(a for a, n in dcn.items() if n > 1))
+        dcn_axes = frozenset(a for a, n in dcn.items() if n > 1)  # the axes across hosts
+        groups: dict[tuple, list[Layout]] = {}
         for layout in mesh_variants(shape, base.batch_size, model.n_layers, remats=("none",)):
-            if not model.lora and state_lower_bound(model, shape, layout.zero) > budget:
-                result.pruned["state cannot fit"] += 1
+            groups.setdefault((layout.zero, layout.sequence_parallel), []).append(layout)
+        for (zero, _), layouts in groups.items():
+            if not model.lora and state_lower_bound(model, shape, zero) > budget:
+                result.pruned["state cannot fit"] += len(layouts)
                 continue
-            best = _best_variant(base, layout, plan_for, profile, links, budget, result)
-            if best is None and not layout.offload:
-                best = _best_variant(base, dataclasses.replace(layout, offload=True), plan_for,
-                                     profile, links, budget, result)
-            if best is not None:
-                result.ranked.append(best)
-    result.ranked.sort(key=lambda e: (e.step_s, e.memory.total))
+            found = _search_group(base, layouts, profile, dcn_axes, budget, result)
+            if not found:  # offloading the optimizer is never faster: only when nothing fits
+                _search_group(base, [dataclasses.replace(lay, offload=True) for lay in layouts],
+                              profile, dcn_axes, budget, result)
+    result.ranked.sort(key=lambda e: (e.step_s, e.memory.total, len(e.layout.flags())))
     return result
 
 
-def _best_variant(base, layout: Layout, plan_for, profile, links, budget: float,
+def _search_group(base, layouts: list[Layout], profile, dcn_axes, budget: float,
+                  result: Result) -> bool:
+    """Layouts that share their state's layout (mesh, ZeRO, rules, offload): the trainer
+    plans the first, the others vary its schedule (`with_schedule`, the trainer's checks).
+    Appends the best variant of each to `result`; whether any fit."""
+    from jdist.memory import state_bytes
+    from jdist.train.setup import plan_for, with_schedule
+
+    plan, state, found = None, None, False
+    for layout in layouts:
+        config = layout.to_config(base)
+        try:
+            if plan is None:
+                _, plan, _ = plan_for(config)
+                state = state_bytes(plan)
+                variant = plan
+            else:
+                variant = with_schedule(plan, config)
+        except ConfigError as e:
+            result.pruned[str(e).split(";")[0][:60]] += 1
+            continue
+        result.considered += 1
+        best = _best_variant(base, layout, variant, state, profile, dcn_axes, budget, result)
+        if best is not None:
+            result.ranked.append(best)
+            found = True
+    return found
+
+
+def _best_variant(base, layout: Layout, plan, state, profile, dcn_axes, budget: float,
                   result: Result) -> cost.Estimate | None:
-    """The fastest fitting (remat, attention, accumulation) on one planned layout."""
-    config = layout.to_config(base)
-    try:
-        _, plan, _ = plan_for(config)
-    except ConfigError as e:
-        result.pruned[str(e).split(";")[0][:60]] += 1
-        return None
-    result.considered += 1
+    """The fastest fitting (remat, attention, accumulation) of one planned layout."""
     shape = layout.shape
     replicas = shape[ax.DATA] * shape[ax.FSDP] * shape[ax.EXPERT]
     best = None
     for remat in REMATS:
-        for attention in (config.attention, other_attention(plan, base.seq_len)):
+        for attention in attentions(plan, base.seq_len):
             for accum in accumulations(base.batch_size // replicas, plan.pipeline is not None):
                 variant = dataclasses.replace(plan, remat=remat, grad_accum=accum,
                                               attention=attention)
-                memory = predict(variant, base.batch_size // accum, base.seq_len)
-                if memory.total > budget:
-                    if result.smallest is None or memory.total < result.smallest[0]:
-                        result.smallest = (memory.total, dataclasses.replace(
-                            layout, remat=remat, grad_accum=accum, attention=attention))
-                    continue
+                memory = predict(variant, base.batch_size // accum, base.seq_len, state)
                 chosen = dataclasses.replace(layout, remat=remat, grad_accum=accum,
                                              attention=attention)
-                est = _estimate(chosen, variant, memory, profile, links, base)
+                if memory.total > budget:
+                    if result.smallest is None or memory.total < result.smallest[0]:
+                        result.smallest = (memory.total, chosen)
+                    continue
+                est = _estimate(chosen, variant, memory, profile, dcn_axes, base)
                 if best is None or est.step_s < best.step_s:
                     best = est
                 break  # more accumulation only adds per-micro-batch gathers
     return best
 
 
-def _estimate(layout: Layout, plan, memory, profile, links, base) -> cost.Estimate:
+def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base) -> cost.Estimate:
     from jdist.train.context import attention_of
 
     offload = 0
@@ -130,7 +158,7 @@ def _estimate(layout: Layout, plan, memory, profile, links, base) -> cost.Estima
         from jdist.sharding import per_device_bytes
         offload = per_device_bytes(plan.abstract.opt_state, plan.opt_device_shardings)
     rows = step_traffic(plan, base.batch_size, base.seq_len)
-    return cost.estimate(layout, plan, memory, rows, profile, links, base.batch_size,
+    return cost.estimate(layout, plan, memory, rows, profile, dcn_axes, base.batch_size,
                          base.seq_len, attention_of(plan, base.seq_len), offload)
 
 

@@ -141,8 +141,6 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
             "--sequence-parallel with tensor parallelism is not supported for MoE models; "
             "drop --sequence-parallel or tp")
     remat.check(config.remat)
-    check_context_parallel(model.n_heads, config.seq_len, mesh, rules, config.cp_strategy)
-    pipeline = pipeline_for(config, model, mesh)
     tx, schedule = make_optimizer(config.lr, config.steps, config.warmup, config.weight_decay,
                                   config.clip_norm)
     if config.on_nan == "skip":
@@ -153,8 +151,20 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
                      remat=config.remat, grad_accum=config.grad_accum,
                      attention=config.attention, loss=config.loss,
                      quantize=config.quantize_base, double_quant=config.double_quant)
+    return model, with_schedule(plan, config), schedule
+
+
+def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
+    """`plan` running the step as `config` says where that moves no state: context-parallel
+    strategy, pipeline schedule, attention kernel, remat, accumulation — checked. (The
+    parallelism planner varies these on one plan.)"""
+    check_context_parallel(plan.model.n_heads, config.seq_len, plan.mesh, plan.rules,
+                           config.cp_strategy)
+    pipeline = pipeline_for(config, plan.model, plan.mesh)
+    plan = dataclasses.replace(plan, cp_strategy=config.cp_strategy, remat=config.remat,
+                               grad_accum=config.grad_accum, attention=config.attention)
     attention_of(plan, config.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
-    return model, with_pipeline(plan, pipeline), schedule
+    return with_pipeline(plan, pipeline)
 
 
 def prepare(config: TrainConfig) -> Setup:

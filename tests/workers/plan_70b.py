@@ -1,0 +1,42 @@
+"""The planner's 70B acceptance in one process of 64 simulated CPU devices: plan
+llama3.1-70b on 64 H100s over 8 hosts, then run the trainer's own pre-compile checks (every
+check `--dry-run` makes before compiling: flags, shapes, the memory fit) on the best layout's
+command line. Prints one JSON object: the planner's output, its wall time, the checks' verdict."""
+
+import contextlib
+import io
+import json
+import shlex
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 64)
+
+from jdist.plan.__main__ import main as plan  # noqa: E402
+from jdist.train.config import parse_args  # noqa: E402
+from jdist.train.fit import check_fits  # noqa: E402
+from jdist.train.setup import plan_for  # noqa: E402
+
+
+def run() -> dict:
+    argv = ["--model", "llama3.1-70b", "--devices", "64", "--hosts", "8", "--accelerator",
+            "h100-80gb", "--batch-size", "512", "--seq-len", "8192", "--json", "--top", "20"]
+    out = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out):
+        status = plan(argv)
+    took = time.perf_counter() - start
+    result = json.loads(out.getvalue())
+    words = shlex.split(result["command"])
+    assert words[:3] == ["python", "-m", "jdist.train"], words
+    config = parse_args(words[3:] + ["--device-memory-gb", str(80e9 * 0.75 / 2**30)])
+    _, train_plan, _ = plan_for(config)
+    check_fits(config, train_plan)  # raises ConfigError when it would not fit
+    return {"status": status, "seconds": took, "plan": result, "checks": "passed"}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run()))
+    sys.exit(0)
