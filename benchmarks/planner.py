@@ -2,8 +2,9 @@
 `cpu-sim` profile (`python -m jdist.plan calibrate` measures it), then this script runs the
 top and bottom of its ranking plus the best layout of each parallel family (dp, fsdp, tp,
 sp, pp, ZeRO) for real, and prints, per layout: predicted vs measured median step time,
-predicted vs compiled memory per device, predicted vs HLO collective bytes per step; then
-the median absolute step-time error and the Spearman rank correlation.
+predicted vs compiled memory per device, predicted vs HLO collective bytes per step (as the
+HLO report counts them: a collective in a pipeline stage's switch branch once per branch);
+then the median absolute step-time error and the Spearman rank correlation.
 
     python benchmarks/planner.py [--batch-size 16] [--seq-len 256] [--steps 5] [--json]
 """
@@ -26,7 +27,7 @@ from jdist.comm import report  # noqa: E402
 from jdist.memory import compile_step, measure  # noqa: E402
 from jdist.plan.profiles import load_profile  # noqa: E402
 from jdist.plan.search import search  # noqa: E402
-from jdist.plan.traffic import step_traffic  # noqa: E402
+from jdist.plan.traffic import reported_traffic, step_traffic  # noqa: E402
 from jdist.train import init_state  # noqa: E402
 from jdist.train.config import TrainConfig  # noqa: E402
 from jdist.train.setup import plan_for  # noqa: E402
@@ -66,8 +67,12 @@ def run(estimate, base, corpus, steps: int) -> dict:
     _, plan, _ = plan_for(config)
     compiled = compile_step(plan, base.batch_size, base.seq_len)
     memory = measure(plan, base.batch_size, base.seq_len, compiled)
-    hlo_bytes = sum(r.bytes for r in report(compiled.as_text(), plan.mesh).rows)
-    predicted_bytes = sum(r.bytes for r in step_traffic(plan, base.batch_size, base.seq_len))
+    hlo_bytes = sum(r.bytes for r in report(compiled.as_text(), plan.mesh).rows if r.axes)
+    # The report counts a collective inside a pipeline stage's `lax.switch` branch once per
+    # branch (it weighs while loops only): compare like with like, and keep what runs.
+    predicted_bytes = sum(r.bytes for r in reported_traffic(plan, base.batch_size,
+                                                            base.seq_len))
+    executed_bytes = sum(r.bytes for r in step_traffic(plan, base.batch_size, base.seq_len))
     state = init_state(plan, 0)
     times = []
     for i in range(steps + 2):  # two warm-up steps
@@ -85,6 +90,7 @@ def run(estimate, base, corpus, steps: int) -> dict:
             "compiled_memory": memory.total,
             "memory_ratio": estimate.memory.total / memory.total,
             "predicted_comm_bytes": predicted_bytes, "hlo_comm_bytes": hlo_bytes,
+            "executed_comm_bytes": executed_bytes,
             "comm_ratio": predicted_bytes / hlo_bytes if hlo_bytes else float(
                 predicted_bytes == 0)}
 

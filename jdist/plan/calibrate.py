@@ -45,6 +45,8 @@ GROUPS = (2, 4, 8)
 MATMULS = {"step-2k": (256, 256, 768), "step-4k": (512, 256, 768),
            "large": (1024, 512, 1024)}
 STEP_MATMUL = "step-4k"
+# (global batch, sequence) of the two `small` training steps on dp=n (see measure_steps).
+STEP_BATCHES = ((8, 256), (24, 256))
 MEMORY_BYTES = 32 * MiB  # per device: eight of them are 8x the 32 MiB L3 of the dev machine
 REPEATS = 7
 TARGET_S = 0.05  # the long run lasts about this much longer than the short one
@@ -54,7 +56,8 @@ DIFFERS = 2.0
 
 def calibrate(n_devices: int = 8, *, matmuls: dict = MATMULS, memory_bytes: int = MEMORY_BYTES,
               collective_bytes=COLLECTIVE_BYTES, groups=GROUPS, kinds=tuple(RING),
-              repeats: int = REPEATS, target_s: float = TARGET_S) -> dict:
+              repeats: int = REPEATS, target_s: float = TARGET_S,
+              step_model: bool = True) -> dict:
     """Measure the first `n_devices` devices (simulated CPU devices: the caller has set
     `jax_num_cpu_devices`). Returns the calibration as a dict that `write_calibration`
     stores and `load_profile("cpu-sim")` reads (its `profile` and `ici_by_kind` tables)."""
@@ -75,6 +78,11 @@ def calibrate(n_devices: int = 8, *, matmuls: dict = MATMULS, memory_bytes: int 
                                   if 1 < g <= n_devices and n_devices % g == 0
                                   for nbytes in collective_bytes])
     fits = fit_all(coll)
+    step, step_s = timed(lambda: measure_steps(n_devices)) if step_model else (None, 0.0)
+    fields = profile_fields(mm, mem, fits, n_devices)
+    if step is not None:  # a real step's rate stands for the step's compute
+        fields["matmul_efficiency"] = min(1.0, step["tflops_per_device"] / fields["peak_tflops"])
+        fields["step_overhead_ms"] = step["overhead_ms"]
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax_version": jax.__version__,
@@ -83,13 +91,15 @@ def calibrate(n_devices: int = 8, *, matmuls: dict = MATMULS, memory_bytes: int 
         "cpu_count": os.cpu_count() or 0,
         "load_average": list(os.getloadavg()),  # other work on the cores skews everything
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "seconds": mm_s + mem_s + coll_s,
-        "phase_seconds": {"matmul": mm_s, "memory": mem_s, "collectives": coll_s},
-        "profile": profile_fields(mm, mem, fits, n_devices),
+        "seconds": mm_s + mem_s + coll_s + step_s,
+        "phase_seconds": {"matmul": mm_s, "memory": mem_s, "collectives": coll_s,
+                          "step": step_s},
+        "profile": fields,
         "fit": {"rms_relative_error": fits["all"]["rms_relative_error"],
                 "points": fits["all"]["points"], "per_kind_differs": per_kind_differs(fits)},
         "ici_by_kind": {k: v for k, v in fits.items() if k != "all"},
-        "raw": {"matmul": mm, "memory": mem, "collectives": coll},
+        "raw": {"matmul": mm, "memory": mem, "collectives": coll,
+                **({"step": step} if step else {})},
     }
 
 
@@ -110,6 +120,57 @@ def profile_fields(matmuls: list[dict], memory: dict, fits: dict, n_devices: int
         "ici_latency_us": fits["all"]["latency_us"],
         "devices_per_host": n_devices,
     }
+
+
+def measure_step(n_devices: int, batch_size: int = 8, seq_len: int = 256,
+                 steps: int = 5) -> dict:
+    """A real training step of `small` on dp=n_devices (float32, remat none): its median
+    time and the FLOPs per device it executes by the planner's count
+    (`jdist.plan.cost.executed_flops`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jdist.memory import compile_step
+    from jdist.plan.cost import executed_flops
+    from jdist.train import init_state
+    from jdist.train.config import TrainConfig
+    from jdist.train.context import attention_of
+    from jdist.train.setup import plan_for
+
+    config = TrainConfig(model="small", mesh=f"dp={n_devices}", batch_size=batch_size,
+                         seq_len=seq_len, compute_dtype="float32", cpu_devices=n_devices)
+    _, plan, _ = plan_for(config)
+    compiled = compile_step(plan, batch_size, seq_len)
+    tokens = jax.device_put(jax.random.randint(jax.random.key(0), (batch_size, seq_len), 0,
+                                               plan.model.vocab_size, jnp.int32),
+                            plan.batch_sharding)
+    batch = {"inputs": tokens, "targets": tokens}
+    state = init_state(plan, 0)
+    times = []
+    for _ in range(steps + 2):  # two warm-up steps
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    flops = executed_flops(plan.model, seq_len, batch_size * seq_len / n_devices,
+                           attention_of(plan, seq_len), plan.remat, False, plan.loss, 1)
+    return {"model": "small", "mesh": config.mesh, "batch_size": batch_size,
+            "seq_len": seq_len, "seconds": statistics.median(times[2:]),
+            "flops_per_device": flops}
+
+
+def measure_steps(n_devices: int, batches=STEP_BATCHES) -> dict:
+    """Two step sizes of `small` on dp=n_devices: the slope is what a step's FLOPs cost
+    (FLOP/s per device a whole step reaches: its small attention matmuls, elementwise work
+    and per-operation costs included), the intercept what a step costs whatever its size
+    (dispatch, per-operation overhead of the runtime). The planner's validation
+    (`benchmarks/planner.py`, 16 x 256 tokens) lies between the two, measured apart."""
+    small, large = (measure_step(n_devices, b, seq) for b, seq in batches)
+    rate = (large["flops_per_device"] - small["flops_per_device"]) / positive(
+        large["seconds"] - small["seconds"])
+    overhead = max(0.0, small["seconds"] - small["flops_per_device"] / rate)
+    return {"steps": [small, large], "tflops_per_device": rate / 1e12,
+            "overhead_ms": overhead * 1e3}
 
 
 # --- timing -------------------------------------------------------------------------------
@@ -394,6 +455,14 @@ def summary(result: dict, path) -> str:
         lines.append(f"  matmul {m['name']:10} {m['rows']}x{m['d']} @ {m['d']}x{m['hidden']} "
                      f"@ {m['hidden']}x{m['d']}: {m['tflops_per_device'] * 1e3:8.2f} "
                      "GFLOP/s per device")
+    if "step" in raw:
+        st = raw["step"]
+        for one in st["steps"]:
+            lines.append(f"  training step {one['model']} {one['mesh']} {one['batch_size']}x"
+                         f"{one['seq_len']}: {one['seconds'] * 1e3:.0f} ms")
+        lines.append(f"  a step's FLOPs run at {st['tflops_per_device'] * 1e3:.2f} GFLOP/s per "
+                     f"device (matmul_efficiency {p['matmul_efficiency']:.3f}), plus "
+                     f"{st['overhead_ms']:.0f} ms per step")
     mem = raw["memory"]
     lines.append(f"  memory {mem['bytes_per_device'] / MiB:.0f} MiB elementwise: "
                  f"{mem['gbps_per_device']:.2f} GB/s per device")

@@ -10,6 +10,8 @@ The model (every term is a function below, each checked by `benchmarks/planner.p
                scores), so does the chunked loss's recomputed head, and causal blocks the
                kernel skips do not (flash and the ring skip tiles above the diagonal; dense
                `xla` attention computes every score and masks).
+  overhead     what a step costs whatever its size (`profile.step_overhead_ms`: the CPU
+               runtime's dispatch and per-operation costs; 0 on GPUs).
   memory-bound the optimizer update reads parameters, gradients and both moments and writes
                parameters and moments (HBM bandwidth); `--offload optimizer` moves the
                moments to the device and back each step (host link bandwidth).
@@ -26,7 +28,9 @@ The model (every term is a function below, each checked by `benchmarks/planner.p
   bubble       a pipelined step's work is spread over the executed schedule's ticks (the
                schedule simulator's table, `jdist.parallel.schedule`), each as long as its
                slowest operation; the idle share stretches compute and exposed
-               communication by 1 / (1 - bubble) (`pipeline_bubble`).
+               communication by 1 / (1 - bubble) (`pipeline_bubble`) — on dedicated
+               devices: where devices share cores (`cpu-sim`) an idle stage's core runs
+               another stage's work, and only the total work counts.
 """
 
 from __future__ import annotations
@@ -176,9 +180,9 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     exposed = sum(exposed_rows.values())
     bubble = pipeline_bubble(plan.pipeline.table(stages), plan.remat) if plan.pipeline else 0.0
     busy = compute + exposed
-    stretched = busy / (1 - bubble)
+    stretched = busy if profile.shared_cores else busy / (1 - bubble)
     memory_bound = optimizer_seconds(memory, offload_bytes, profile)
-    step = stretched + memory_bound
+    step = stretched + memory_bound + profile.step_overhead_ms * 1e-3
     tokens = batch_size * seq_len
     mfu = model_flops(plan.model, seq_len, tokens) / step / devices / (profile.peak_tflops * 1e12)
     return Estimate(layout, memory, flops, compute, memory_bound, comm, bubble, step,

@@ -44,6 +44,12 @@ class Profile:
     devices_per_host: int
     overlap: float
     overlap_tensor: float
+    # The devices share the host's cores (simulated CPU devices): an idle pipeline stage's
+    # core runs a busy stage's work, so a bubble costs no wall time there.
+    shared_cores: bool = False
+    # Milliseconds a step costs whatever its size (runtime dispatch and per-operation
+    # overhead): calibrated for cpu-sim, negligible against GPU steps (0).
+    step_overhead_ms: float = 0.0
     # Collective kinds (jdist.comm.RING's names) measured to run on an ICI link of their own.
     ici_by_kind: tuple[tuple[str, Link], ...] = ()
     calibrated: bool = False
@@ -146,17 +152,19 @@ def _profile(name: str, entries: dict, source: str, calibrated: bool) -> Profile
     fractions in [0, 1]) into a Profile."""
     where = f"profile {name!r} ({source})"
     missing = [f for f in FIELDS if f not in entries
-               and f not in ("name", "ici_by_kind", "calibrated", "source")]
+               and f not in ("name", "ici_by_kind", "calibrated", "source", "shared_cores",
+                                   "step_overhead_ms")]
     require(not missing, f"{where} lacks {', '.join(missing)}; add it to the table")
     unknown = sorted(set(entries) - set(FIELDS) - {"name"})
     require(not unknown, f"{where} has unknown field(s) {', '.join(unknown)}; see the field "
                          "list at the top of jdist/plan/profiles.toml")
     values = {f: entries[f] for f in FIELDS if f in entries}
-    for field in NUMBERS:
+    for field in (f for f in NUMBERS if f in values):  # optional ones may be absent
         value = values[field]
         require(isinstance(value, int | float) and not isinstance(value, bool)
                 and math.isfinite(value), f"{where}: {field} = {value!r} is not a number")
-        low_ok = value >= 0 if field in ("overlap", "overlap_tensor") else value > 0
+        low_ok = value >= 0 if field in ("overlap", "overlap_tensor", "step_overhead_ms") \
+            else value > 0
         require(low_ok and (field not in FRACTIONS or value <= 1),
                 f"{where}: {field} = {value} is out of range (positive"
                 f"{', at most 1' if field in FRACTIONS else ''})")
