@@ -137,9 +137,9 @@ def pipelines(stages: int, per_replica: int, n_layers: int) -> Iterator[tuple[st
         m *= 2
 
 
-def mesh_variants(shape: dict[str, int], batch_size: int, n_layers: int, remats=REMATS,
-                  attentions=("auto",)) -> Iterator[Layout]:
-    """Every layout on one mesh shape (grad_accum 1: the search raises it to fit)."""
+def mesh_variants(shape: dict[str, int], batch_size: int, n_layers: int) -> Iterator[Layout]:
+    """Every layout on one mesh shape with remat none, attention auto and no accumulation:
+    the search varies those on each one's plan (`jdist.plan.search`)."""
     sizes = tuple((a, shape[a]) for a in ax.MESH_AXES)
     replicas = shape[ax.DATA] * shape[ax.FSDP] * shape[ax.EXPERT]
     if batch_size % replicas:
@@ -148,11 +148,8 @@ def mesh_variants(shape: dict[str, int], batch_size: int, n_layers: int, remats=
     sps = (False, True) if shape[ax.TENSOR] > 1 else (False,)
     cps = CP_STRATEGIES if shape[ax.SEQUENCE] > 1 else ("ring",)
     for zero in zeros:
-        for remat in remats:
-            for sp in sps:
-                for cp in cps:
-                    for schedule, micro, virtual in pipelines(
-                            shape[ax.STAGE], batch_size // replicas, n_layers):
-                        for attention in attentions:
-                            yield Layout(sizes, zero, remat, 1, sp, cp, schedule, micro,
-                                         virtual, attention)
+        for sp in sps:
+            for cp in cps:
+                for schedule, micro, virtual in pipelines(
+                        shape[ax.STAGE], batch_size // replicas, n_layers):
+                    yield Layout(sizes, zero, "none", 1, sp, cp, schedule, micro, virtual)

@@ -82,7 +82,7 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
             continue
         dcn_axes = frozenset(a for a, n in dcn.items() if n > 1)  # the axes across hosts
         groups: dict[tuple, list[Layout]] = {}
-        for layout in mesh_variants(shape, base.batch_size, model.n_layers, remats=("none",)):
+        for layout in mesh_variants(shape, base.batch_size, model.n_layers):
             groups.setdefault((layout.zero, layout.sequence_parallel), []).append(layout)
         for (zero, _), layouts in groups.items():
             if not model.lora and state_lower_bound(model, shape, zero) > budget:
