@@ -6,9 +6,12 @@ The plan makes mixed-precision Adam's accounting explicit, per device:
   gradients    float32, replicated over data until ZeRO-2 shards them
   optimizer    two float32 Adam moments, sharded over data from ZeRO-1 (on the host with
                --offload optimizer)
-  activations  what the backward pass keeps, by --remat policy, for one micro-batch, plus
-               transient full gradients before their reduce-scatter (ZeRO-2/3); pipelined,
-               the schedule's stashed chunk inputs and one chunk's recomputation
+  activations  the larger of the backward's and the update's temporaries. The backward:
+               every layer's residuals by --remat policy for one micro-batch, one layer's
+               backward working set (or the loss's), one layer's gathered parameters and a
+               leaf's unreduced gradient, the embedding's scatter-add block; pipelined,
+               the schedule's stashed chunk inputs and one chunk's recomputation. The
+               update: one more gradient-sized tree (gradient clipping's output)
 
 `python -m jdist.memory --model 7b --mesh fsdp=8 --zero 3 [--measure] [--json]` prints it
 (`jdist/memory/__main__.py`); `--measure` compiles the real step ahead of time on abstract
@@ -58,43 +61,147 @@ def zero_textbook(params: float, grads: float, optimizer: float, n: int, stage: 
 
 def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
                      remat: str) -> int:
-    """Bytes the backward pass needs from the forward, per device, for one micro-batch.
-    Pipelined, a stage holds its schedule's stashed chunk inputs and cotangents (one
-    pipeline micro-batch each) and recomputes one chunk of layers at a time."""
+    """Bytes the step holds for one micro-batch besides the state, per device, by what
+    allocates them (compiled on XLA CPU and read off the buffer assignment of `small`/`7b`
+    steps): every layer's residuals kept for the backward (`--remat` policy), one layer's
+    backward working set, the loss's, and pipelined, the schedule's stashed chunk inputs
+    and cotangents (one pipeline micro-batch each) with the tick's buffers; a pipeline stage
+    recomputes one chunk of layers at a time, so its "every layer" is one chunk's."""
     from jdist import axes as ax
 
     m, cfg = plan.mesh.shape, plan.model
-    tp = m[ax.TENSOR]
-    layers, stashed = cfg.n_layers, 0
+    layers, stashed, ticks, accumulator = cfg.n_layers, 0, 0, 0
     if plan.pipeline is not None:
         table = plan.pipeline.table(m[ax.STAGE])
         micro_batch, layers = micro_batch // table.micro, cfg.n_layers // table.chunks
         stashed = table.n_slots + table.n_grad_slots
+        # stage_program.tick: the zeros of an idle branch, the chunk input read from the
+        # stash, the forward output and the input cotangent passed on by the permutes.
+        ticks = 4
+        if table.virtual > 1:  # `acc[0].at[v].add(g)` in a switch branch: XLA copies the
+            accumulator = _grad_bytes(plan, blocks_only=True)  # stage's stacked gradients
+    elif plan.grad_accum > 1:  # jdist.train.grads.step_grads: the scan's float32
+        accumulator = _grad_bytes(plan)  # accumulator beside each micro-batch's gradient
+    a = _activations(plan, micro_batch, seq_len, compute_bytes)
+    # What each layer's checkpoint keeps (jdist.remat), stacked over the layer scan by the
+    # forward's loop. The compiler drops what the backward never reads (the last
+    # projection's output) and keeps XLA's own intermediates of the rest.
+    kept = {"full": a.x,
+            "selective": a.x + a.q + 2 * a.k + a.x + 2 * a.f,  # +attention_out, gate, up
+            "dots_with_no_batch_dims_saveable": a.x + a.q + 2 * a.k + a.x + 2 * a.f,
+            "dots_saveable": a.x + 2 * a.q + 2 * a.k + a.x + 2 * a.f + a.scores,
+            "offload_selective": a.x,  # the projections wait in host memory
+            "everything_saveable": a.every + _gathered_layer(plan, compute_bytes)[0]}
+    per_layer = kept.get(remat, a.every)
+    # One layer's backward holds, besides the cotangents of the block's input and output:
+    # keeping every residual, the largest of their slices read out of the stacks (copies
+    # on XLA CPU; a loop of one layer is unrolled and reads them in place), the MLP
+    # backward's cotangents (d(hidden), d(gate), d(up) and the transposed copy a
+    # weight-gradient matmul reads) and the score blocks a blockwise kernel's backward
+    # recomputes, each freeing what it is computed from; under a policy, what it
+    # recomputes (the rest is read from the stacks) and beside it the larger of two MLP
+    # cotangents and those score blocks (the attention's backward comes after the MLP's).
+    saves_all = remat in ("none", "everything_saveable")
+    if saves_all:
+        working = max(a.every if layers > 1 else 0, 4 * a.f, a.blocks)
+    else:
+        working = a.every - per_layer + max(2 * a.f, a.blocks)
+    working += 2 * a.x
+    # Dense attention's causal mask broadcast to [b, kv, group, s, t] booleans: the same in
+    # every layer, so XLA hoists it out of the layer loop (inside the checkpoint under a
+    # remat policy, rebuilt per layer).
+    mask = a.mask if saves_all else 0
+    # The loss's backward is done before the first layer's starts: the larger counts.
+    return (layers * per_layer + max(working, a.loss) + mask
+            + (stashed + ticks) * a.x + accumulator)
+
+
+def _grad_bytes(plan, blocks_only: bool = False) -> int:
+    """Per device, the float32 gradients of the trained parameters (of the stacked blocks
+    only) in their gradient layout."""
+    from jdist.train.layer_order import BLOCKS
+
+    grads = trainable.select(plan.model, plan.abstract.params)
+    shardings = plan.grad_shardings
+    if blocks_only:
+        grads, shardings = grads[BLOCKS], shardings[BLOCKS]
+    return per_device_bytes(grads, shardings)
+
+
+@dataclasses.dataclass
+class _Sizes:
+    """Per-device bytes of one layer's activations for one micro-batch (compute dtype
+    unless said): `x` the residual stream (a block's input, sequence-sharded under
+    Megatron SP), `q`/`k` a query/key projection, `f` an MLP hidden activation, `scores`
+    dense attention's float32 [b, heads, s, t] score matrix (0 with a blockwise kernel),
+    `every` all the residuals the backward of a layer reads (what remat "none" keeps per
+    layer), `blocks` a blockwise kernel's score blocks live at once, `mask` dense
+    attention's boolean mask, `loss` the loss's own temporaries."""
+    x: int
+    q: int
+    k: int
+    f: int
+    scores: int
+    every: int
+    blocks: int
+    mask: int
+    loss: int
+
+
+def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
+    """`_Sizes` of the plan's layers for `micro_batch` sequences of `seq_len` tokens, with
+    activations of `c` bytes an element."""
+    import math
+
+    from jdist import axes as ax
+    from jdist.parallel.context import RING, ULYSSES
+    from jdist.rules import mesh_axes_of, resolve
+
+    m, cfg = plan.mesh.shape, plan.model
+    tp, cp = m[ax.TENSOR], m[ax.SEQUENCE]
     b = max(1, micro_batch // (m[ax.DATA] * m[ax.FSDP] * m[ax.EXPERT]))  # batch's axes
-    s = seq_len // m[ax.SEQUENCE]
+    s = seq_len // cp
+    # The residual stream as the rules lay it out: its length split over `sequence`
+    # (context parallel) and, under Megatron SP, `tensor` too.
+    spec = tuple(resolve((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), plan.rules, plan.mesh))
+    split = math.prod(m[a] for a in mesh_axes_of(spec[1] if len(spec) > 1 else None))
+    sp = max(1, split // cp)
     d, f, hd = cfg.d_model, cfg.d_ff // tp, cfg.dim_per_head
     heads, kv = cfg.n_heads // tp, max(1, cfg.n_kv_heads // tp)
     tokens = b * s
-    residual = tokens * d * compute_bytes                           # a block's input
-    matmuls = tokens * ((heads + 2 * kv) * hd + d + 3 * f + d) * compute_bytes
-    elementwise = tokens * (2 * d + heads * hd + f) * compute_bytes  # norms, context, silu
-    scores = b * heads * s * seq_len * 4 * 2                        # float32 scores + probs
-    if _attention(plan, seq_len) != "xla":  # blockwise: [Q_TILE, KEY_TILE] blocks, O(S) stats
-        scores = b * heads * (min(s, Q_TILE) * min(seq_len, KEY_TILE) * 4 * 3 + s * 4 * 3)
-    per_layer = {"none": matmuls + elementwise + scores + residual,
-                 "everything_saveable": matmuls + elementwise + scores + residual,
-                 "full": residual,
-                 "selective": residual + matmuls,
-                 "dots_saveable": residual + matmuls + b * heads * s * seq_len * compute_bytes,
-                 "dots_with_no_batch_dims_saveable": residual + matmuls,
-                 "offload_selective": residual}.get(remat, residual + matmuls)
-    recompute = 0 if remat in ("none", "everything_saveable") else \
-        matmuls + elementwise + scores  # one block rematerialised at a time
+    x = tokens * d * c // sp
+    q, k, hidden = tokens * heads * hd * c, tokens * kv * hd * c, tokens * f * c
+    scores = b * heads * s * seq_len * 4
+    attention = _attention(plan, seq_len)
+    if attention == "xla":
+        # models.layers.dot_product_attention: the float32 softmax's exponentials and its
+        # probabilities [b, kv, group, s, t].
+        kept, blocks, mask = 2 * scores, 0, b * heads * s * seq_len
+    else:
+        # flash / context-parallel kernels save q, k, v, the float32 output and the
+        # row log-sum-exp (jdist.parallel.flash._fwd); their backward recomputes one
+        # [Q_TILE, KEY_TILE] block at a time, its float32 probabilities and their gradient
+        # live together (jdist.parallel.blockwise.block_grads).
+        sq, heads_k = s, heads
+        if plan.cp_strategy == ULYSSES and cp > 1:  # all-to-all: every query, heads / cp
+            sq, heads_k = seq_len, max(1, heads // cp)
+        t = s if cp > 1 and plan.cp_strategy == RING else seq_len  # ring: a peer's keys
+        kept = tokens * heads * hd * 4 + b * heads * s * 4
+        blocks = 0 if attention == "cudnn" else \
+            2 * b * heads_k * min(sq, Q_TILE) * min(t, KEY_TILE) * 4
+        scores = mask = 0  # no dense score matrix: nothing for dots_saveable to keep
+    # Per layer, what the backward reads (XLA CPU, remat none): the block input and the
+    # attention sum h (x), each RMSNorm's float32 normalized input (sequence-sharded like
+    # x) and its output as the projections read it (gathered over tensor under SP); the
+    # rotated q and k, v, the attention context; silu's pieces for SwiGLU (gate, up,
+    # sigmoid(gate), its derivative, silu(gate), silu(gate) * up).
+    normed = tokens * d * 4 // sp
+    every = 2 * x + 2 * normed + 2 * tokens * d * c + 2 * q + 2 * k + kept + 6 * hidden
     logits = tokens * (cfg.vocab_size // tp) * 4 * 2                # float32 logits + grad
     if plan.loss == CHUNKED:  # a few [tokens, chunk] float32 blocks, dh in float32
         chunk = chunk_size(tokens, cfg.vocab_size // tp)
         logits = tokens * chunk * 4 * 3 + tokens * d * 4
-    return layers * per_layer + recompute + logits + stashed * residual
+    return _Sizes(x, q, k, hidden, scores, every, blocks, mask, logits)
 
 
 def _attention(plan, seq_len: int) -> str:
@@ -108,8 +215,12 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
     dtype and remat policy are the plan's. `state` is `state_bytes(plan)` when already known
     (it does not change with remat, accumulation, attention or the pipeline schedule)."""
     params, grads, optimizer, in_flight = state or state_bytes(plan)
-    return Breakdown(params, grads, optimizer, in_flight + activation_bytes(
-        plan, micro_batch, seq_len, plan.compute_dtype.itemsize, plan.remat))
+    backward = in_flight + activation_bytes(plan, micro_batch, seq_len,
+                                            plan.compute_dtype.itemsize, plan.remat)
+    # After the backward, the optimizer update holds one more float32 tree the size of the
+    # gradients: optax.clip_by_global_norm scales every leaf into a new buffer (AdamW's
+    # moments and the parameters are then updated in place, the state being donated).
+    return Breakdown(params, grads, optimizer, max(backward, grads))
 
 
 def state_bytes(plan) -> tuple[int, int, int, int]:
@@ -126,28 +237,14 @@ def state_bytes(plan) -> tuple[int, int, int, int]:
 
 def in_flight_bytes(plan, compute_bytes: int) -> int:
     """What the per-layer gradient path holds besides the state (jdist.parallel.grad_sync):
-    one layer's parameters gathered over the replica axes (compute dtype) and its float32
-    gradient before the reduction, and the shared parameters the step gathers whole (none
-    with an untied table and the chunked loss) with their full float32 gradients."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from jdist import axes as ax
-    from jdist.rules import without_axis
+    one layer's parameters gathered over the replica axes (compute dtype), the float32
+    gradient of one of its leaves before the reduction (each leaf's is reduced as the
+    backward produces it: the largest counts), and the shared parameters the step gathers
+    whole (none with an untied table and the chunked loss) with their full float32
+    gradients."""
     from jdist.train.layer_order import BLOCKS, EMBED, HEAD
 
-    def gathered(tree, shardings, itemsize):  # as laid out, less the replica axes
-        def strip(s):
-            spec = tuple(s.spec)
-            for a in ax.REPLICA_AXES:
-                spec = tuple(c for _, c in without_axis(tuple(("", e) for e in spec), a))
-            return NamedSharding(s.mesh, PartitionSpec(*spec))
-        return per_device_bytes(tree, jax.tree.map(strip, shardings), itemsize)
-
-    layers = plan.model.n_layers  # a pipeline stage holds its share of them
-    if plan.pipeline is not None:
-        layers //= plan.mesh.shape[ax.STAGE]
-    layer = sum(gathered(*part) for part in _layer_parts(plan, compute_bytes)) // layers
+    params, grad = _gathered_layer(plan, compute_bytes)
     # An untied table is looked up where it lies (jdist.parallel.embedding), never gathered;
     # the chunked loss gathers the output weight a chunk at a time (jdist.parallel.vocab).
     skip = {BLOCKS} | (set() if plan.model.tie_embeddings else {EMBED})
@@ -157,14 +254,68 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     shared_sh = {k: v for k, v in plan.shardings.params.items() if k not in skip}
     # Frozen (LoRA): gathered in their storage dtype, without a gradient.
     frozen = trainable.frozen_base(plan.model)
-    return layer + gathered(shared, shared_sh, None if frozen else 4 + 4)
+    return params + grad + _gathered(shared, shared_sh, None if frozen else 4 + 4) \
+        + _table_scatter(plan)
+
+
+def _table_scatter(plan) -> int:
+    """The lookup's backward scatter-adds rows into a float32 zeros block of the table as
+    stored (jdist.parallel.embedding.Table.scatter), allocated before the layers' backward.
+    A tied table's sits beside the loss's gradient of the same weight (that one counted in
+    the gradients); an untied one's is its gradient, bigger only where ZeRO-2 reduces it
+    to a smaller block."""
+    from jdist.train.layer_order import EMBED
+
+    if trainable.select(plan.model, plan.abstract.params).get(EMBED) is None:
+        return 0  # frozen: no gradient
+    table = plan.abstract.params[EMBED]
+    stored = per_device_bytes(table, plan.shardings.params[EMBED], 4)
+    if plan.model.tie_embeddings:
+        return stored
+    return stored - per_device_bytes(table, plan.grad_shardings[EMBED], 4)
+
+
+def _gathered(tree, shardings, itemsize: int | None) -> int:
+    """Per-device bytes of `tree` as laid out, less the replica axes (gathered there)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jdist import axes as ax
+    from jdist.rules import without_axis
+
+    def strip(s):
+        spec = tuple(s.spec)
+        for a in ax.REPLICA_AXES:
+            spec = tuple(c for _, c in without_axis(tuple(("", e) for e in spec), a))
+        return NamedSharding(s.mesh, PartitionSpec(*spec))
+    return per_device_bytes(tree, jax.tree.map(strip, shardings), itemsize)
+
+
+def _gathered_layer(plan, compute_bytes: int) -> tuple[int, int]:
+    """Per device, one layer's parameters as the layer loop gathers them for compute
+    (`grad_sync.gather`), and the float32 gradient of its largest trained leaf."""
+    import jax
+
+    from jdist import axes as ax
+
+    layers = plan.model.n_layers  # a pipeline stage holds its share of them
+    if plan.pipeline is not None:
+        layers //= plan.mesh.shape[ax.STAGE]
+    parts = _layer_parts(plan, compute_bytes)
+    params = sum(_gathered(*part) for part in parts) // layers
+    trained, shardings, _ = parts[0]
+    grad = max((_gathered(leaf, s, 4) for leaf, s in zip(
+        jax.tree.leaves(trained),
+        jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))),
+        default=0)
+    return params, grad // layers
 
 
 def _layer_parts(plan, compute_bytes: int):
     """(abstract, shardings, bytes per element) of what one layer loop iteration holds of
     the stacked blocks, summed over all layers: trained leaves gathered in the compute
-    dtype with their float32 gradient; frozen ones gathered in their storage dtype; NF4
-    ones gathered as stored, plus their weights dequantized in the compute dtype."""
+    dtype (first); frozen ones gathered in their storage dtype; NF4 ones gathered as
+    stored, plus their weights dequantized in the compute dtype."""
     import jax
 
     from jdist import nf4
@@ -174,7 +325,7 @@ def _layer_parts(plan, compute_bytes: int):
     is_nf4 = lambda x: isinstance(x, nf4.Nf4)
     trained = trainable.select(plan.model, blocks)
     if trained is blocks:  # everything is trained
-        return [(blocks, shardings, compute_bytes + 4)]
+        return [(blocks, shardings, compute_bytes)]
     frozen = jax.tree.map(lambda t, b: b if t is None else None, trained, blocks,
                           is_leaf=lambda x: x is None or is_nf4(x))
     weights = jax.tree.map(lambda q: jax.ShapeDtypeStruct(
@@ -183,7 +334,7 @@ def _layer_parts(plan, compute_bytes: int):
     codes_sh = jax.tree.map(lambda s, q: s.codes if is_nf4(q) else None, shardings, frozen,
                             is_leaf=is_nf4)
     drop = lambda tree: jax.tree.map(lambda x: x, tree)  # None leaves vanish
-    return [(drop(trained), drop(trainable.select(plan.model, shardings)), compute_bytes + 4),
+    return [(drop(trained), drop(trainable.select(plan.model, shardings)), compute_bytes),
             (drop(frozen), _prefix(frozen, shardings), None),
             (drop(weights), drop(codes_sh), compute_bytes)]
 
