@@ -98,6 +98,16 @@ def as_json(e, base) -> dict:
             "flops_per_device": e.flops, "command": command(base, e.layout)}
 
 
+def simulate_devices(n: int) -> None:
+    """Plan on n simulated CPU devices (the plans are abstract: nothing is allocated), unless
+    the caller configured a count already (the tests' processes keep their 8)."""
+    import jax
+
+    from jdist.train.__main__ import configure_devices
+    if jax.config.jax_num_cpu_devices == -1:
+        configure_devices(n)
+
+
 def plan_main(argv: list[str]) -> int:
     from jdist.mesh import parse_axes
     from jdist.plan.profiles import load_profile
@@ -116,9 +126,8 @@ def plan_main(argv: list[str]) -> int:
     require(args.devices % math.prod(fixed.values()) == 0,
             f"--fix {','.join(args.fix)} uses {math.prod(fixed.values())} devices, which does not "
             f"divide --devices {args.devices}")
-    from jdist.train.__main__ import configure_devices
-    configure_devices(args.devices)
-    from jdist.plan.search import HEADROOM, describe_counts, search, smallest_change
+    from jdist.plan.search import GROWTH, HEADROOM, describe_counts, search, smallest_change
+    simulate_devices(args.devices * GROWTH)  # before jax starts its backends
 
     base = base_config(args)
     budget = args.memory_gb * 1e9 * HEADROOM if args.memory_gb else None

@@ -24,6 +24,8 @@ from jdist.plan.traffic import step_traffic
 # A layout fits when its predicted total is within this share of what a process may allocate
 # on a device: the rest is left to the allocator's fragmentation and the runtime's buffers.
 HEADROOM = 0.95
+# "Nothing fits" suggests up to this many times the devices (the planner simulates them).
+GROWTH = 4
 
 
 @dataclasses.dataclass
@@ -163,8 +165,8 @@ def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base) -> cost.Est
 
 
 def devices_needed(base, n_devices: int, hosts: int, profile) -> int | None:
-    """The smallest multiple of `n_devices` (up to 16x) on which something fits."""
-    for k in (2, 4, 8, 16):
+    """The smallest multiple of `n_devices` (up to GROWTH x) on which something fits."""
+    for k in (2, GROWTH):
         if search(base, n_devices * k, hosts * k, profile).ranked:
             return n_devices * k
     return None
