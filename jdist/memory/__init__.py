@@ -80,6 +80,11 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
         ticks = 4
         if table.virtual > 1:  # `acc[0].at[v].add(g)` in a switch branch: XLA copies the
             accumulator = _grad_bytes(plan, blocks_only=True)  # stage's stacked gradients
+        elif m[ax.SEQUENCE] > 1:  # tokens split over `sequence` inside the stage: the
+            # accumulated block gradients are summed over it (GSPMD) into a new buffer
+            # (small pp=2,sp=4 1f1b, jax 0.10.2: one stage's gradients; interleaved holds
+            # one such copy in all, not two)
+            accumulator = _grad_bytes(plan, blocks_only=True)
     elif plan.grad_accum > 1:  # jdist.train.grads.step_grads: the scan's float32
         accumulator = _grad_bytes(plan)  # accumulator beside each micro-batch's gradient
     a = _activations(plan, micro_batch, seq_len, compute_bytes)
