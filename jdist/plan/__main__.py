@@ -153,7 +153,8 @@ def plan_main(argv: list[str]) -> int:
                           "layouts": [as_json(e, base) for e in result.ranked[:args.top]],
                           "command": command(base, best.layout)}))
         return 0
-    print(f"{args.model} on {args.devices} x {args.profile.name} ({hosts} hosts), batch "
+    print(f"{args.model} on {args.devices} x {args.profile.name} ({hosts} host"
+          f"{'s' if hosts > 1 else ''}), batch "
           f"{args.batch_size} x {args.seq_len}, {base.compute_dtype}: {describe_counts(result)} "
           f"({took:.1f} s)")
     print(table(result.ranked, args.top))

@@ -164,11 +164,15 @@ def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base) -> cost.Est
                          base.seq_len, attention_of(plan, base.seq_len), offload)
 
 
-def devices_needed(base, n_devices: int, hosts: int, profile) -> int | None:
-    """The smallest multiple of `n_devices` (up to GROWTH x) on which something fits."""
+def devices_needed(base, n_devices: int, hosts: int, profile) -> tuple[int, int] | None:
+    """(devices, hosts) for the smallest multiple of `n_devices` (up to GROWTH x) on which
+    something fits; hosts filled to the profile's devices per host."""
+    per_host = max(n_devices // hosts, profile.devices_per_host)
     for k in (2, GROWTH):
-        if search(base, n_devices * k, hosts * k, profile).ranked:
-            return n_devices * k
+        more = n_devices * k
+        more_hosts = max(hosts, -(-more // per_host))
+        if more % more_hosts == 0 and search(base, more, more_hosts, profile).ranked:
+            return more, more_hosts
     return None
 
 
@@ -177,7 +181,7 @@ def smallest_change(base, n_devices: int, hosts: int, profile) -> list[str]:
     out = []
     more = devices_needed(base, n_devices, hosts, profile)
     if more:
-        out.append(f"--devices {more} --hosts {hosts * more // n_devices}")
+        out.append(f"--devices {more[0]} --hosts {more[1]}")
     seq = base.seq_len // 2
     while seq >= 128:
         if search(dataclasses.replace(base, seq_len=seq), n_devices, hosts, profile).ranked:
