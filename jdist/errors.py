@@ -1,6 +1,7 @@
 """The one exception type for mistakes a user can make (bad mesh, bad shapes, bad data),
 and how every `python -m jdist.*` command reports them."""
 
+import argparse
 import sys
 from collections.abc import Callable
 
@@ -10,6 +11,14 @@ class ConfigError(ValueError):
 
     The CLI prints it without a traceback and exits with status 2.
     """
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are ConfigErrors: one line, exit 2, like every jdist
+    usage error (argparse's own would print usage and exit with its own status)."""
+
+    def error(self, message: str) -> None:
+        raise ConfigError(f"{message}; see --help")
 
 
 def require(condition: bool, message: str) -> None:

@@ -7,16 +7,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jdist.errors import ConfigError, run_cli
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every jdist usage error
-        raise ConfigError(f"{message}; see --help")
+from jdist.errors import ArgumentParser, run_cli
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m jdist.data", description="Token data tools.")
+    parser = ArgumentParser(prog="python -m jdist.data", description="Token data tools.")
     commands = parser.add_subparsers(dest="command", required=True)
     tok = commands.add_parser(
         "tokenize", help="text files, directories and .jsonl files to a .bin of token ids",

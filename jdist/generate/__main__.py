@@ -9,20 +9,15 @@ import itertools
 import sys
 import time
 
-from jdist.errors import ConfigError, require, run_cli
+from jdist.errors import ArgumentParser, require, run_cli
 
 # Generation runs on the data, fsdp and tensor axes: the others shard what decoding lacks
 # (pipeline stages, the sequence of a one-token step, experts).
 SUPPORTED_AXES = ("data", "fsdp", "tensor")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every jdist usage error
-        raise ConfigError(f"{message}; see --help")
-
-
 def make_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m jdist.generate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m jdist.generate", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default="", help="a jdist run directory or checkpoint step")
     p.add_argument("--init-from", default="", help="a Hugging Face checkpoint directory")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")

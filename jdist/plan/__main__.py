@@ -11,16 +11,11 @@ import os
 import sys
 import time
 
-from jdist.errors import ConfigError, require, run_cli
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        raise ConfigError(f"{message}; see --help")
+from jdist.errors import ArgumentParser, ConfigError, require, run_cli
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m jdist.plan",
+    p = ArgumentParser(prog="python -m jdist.plan",
                 description="Choose the parallel layout of a training run before renting "
                             "hardware (calibrate: python -m jdist.plan calibrate).")
     p.add_argument("--model", required=True,

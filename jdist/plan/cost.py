@@ -44,6 +44,7 @@ from jdist.loss import CHUNKED
 from jdist.memory import Breakdown
 from jdist.parallel.blockwise import Q_TILE
 from jdist.plan.layouts import Layout
+from jdist.plan.traffic import group_size
 from jdist.train.throughput import flops_per_token
 
 
@@ -101,10 +102,6 @@ def model_flops(model, seq_len: int, tokens: float) -> float:
     return tokens * flops_per_token(model, seq_len)
 
 
-def group_size(shape: dict[str, int], axes: tuple[str, ...]) -> int:
-    return math.prod(shape[a] for a in axes) if axes else 1
-
-
 def hideable(row: Row) -> bool:
     """May this row run under the layer loop's compute (see the module docstring)?"""
     if set(row.axes) <= set(ax.REPLICA_AXES) and row.kind in (
@@ -113,7 +110,7 @@ def hideable(row: Row) -> bool:
     return row.kind == "collective-permute" and set(row.axes) == {ax.SEQUENCE}
 
 
-def price(rows: list[Row], shape: dict[str, int], profile, dcn_axes: frozenset) -> \
+def price(rows: list[Row], plan, profile, dcn_axes: frozenset) -> \
         list[tuple[Row, float, bool]]:
     """Each row's seconds per step on the link its axes cross: DCN when any of them spans
     hosts, else the ICI link (calibrated per collective kind where `cpu-sim` measured one)."""
@@ -123,7 +120,7 @@ def price(rows: list[Row], shape: dict[str, int], profile, dcn_axes: frozenset) 
             continue
         link = profile.link(row.kind, across_hosts=bool(set(row.axes) & dcn_axes))
         seconds = row.count * transfer_time(row.kind, row.bytes / row.count,
-                                            group_size(shape, row.axes), link)
+                                            group_size(plan, row.axes), link)
         out.append((row, seconds, hideable(row)))
     return out
 
@@ -168,7 +165,7 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
                            plan.remat, stages > 1, plan.loss, stages)
     compute = flops / profile.achievable_flops
-    comm = price(rows, shape, profile, dcn_axes)
+    comm = price(rows, plan, profile, dcn_axes)
     # Each class hides its overlap fraction, the two together never more than the compute.
     wanted = {True: profile.overlap, False: profile.overlap_tensor}
     hide = sum(s * wanted[h] for _, s, h in comm)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
 from jdist.data.sft import FORMATS
-from jdist.errors import ConfigError
+from jdist.errors import ArgumentParser
 from jdist.loss import LOSSES
 from jdist.packing import PACKINGS
 from jdist.parallel.attention import IMPLEMENTATIONS
@@ -209,15 +208,10 @@ CHOICES = {"compute_dtype": ["auto", "float32", "bfloat16"], "attention": list(I
            "verify_checkpoint": ["size", "full"]}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every jdist usage error
-        raise ConfigError(f"{message}; see --help")
-
-
 def make_parser(prog: str = "python -m jdist.train",
                 description: str = "Train a Llama-style model on any device mesh."):
     """One flag per TrainConfig field; usage errors raise ConfigError (one line, exit 2)."""
-    parser = _Parser(prog=prog, description=description)
+    parser = ArgumentParser(prog=prog, description=description)
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = field.type.split(" |")[0]
