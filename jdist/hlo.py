@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -35,14 +36,61 @@ def type_bytes(type_text: str) -> int:
 
 def executed_collectives(hlo_text: str) -> list[tuple[str, str, str, int]]:
     """(op, result type, rest of the line, executions per run) of every collective in HLO
-    module text; an async pair counts once, by its `-start` (as `collective_counts` does)."""
+    module text; an async pair counts once, by its `-start` (as `collective_counts` does),
+    with the result type of its `-done` (a GPU start's type also holds its operands)."""
     runs = executions(hlo_text)
-    return [(op, result, rest, runs[name]) for name, text in _computations(hlo_text).items()
-            for result, op, rest in _ANY_COLLECTIVE.findall(text)]
+    out = []
+    for name, text in computations(hlo_text).items():
+        done = {i.rest.split(")")[0].lstrip("%"): i.type for i in instructions(text)
+                if i.op.endswith("-done")}
+        for i in instructions(text):
+            kind = i.op.removesuffix("-start")
+            if kind in COLLECTIVES:
+                result = done.get(i.name) or start_result(kind, i.type) \
+                    if i.op.endswith("-start") else i.type
+                out.append((kind, result, i.rest, runs[name]))
+    return out
 
 
-_ANY_COLLECTIVE = re.compile(
-    rf"^\s*(?:ROOT )?\S+ = (.*?) ({'|'.join(COLLECTIVES)})(?:-start)?\((.*)$", re.MULTILINE)
+def start_result(kind: str, type_text: str) -> str:
+    """The result part of an async start's type whose done is not beside it (a start
+    pipelined across loop iterations): an all-reduce's is its type; the others print
+    `((operands), results, ...)` or `(operand, result, contexts)`: the second element."""
+    if kind == "all-reduce" or not type_text.startswith("("):
+        return type_text
+    depth, parts, begin = 0, [], 1
+    for i, ch in enumerate(type_text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if (ch == "," and depth == 1) or depth == 0:
+            parts.append(type_text[begin:i])
+            begin = i + 1
+        if depth == 0:
+            break
+    return parts[1] if len(parts) > 1 else type_text
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: its name, result type, opcode, and the rest of its line
+    (operands, then attributes)."""
+
+    name: str
+    type: str
+    op: str
+    rest: str
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+
+
+def instructions(computation_text: str) -> list[Instruction]:
+    """The instructions of one computation's text, in printed (for a scheduled module:
+    execution) order."""
+    return [Instruction(*m.groups()) for m in map(_INSTRUCTION.match,
+                                                  computation_text.splitlines()) if m]
+
+
 _GROUP = re.compile(r"\{([\d,]*)\}")
 
 
@@ -131,7 +179,7 @@ def loop_bodies(hlo_text: str) -> list[str]:
 def executed_collective_bytes(hlo_text: str) -> dict[str, int]:
     """Like `collective_bytes`, but a while-loop body counts once per iteration (XLA's
     `known_trip_count`; once if unknown), nested loops multiplying: the bytes a run moves."""
-    texts = _computations(hlo_text)
+    texts = computations(hlo_text)
     times = executions(hlo_text)
     out = dict.fromkeys(COLLECTIVES, 0)
     for name, text in texts.items():
@@ -144,7 +192,7 @@ def executions(hlo_text: str) -> dict[str, int]:
     """{computation name: how often one run of the module executes it}: a while-loop body
     once per iteration (XLA's `known_trip_count`; once if unknown), nested loops
     multiplying; every other computation once."""
-    texts = _computations(hlo_text)
+    texts = computations(hlo_text)
     times = dict.fromkeys(texts, 1)
     for name in reversed(list(texts)):  # XLA prints callees first: walk callers first
         for line in texts[name].splitlines():
@@ -155,7 +203,7 @@ def executions(hlo_text: str) -> dict[str, int]:
     return times
 
 
-def _computations(hlo_text: str) -> dict[str, str]:
+def computations(hlo_text: str) -> dict[str, str]:
     """{name: text} of every computation in HLO module text, in printed order."""
     out, name, lines = {}, None, []
     for line in hlo_text.splitlines():

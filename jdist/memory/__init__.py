@@ -360,9 +360,12 @@ def compile_step(plan, batch_size: int, seq_len: int):
 
     from jdist.train.step import make_train_step
 
+    from jdist.target import compiler_options
+
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     step = make_train_step(plan)
-    return step.lower(plan.abstract, {"inputs": tokens, "targets": tokens}).compile()
+    lowered = step.lower(plan.abstract, {"inputs": tokens, "targets": tokens})
+    return lowered.compile(compiler_options(plan.mesh) or None)
 
 
 def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
@@ -373,6 +376,7 @@ def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
     import jax
     import jax.numpy as jnp
 
+    from jdist.target import compiler_options
     from jdist.train.step import gradients
 
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
@@ -383,7 +387,8 @@ def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
     grads_fn = jax.jit(lambda params, batch: gradients(plan, params, batch)[2],
                        in_shardings=(plan.shardings.params, batch_sh),
                        out_shardings=plan.grad_shardings)
-    grads = grads_fn.lower(plan.abstract.params, batch).compile().memory_analysis()
+    grads = grads_fn.lower(plan.abstract.params, batch).compile(
+        compiler_options(plan.mesh) or None).memory_analysis()
 
     arguments = stats.argument_size_in_bytes + stats.host_argument_size_in_bytes
     batch_bytes = per_device_bytes(batch, batch_sh)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import sys
 
+from jdist import gpu_report
 from jdist.comm import comm_table, step_report
 from jdist.memory import compile_step, gib, measure, peak, predict, table
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jdist.errors import ConfigError
+    from jdist.errors import ConfigError, require
+    from jdist.target import prepare_target
     from jdist.train.__main__ import configure_devices
     from jdist.train.config import make_parser
 
@@ -28,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from jdist.train.config import TrainConfig
 
         config = TrainConfig(**args)
+        require(do_measure or not config.target, "--target compiles the step for a GPU; "
+                "add --measure")
+        if config.target:
+            prepare_target(config.target)
         configure_devices(config.cpu_devices or parse_mesh(config.mesh).n_devices(8))
         from jdist.train.setup import plan_for
 
@@ -40,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     compiled = compile_step(plan, config.batch_size, config.seq_len) if do_measure else None
     measured = measure(plan, config.batch_size, config.seq_len, compiled) if do_measure else None
     comm = step_report(compiled, config.mesh, plan.mesh) if do_measure else None
+    gpu = gpu_report.step_report(compiled, plan, config.batch_size, config.seq_len) \
+        if config.target else None
     if as_json:
         out = {"model": config.model, "mesh": dict(plan.mesh.shape), "zero": config.zero,
                "predicted": predicted.as_dict()}
@@ -47,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             out["measured"] = measured.as_dict()
             out["measured_peak"] = peak(compiled)
             out["comm"] = comm.as_dict()
+        if gpu:
+            out["target"] = {"name": config.target, "hosts": config.hosts, **gpu.as_dict()}
         print(json.dumps(out))
     else:
         print(f"model {config.model}, mesh {config.mesh}, zero {config.zero}, "
@@ -57,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                  if plan.quantize != "none" else ""))
         print(table(predicted, measured))
         if compiled is not None:
+            where = f"{config.target} GPU compiler" if config.target else "compiled step"
             print(f"{'peak':12} {'':>14} {gib(peak(compiled)):>14}  (arguments + outputs + "
-                  f"temporaries of the compiled step)")
-            print(comm_table(comm))
+                  f"temporaries, {where})")
+            print(gpu_report.table(gpu) if gpu else comm_table(comm))
     return 0
 
 

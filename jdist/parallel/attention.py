@@ -27,12 +27,16 @@ FLASH_MIN_SEQ = 1024
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def accelerator() -> tuple[str, tuple[int, ...]]:
-    """("cuda", compute capability) on an NVIDIA GPU; else (the backend's name, ())."""
-    device = jax.devices()[0]
-    if device.platform == "gpu" and "cuda" in device.client.platform_version.lower():
-        return "cuda", tuple(int(x) for x in device.compute_capability.split("."))
-    return jax.default_backend(), ()
+def accelerator(device=None) -> tuple[str, tuple[int, ...]]:
+    """("cuda", compute capability) for an NVIDIA GPU, a real one or a deviceless target's
+    (`jdist.target`); else (the platform's name, ()). Default: jax's first device."""
+    from jdist import target
+
+    device = device or jax.devices()[0]
+    nvidia = target.is_compile_only(device) or "cuda" in device.client.platform_version.lower()
+    if device.platform == "gpu" and nvidia:
+        return "cuda", target.capability_of(device)
+    return device.platform, ()
 
 
 def cudnn_refusal(backend: str, dtype, head_dim: int, capability: tuple = ()) -> str | None:

@@ -55,6 +55,9 @@ class TrainConfig:
     packing: str = "none"  # jdist.packing.PACKINGS
     data_format: str = "text"  # jdist.data.sft.FORMATS
     cpu_devices: int = 0  # 0: as many as the mesh needs (8 for a -1 axis)
+    # Compile for a GPU this machine does not have (jdist.target); with --dry-run.
+    target: str = ""
+    hosts: int = 1
     # Fine-tuning (see models.lora, jdist.nf4): None rank = full training.
     lora_rank: int | None = None
     lora_alpha: float = 16.0
@@ -172,6 +175,9 @@ HELP = {
                  "only the adapters and their optimizer state; the base comes back from "
                  "--init-from or the seed)",
     "cpu_devices": "CPU devices to simulate when the mesh has a -1 axis (default 8)",
+    "target": "with --dry-run: compile for GPUs this machine does not have (deviceless): "
+              "h100-80gb, h200-141gb, a100-80gb; needs the cuda12 extra",
+    "hosts": "with --target: hosts the mesh's devices sit on (a -1 axis fills 8 per host)",
     "checkpoint_every": "save an async sharded checkpoint to RUN_DIR/checkpoints every N steps "
                         "(0: only on preemption)",
     "keep": "keep the newest K good checkpoints",

@@ -53,7 +53,7 @@ def reorder_tokens(cp: ContextParallel, x):
 def attention_of(plan, seq_len: int) -> str:
     """The attention implementation the step runs (`--attention`, `auto` resolved)."""
     cp = ContextParallel(plan.mesh, plan.rules, plan.cp_strategy)
-    backend, capability = attn.accelerator()
+    backend, capability = attn.accelerator(plan.mesh.devices.flat[0])
     return attn.choose(plan.attention, backend=backend, capability=capability,
                        dtype=plan.compute_dtype, head_dim=plan.model.dim_per_head,
                        seq_len=seq_len, context_parallel=cp.size > 1,

@@ -59,8 +59,15 @@ class Setup:
                                  self.config.seq_len, self.plan.batch_sharding, stream)
 
 
-def mesh_devices(spec: MeshSpec, cpu_fill: int) -> list:
-    """The devices a mesh runs on. Simulated CPU devices beyond what it needs are left idle."""
+def mesh_devices(spec: MeshSpec, cpu_fill: int, target: str = "", hosts: int = 1) -> list:
+    """The devices a mesh runs on: a deviceless GPU `target`'s (`jdist.target`; a -1 axis
+    fills its hosts' 8 devices each), else jax's. Simulated CPU devices beyond what the mesh
+    needs are left idle."""
+    if target:
+        from jdist import target as gpu_target
+
+        require(hosts >= 1, f"--hosts {hosts} must be at least 1")
+        return list(gpu_target.devices(target, spec.n_devices(8 * hosts), hosts))
     devices = jax.devices()
     if devices[0].platform == "cpu" and jax.process_count() == 1:
         return devices[: min(len(devices), spec.n_devices(cpu_fill))]
@@ -132,7 +139,8 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     model = model_of(config)
     spec = parse_mesh(config.mesh)
     rules = rules_for(config)
-    mesh = build_mesh(spec, mesh_devices(spec, config.cpu_devices or 8))
+    mesh = build_mesh(spec, mesh_devices(spec, config.cpu_devices or 8, config.target,
+                                          config.hosts))
     check_model_fits(model, mesh, rules)
     check_divisible((config.batch_size, config.seq_len), (ax.BATCH, ax.LENGTH), mesh, rules,
                     "global batch")

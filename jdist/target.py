@@ -1,0 +1,158 @@
+"""Deviceless GPU targets: compile jdist's real step for NVIDIA GPUs this machine does not have.
+
+XLA's GPU compiler runs without a GPU when it is given a target description (a
+`GpuTargetConfig`: the device's SM count, memory, caches, compute capability and the CUDA and
+cuDNN versions) and a topology (`HOSTSx1xDEVICES_PER_HOST`). `jax.experimental.topologies`
+then returns compile-only devices. They go through the same `build_mesh`, `plan_for` and
+attention choice as real devices, and `jit(...).lower(...).compile()` on them produces the
+scheduled GPU program (cuDNN attention, cuBLAS/Triton gemms, asynchronous collectives under
+XLA's latency-hiding scheduler) whose memory and communication `jdist.memory` and
+`jdist.gpu_report` read. Nothing runs: there is nothing to run it on.
+
+What it needs (found on jax 0.10.2 with `jax[cuda12]==0.10.2`, i.e. `pip install
+".[cuda12]"`): the CUDA plugin importable; `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`, because the
+plugin's version probe calls cuInit, which fails without a driver (error 303) and aborts the
+plugin; the host backend kept on the CPU; and no autotuning (there is no device to time
+kernels on), which `COMPILER_OPTIONS` passes to each compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+
+from jdist.errors import ConfigError, require
+
+# What `jit(...).lower(...).compile(compiler_options=...)` needs for a compile-only GPU: the
+# autotuner would time candidate kernels on a device (XLA picks by its cost model instead).
+COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+CUDA_EXTRA = 'pip install -e ".[cuda12]"'  # the extra that brings jax's CUDA plugin
+CUDA_VERSION = (12, 9)  # CUDA runtime of jax[cuda12] 0.10.x wheels
+CUDNN_VERSION = (9, 8)  # the cuDNN those wheels require at least
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """One NVIDIA GPU as XLA's compiler sees it (`stream_executor.GpuDeviceInfoProto`): the
+    numbers its cost model, fusion and scheduling decisions read. From the data sheets and
+    what `nvidia-smi` / `cudaGetDeviceProperties` report for the SXM parts."""
+
+    description: str       # the CUDA device name (`device_kind` of the compile-only devices)
+    capability: tuple[int, int]
+    core_count: int        # streaming multiprocessors
+    memory_bytes: int      # what the driver reports (more than the nominal GB of the name)
+    memory_bandwidth: int  # bytes per second
+    l2_cache_bytes: int
+    clock_ghz: float
+    shared_memory_per_block_optin: int
+    shared_memory_per_core: int
+
+    def target_config(self) -> str:
+        """The `GpuTargetConfig` text proto `get_topology_desc(target_config=...)` reads."""
+        major, minor = self.capability
+        info = {"threads_per_block_limit": 1024, "threads_per_warp": 32,
+                "shared_memory_per_block": 48 * 1024,
+                "shared_memory_per_core": self.shared_memory_per_core,
+                "threads_per_core_limit": 2048, "core_count": self.core_count,
+                "fpus_per_core": 128, "block_dim_limit_x": 2**31 - 1,
+                "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+                "memory_bandwidth": self.memory_bandwidth,
+                "l2_cache_size": self.l2_cache_bytes, "clock_rate_ghz": self.clock_ghz,
+                "device_memory_size": self.memory_bytes,
+                "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
+                "registers_per_core_limit": 65536, "registers_per_block_limit": 65536}
+        fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
+        return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {major} "
+                f"minor: {minor} }}\n}}\nplatform_name: \"CUDA\"\n"
+                f"dnn_version_info {{ major: {CUDNN_VERSION[0]} minor: {CUDNN_VERSION[1]} }}\n"
+                f"runtime_version {{ major: {CUDA_VERSION[0]} minor: {CUDA_VERSION[1]} }}\n"
+                f"device_description_str: \"{self.description}\"\n")
+
+
+# Keyed by the planner's profile names (jdist/plan/profiles.toml), whose prices they share.
+GPUS = {
+    "h100-80gb": Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 84_929_347_584, 3_352_320_000_000,
+                     50 * 2**20, 1.98, 232_448, 233_472),
+    "h200-141gb": Gpu("NVIDIA H200", (9, 0), 132, 150_754_820_096, 4_800_000_000_000,
+                      50 * 2**20, 1.98, 232_448, 233_472),
+    "a100-80gb": Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 108, 85_198_045_184, 2_039_000_000_000,
+                     40 * 2**20, 1.41, 166_912, 167_936),
+}
+CAPABILITY = {gpu.description: gpu.capability for gpu in GPUS.values()}
+
+
+def gpu_of(name: str) -> Gpu:
+    require(name in GPUS, f"unknown --target {name!r}; use one of {', '.join(GPUS)}")
+    return GPUS[name]
+
+
+def check_plugin() -> None:
+    """One line naming the extra to install when jax's CUDA plugin is missing."""
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        raise ConfigError("compiling for a GPU target needs jax's CUDA plugin, which is not "
+                          f"installed; run {CUDA_EXTRA}")
+
+
+def prepare_host() -> None:
+    """Let jax's CUDA plugin load on a machine without a GPU, keeping jax's own devices on
+    the CPU. Must run before jax initialises its backends (the plugin's version probe runs
+    then); harmless after. A user's explicit JAX_PLATFORMS is kept."""
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    if not os.environ.get("JAX_PLATFORMS") and not has_nvidia_driver():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        try:
+            import jax
+            jax.config.update("jax_platforms", "cpu")
+        except RuntimeError:  # backends already up: they stay as they are
+            pass
+
+
+def has_nvidia_driver() -> bool:
+    """Whether this machine has an NVIDIA kernel driver (a GPU jax's plugin could open)."""
+    return os.path.exists("/proc/driver/nvidia/version")
+
+
+def prepare_target(name: str) -> None:
+    """Check a `--target` before jax starts: a known GPU, and the plugin installed."""
+    gpu_of(name)
+    check_plugin()
+    prepare_host()
+
+
+@functools.lru_cache(maxsize=None)
+def devices(name: str, n_devices: int, hosts: int = 1) -> tuple:
+    """`n_devices` compile-only devices of GPU `name` over `hosts` hosts (process index =
+    host), in the order `build_mesh` lays out."""
+    gpu = gpu_of(name)
+    require(hosts >= 1 and n_devices % hosts == 0,
+            f"--target {name}: {n_devices} devices do not split evenly over --hosts {hosts}; "
+            "give a device count that is a multiple of the host count")
+    prepare_target(name)
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=gpu.target_config(),
+        topology=f"{hosts}x1x{n_devices // hosts}")
+    return tuple(topology.devices)
+
+
+def is_compile_only(device) -> bool:
+    """A device of a deviceless target (compiles, never runs)."""
+    client = getattr(device, "client", None)
+    return getattr(client, "runtime_type", "") == "compile_only_runtime"
+
+
+def compiler_options(mesh) -> dict:
+    """Options the compile of a step on `mesh` needs: none on real devices."""
+    return dict(COMPILER_OPTIONS) if is_compile_only(mesh.devices.flat[0]) else {}
+
+
+def capability_of(device) -> tuple[int, ...]:
+    """The compute capability of an NVIDIA device: reported by a real one, from the target's
+    description for a compile-only one."""
+    reported = getattr(device, "compute_capability", None)
+    if reported:
+        return tuple(int(x) for x in str(reported).split("."))
+    return CAPABILITY.get(device.device_kind, ())
