@@ -5,3 +5,29 @@ still choose how many CPU devices to simulate after `import jdist`.
 """
 
 __version__ = "0.1.0"
+
+
+def _cpu_without_a_driver() -> None:
+    """With jax's CUDA plugin installed (the `cuda12` extra, which also compiles for GPU
+    targets) on a machine without an NVIDIA driver, jax prints the plugin's failed
+    cuInit traceback at start and then runs on the CPU anyway: say `cpu` up front instead.
+    A JAX_PLATFORMS the user set is kept; GPU machines are untouched."""
+    import importlib.util
+    import os
+
+    if os.environ.get("JAX_PLATFORMS") or os.path.exists("/proc/driver/nvidia/version"):
+        return
+    if importlib.util.find_spec("jax_plugins") is None or \
+            importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import sys
+
+    if "jax" in sys.modules:  # jax read the variable already: tell its config
+        try:
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
+        except (RuntimeError, AttributeError):  # backends up already: too late to matter
+            pass
+
+
+_cpu_without_a_driver()

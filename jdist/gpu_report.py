@@ -141,7 +141,7 @@ def _collectives(body: list[hlo.Instruction], heavy: set[str]):
     for n, i in enumerate(body):
         if i.op.endswith("-done"):
             done_of[i.rest.split(")")[0].lstrip("%")] = n
-    for n, i in enumerate(body):
+    for i in body:
         kind = i.op.removesuffix("-start")
         if kind not in hlo.COLLECTIVES:
             continue

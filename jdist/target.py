@@ -88,30 +88,23 @@ def gpu_of(name: str) -> Gpu:
     return GPUS[name]
 
 
+def plugin_installed() -> bool:
+    return importlib.util.find_spec("jax_plugins") is not None and \
+        importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
 def check_plugin() -> None:
     """One line naming the extra to install when jax's CUDA plugin is missing."""
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not plugin_installed():
         raise ConfigError("compiling for a GPU target needs jax's CUDA plugin, which is not "
                           f"installed; run {CUDA_EXTRA}")
 
 
 def prepare_host() -> None:
-    """Let jax's CUDA plugin load on a machine without a GPU, keeping jax's own devices on
-    the CPU. Must run before jax initialises its backends (the plugin's version probe runs
-    then); harmless after. A user's explicit JAX_PLATFORMS is kept."""
+    """Let jax's CUDA plugin load for a compile-only topology on a machine without a GPU
+    (importing `jdist` already keeps jax's own devices on the CPU there). The plugin reads
+    the variable when it first loads, which on the CPU platform is at the first topology."""
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    if not os.environ.get("JAX_PLATFORMS") and not has_nvidia_driver():
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        try:
-            import jax
-            jax.config.update("jax_platforms", "cpu")
-        except RuntimeError:  # backends already up: they stay as they are
-            pass
-
-
-def has_nvidia_driver() -> bool:
-    """Whether this machine has an NVIDIA kernel driver (a GPU jax's plugin could open)."""
-    return os.path.exists("/proc/driver/nvidia/version")
 
 
 def prepare_target(name: str) -> None:

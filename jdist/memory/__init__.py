@@ -358,9 +358,8 @@ def compile_step(plan, batch_size: int, seq_len: int):
     import jax
     import jax.numpy as jnp
 
-    from jdist.train.step import make_train_step
-
     from jdist.target import compiler_options
+    from jdist.train.step import make_train_step
 
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     step = make_train_step(plan)

@@ -41,6 +41,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning")
     p.add_argument("--quantize-base", choices=["none", "nf4"], default="none", help="QLoRA")
     p.add_argument("--double-quant", action="store_true")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="compile the best K layouts for the accelerator with the GPU compiler "
+                        "(deviceless; needs the cuda12 extra): compiled memory against the "
+                        "budget, exposed communication instead of the assumed overlap")
     return p
 
 
@@ -58,7 +62,8 @@ def base_config(args):
         model = {"init_from": path or "."}
     return TrainConfig(**model, batch_size=args.batch_size, seq_len=args.seq_len,
                        compute_dtype=dtype, lora_rank=args.lora_rank,
-                       quantize_base=args.quantize_base, double_quant=args.double_quant)
+                       quantize_base=args.quantize_base, double_quant=args.double_quant,
+                       target=args.target)
 
 
 def command(base, layout) -> str:
@@ -122,7 +127,22 @@ def plan_main(argv: list[str]) -> int:
             f"--fix {','.join(args.fix)} uses {math.prod(fixed.values())} devices, which does not "
             f"divide --devices {args.devices}")
     from jdist.plan.search import GROWTH, HEADROOM, describe_counts, search, smallest_change
-    simulate_devices(args.devices * GROWTH)  # before jax starts its backends
+    from jdist.target import GPUS, check_plugin, plugin_installed, prepare_target
+
+    require(args.verify >= 0, f"--verify {args.verify} must be at least 0")
+    require(not args.verify or args.profile.name in GPUS,
+            f"--verify compiles for a GPU target; {args.profile.name} has none (use one of "
+            f"{', '.join(GPUS)})")
+    if args.verify:
+        check_plugin()
+    # The trainer plans on the target GPU's compile-only devices where the CUDA plugin is
+    # installed (attention `auto` resolves as on that GPU: cuDNN), else on simulated CPUs.
+    args.target = args.profile.name if args.profile.name in GPUS and plugin_installed() \
+        else ""
+    if args.target:
+        prepare_target(args.target)
+    else:
+        simulate_devices(args.devices * GROWTH)  # before jax starts its backends
 
     base = base_config(args)
     budget = args.memory_gb * 1e9 * HEADROOM if args.memory_gb else None
@@ -141,18 +161,44 @@ def plan_main(argv: list[str]) -> int:
         raise ConfigError(f"no layout of {args.model} on {args.devices} {args.profile.name} "
                           f"devices fits in {budget_gb:.1f} GB per device{need}; {fix}")
     best = result.ranked[0]
+    verified = []
+    if args.verify:
+        from jdist.plan import verify
+
+        verified = verify.verify(result.ranked[:args.verify], base, hosts, args.profile,
+                                 budget or args.profile.usable_memory_bytes * HEADROOM)
+        fitting = [v for v in verified if v.fits]
+        if not fitting:
+            from jdist.plan.verify import table as verified_table
+            print(verified_table(verified), file=sys.stderr)
+            raise ConfigError(
+                f"none of the {len(verified)} best layouts fits once the GPU compiler lays it "
+                "out (table above); rerun with a larger --verify, or a --memory-gb below the "
+                "budget to leave room")
+        best = fitting[0].verified
+    devices = f"{args.target} compile-only devices" if args.target else \
+        "simulated CPU devices (install the cuda12 extra to plan on the GPU's own)"
     if args.json:
-        print(json.dumps({"model": args.model, "devices": args.devices, "hosts": hosts,
-                          "accelerator": args.profile.name, "batch_size": args.batch_size,
-                          "seq_len": args.seq_len, "search_s": took,
-                          "layouts": [as_json(e, base) for e in result.ranked[:args.top]],
-                          "command": command(base, best.layout)}))
+        out = {"model": args.model, "devices": args.devices, "hosts": hosts,
+               "accelerator": args.profile.name, "planned_on": devices,
+               "batch_size": args.batch_size, "seq_len": args.seq_len, "search_s": took,
+               "layouts": [as_json(e, base) for e in result.ranked[:args.top]],
+               "command": command(base, best.layout)}
+        if verified:
+            from jdist.plan.verify import as_json as verified_json
+            out["verified"] = [verified_json(v) for v in verified]
+        print(json.dumps(out))
         return 0
     print(f"{args.model} on {args.devices} x {args.profile.name} ({hosts} host"
           f"{'s' if hosts > 1 else ''}), batch "
           f"{args.batch_size} x {args.seq_len}, {base.compute_dtype}: {describe_counts(result)} "
-          f"({took:.1f} s)")
+          f"({took:.1f} s, planned on {devices})")
     print(table(result.ranked, args.top))
+    if verified:
+        from jdist.plan.verify import table as verified_table
+        print(f"\nthe best {len(verified)} compiled for {args.devices} x {args.target} by the "
+              f"GPU compiler ({sum(v.compile_s for v in verified):.0f} s), verified ranking:")
+        print(verified_table(verified))
     print(f"\nbest: {command(base, best.layout)}")
     return 0
 

@@ -156,8 +156,10 @@ def bottleneck(compute: float, memory_bound: float, exposed: dict[str, float],
 
 def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
              dcn_axes: frozenset, batch_size: int, seq_len: int, attention: str,
-             offload_bytes: int = 0) -> Estimate:
-    """Cost of `layout` whose plan, memory and traffic are already known."""
+             offload_bytes: int = 0, exposure: dict | None = None) -> Estimate:
+    """Cost of `layout` whose plan, memory and traffic are already known. `exposure`
+    ({(kind, axes): exposed share}, from the GPU-compiled step: `jdist.plan.verify`)
+    replaces the assumed overlap: each row hides what the compiled schedule hides."""
     shape = layout.shape
     stages = shape[ax.STAGE]
     devices = math.prod(shape.values())
@@ -168,12 +170,14 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     comm = price(rows, plan, profile, dcn_axes)
     # Each class hides its overlap fraction, the two together never more than the compute.
     wanted = {True: profile.overlap, False: profile.overlap_tensor}
-    hide = sum(s * wanted[h] for _, s, h in comm)
+    hidden = [1 - exposure.get((row.kind, row.axes), 1.0) if exposure is not None
+              else wanted[h] for row, _, h in comm]
+    hide = sum(s * f for (_, s, _), f in zip(comm, hidden))
     scale = min(1.0, compute / hide) if hide else 0.0
     exposed_rows: dict[str, float] = {}
-    for row, s, h in comm:
+    for (row, s, _), f in zip(comm, hidden):
         name = f"{row.kind} over {','.join(row.axes)}"
-        exposed_rows[name] = exposed_rows.get(name, 0.0) + s * (1 - wanted[h] * scale)
+        exposed_rows[name] = exposed_rows.get(name, 0.0) + s * (1 - f * scale)
     exposed = sum(exposed_rows.values())
     bubble = pipeline_bubble(plan.pipeline.table(stages), plan.remat) if plan.pipeline else 0.0
     busy = compute + exposed

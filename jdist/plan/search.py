@@ -72,6 +72,8 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
     from jdist.train.setup import model_of
 
     fixed = fixed or {}
+    if base.target:  # compile-only devices of the target GPU, laid over the hosts
+        base = dataclasses.replace(base, hosts=hosts)
     budget = budget if budget is not None else profile.usable_memory_bytes * HEADROOM
     model = model_of(base)
     result = Result([])
@@ -82,7 +84,7 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
         except ConfigError:
             result.pruned["axes do not split over the hosts"] += 1
             continue
-        dcn_axes = frozenset(a for a, n in dcn.items() if n > 1)  # the axes across hosts
+        dcn_axes = crossing(dcn)
         groups: dict[tuple, list[Layout]] = {}
         for layout in mesh_variants(shape, base.batch_size, model.n_layers):
             groups.setdefault((layout.zero, layout.sequence_parallel), []).append(layout)
@@ -96,6 +98,11 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
                               profile, dcn_axes, budget, result)
     result.ranked.sort(key=lambda e: (e.step_s, e.memory.total, len(e.layout.flags())))
     return result
+
+
+def crossing(dcn: dict[str, int]) -> frozenset:
+    """The mesh axes that span hosts, from `jdist.mesh.dcn_sizes`."""
+    return frozenset(a for a, n in dcn.items() if n > 1)
 
 
 def _search_group(base, layouts: list[Layout], profile, dcn_axes, budget: float,
@@ -152,7 +159,8 @@ def _best_variant(base, layout: Layout, plan, state, profile, dcn_axes, budget: 
     return best
 
 
-def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base) -> cost.Estimate:
+def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base,
+              exposure: dict | None = None) -> cost.Estimate:
     from jdist.train.context import attention_of
 
     offload = 0
@@ -161,7 +169,7 @@ def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base) -> cost.Est
         offload = per_device_bytes(plan.abstract.opt_state, plan.opt_device_shardings)
     rows = step_traffic(plan, base.batch_size, base.seq_len)
     return cost.estimate(layout, plan, memory, rows, profile, dcn_axes, base.batch_size,
-                         base.seq_len, attention_of(plan, base.seq_len), offload)
+                         base.seq_len, attention_of(plan, base.seq_len), offload, exposure)
 
 
 def devices_needed(base, n_devices: int, hosts: int, profile) -> tuple[int, int] | None:

@@ -65,6 +65,13 @@ def train_from_flags(argv: list[str] | None) -> None:
 
     config = parse_args(argv)
     spec = parse_mesh(config.mesh)
+    if config.target:
+        from jdist.errors import require
+        from jdist.target import prepare_target
+
+        require(config.dry_run, f"--target {config.target} compiles for GPUs this machine "
+                                "does not have, which cannot run; add --dry-run")
+        prepare_target(config.target)
     coordinator, n_proc, proc_id = process_settings(
         config.coordinator, config.num_processes, config.process_id)
     cpu_devices = config.cpu_devices or spec.n_devices(default_fill=8)

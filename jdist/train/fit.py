@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jdist import gpu_report
 from jdist.comm import comm_table, step_report
 from jdist.errors import ConfigError
-from jdist.memory import Breakdown, compile_step, measure, predict, table
+from jdist.memory import Breakdown, compile_step, gib, measure, peak, predict, table
 from jdist.train.setup import plan_for
 
 
@@ -41,6 +42,9 @@ def device_budget(config) -> int | None:
 
     if config.device_memory_gb:
         return int(config.device_memory_gb * 2**30)
+    if config.target:  # what JAX lets one process allocate on that GPU
+        from jdist.plan.profiles import load_profile
+        return int(load_profile(config.target).usable_memory_bytes)
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
 
@@ -72,8 +76,20 @@ def dry_run(config) -> None:
     compiled = compile_step(plan, config.batch_size, config.seq_len)
     measured = measure(plan, config.batch_size, config.seq_len, compiled)
     print(table(plan_breakdown(config, plan), measured), flush=True)
-    print(comm_table(step_report(compiled, config.mesh, plan.mesh)), flush=True)
+    if config.target:
+        print(f"compiled for {plan.mesh.devices.size} x {config.target} on {config.hosts} "
+              f"host{'s' if config.hosts > 1 else ''} by the GPU compiler: peak "
+              f"{gib(peak(compiled)).strip()} per device", flush=True)
+        print(gpu_report.table(gpu_report.step_report(compiled, plan, config.batch_size,
+                                                      config.seq_len)), flush=True)
+    else:
+        print(comm_table(step_report(compiled, config.mesh, plan.mesh)), flush=True)
     check_fits(config, plan)
+    budget = device_budget(config)
+    if config.target and budget and peak(compiled) > budget:
+        raise ConfigError(f"the GPU-compiled step needs {peak(compiled) / 2**30:.2f} GiB per "
+                          f"device but {config.target} lets a process allocate "
+                          f"{budget / 2**30:.2f} GiB; try {suggest(config, budget)}")
     print("dry run: the plan fits; nothing was allocated", flush=True)
 
 

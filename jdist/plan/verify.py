@@ -1,0 +1,79 @@
+"""`python -m jdist.plan ... --verify K`: hold the planner's best K layouts to the GPU compiler.
+
+Each layout is planned by the trainer on the target's compile-only devices
+(`jdist.target`) and its real step compiled for them. The compiled peak (arguments +
+outputs - aliases + temporaries) is checked against the budget the planner claimed it fits,
+and the step is re-priced with the compiled schedule's exposed share of each collective
+(`jdist.gpu_report`) in place of the profile's assumed overlap. The verified ranking drops
+what does not fit and orders the rest by the re-priced step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jdist import gpu_report
+from jdist.memory import compile_step, peak
+from jdist.mesh import dcn_sizes
+from jdist.plan import cost
+from jdist.plan.search import _estimate, crossing
+
+
+@dataclasses.dataclass
+class Verified:
+    planned: cost.Estimate    # as the search priced it (assumed overlap)
+    verified: cost.Estimate   # re-priced with the compiled exposure
+    compiled_peak: int        # bytes per device, GPU compiler
+    report: gpu_report.GpuReport
+    fits: bool
+    compile_s: float
+
+    @property
+    def memory_ratio(self) -> float:
+        """Predicted total over the compiled peak."""
+        return self.planned.memory.total / self.compiled_peak
+
+
+def verify(estimates: list[cost.Estimate], base, hosts: int, profile, budget: float) -> \
+        list[Verified]:
+    """Compile each estimate's layout for `base.target` on `hosts` hosts; verified ranking
+    (fitting ones by re-priced step time, then the ones that do not fit)."""
+    from jdist.train.setup import plan_for
+
+    out = []
+    for e in estimates:
+        config = dataclasses.replace(e.layout.to_config(base), hosts=hosts)
+        _, plan, _ = plan_for(config)
+        start = time.perf_counter()
+        compiled = compile_step(plan, base.batch_size, base.seq_len)
+        took = time.perf_counter() - start
+        rep = gpu_report.step_report(compiled, plan, base.batch_size, base.seq_len)
+        exposure = {(r.kind, r.axes): r.exposed for r in rep.rows}
+        dcn_axes = crossing(dcn_sizes(e.layout.shape, {}, hosts))
+        again = _estimate(e.layout, plan, e.memory, profile, dcn_axes, base, exposure)
+        top = peak(compiled)
+        out.append(Verified(e, again, top, rep, top <= budget, took))
+    return sorted(out, key=lambda v: (not v.fits, v.verified.step_s))
+
+
+def table(verified: list[Verified]) -> str:
+    width = max(len(v.planned.layout.label()) for v in verified)
+    lines = [f"{'#':>3} {'layout':{width}} {'predicted GB':>12} {'compiled GB':>11} "
+             f"{'pred/comp':>9} {'fits':>4} {'exposed':>7} {'assumed s':>9} {'verified s':>10} "
+             f"{'MFU':>6}"]
+    for i, v in enumerate(verified, 1):
+        lines.append(
+            f"{i:3d} {v.planned.layout.label():{width}} {v.planned.memory.total / 1e9:12.2f} "
+            f"{v.compiled_peak / 1e9:11.2f} {v.memory_ratio:9.3f} "
+            f"{'yes' if v.fits else 'NO':>4} {v.report.exposed:7.1%} "
+            f"{v.planned.step_s:9.4g} {v.verified.step_s:10.4g} {v.verified.mfu:6.1%}")
+    return "\n".join(lines)
+
+
+def as_json(v: Verified) -> dict:
+    return {"layout": v.planned.layout.label(), "flags": v.planned.layout.flags(),
+            "predicted_bytes": v.planned.memory.total, "compiled_peak_bytes": v.compiled_peak,
+            "fits": v.fits, "assumed_step_s": v.planned.step_s,
+            "verified_step_s": v.verified.step_s, "verified_mfu": v.verified.mfu,
+            "compile_s": v.compile_s, "gpu": v.report.as_dict()}
