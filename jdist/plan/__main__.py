@@ -42,9 +42,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize-base", choices=["none", "nf4"], default="none", help="QLoRA")
     p.add_argument("--double-quant", action="store_true")
     p.add_argument("--verify", type=int, default=0, metavar="K",
-                   help="compile the best K layouts for the accelerator with the GPU compiler "
-                        "(deviceless; needs the cuda12 extra): compiled memory against the "
-                        "budget, exposed communication instead of the assumed overlap")
+                   help="compile the best layouts for the accelerator with the GPU compiler "
+                        "(deviceless; needs the cuda12 extra) until K fit: compiled memory "
+                        "against the budget, exposed communication instead of the assumed "
+                        "overlap")
     return p
 
 
@@ -165,7 +166,7 @@ def plan_main(argv: list[str]) -> int:
     if args.verify:
         from jdist.plan import verify
 
-        verified = verify.verify(result.ranked[:args.verify], base, hosts, args.profile,
+        verified = verify.verify(result.ranked, args.verify, base, hosts, args.profile,
                                  budget or args.profile.usable_memory_bytes * HEADROOM)
         fitting = [v for v in verified if v.fits]
         if not fitting:
@@ -197,7 +198,9 @@ def plan_main(argv: list[str]) -> int:
     if verified:
         from jdist.plan.verify import table as verified_table
         print(f"\nthe best {len(verified)} compiled for {args.devices} x {args.target} by the "
-              f"GPU compiler ({sum(v.compile_s for v in verified):.0f} s), verified ranking:")
+              f"GPU compiler ({sum(v.compile_s for v in verified):.0f} s) until {args.verify} "
+              "fit the budget; verified ranking (fits: compiled peak within the budget of "
+              f"{(budget or args.profile.usable_memory_bytes * HEADROOM) / 1e9:.1f} GB):")
         print(verified_table(verified))
     print(f"\nbest: {command(base, best.layout)}")
     return 0

@@ -35,14 +35,17 @@ class Verified:
         return self.planned.memory.total / self.compiled_peak
 
 
-def verify(estimates: list[cost.Estimate], base, hosts: int, profile, budget: float) -> \
+def verify(ranked: list[cost.Estimate], k: int, base, hosts: int, profile, budget: float) -> \
         list[Verified]:
-    """Compile each estimate's layout for `base.target` on `hosts` hosts; verified ranking
-    (fitting ones by re-priced step time, then the ones that do not fit)."""
+    """Compile the layouts of `ranked` for `base.target` on `hosts` hosts, best first, until
+    `k` of them fit `budget` by the GPU compiler (at most 2k compiles); the verified
+    ranking: fitting ones by re-priced step time, then the ones that do not fit."""
     from jdist.train.setup import plan_for
 
     out = []
-    for e in estimates:
+    for e in ranked[:2 * k]:
+        if sum(v.fits for v in out) == k:
+            break
         config = dataclasses.replace(e.layout.to_config(base), hosts=hosts)
         _, plan, _ = plan_for(config)
         start = time.perf_counter()
