@@ -40,24 +40,29 @@ def verify(ranked: list[cost.Estimate], k: int, base, hosts: int, profile, budge
     """Compile the layouts of `ranked` for `base.target` on `hosts` hosts, best first, until
     `k` of them fit `budget` by the GPU compiler (at most 2k compiles); the verified
     ranking: fitting ones by re-priced step time, then the ones that do not fit."""
-    from jdist.train.setup import plan_for
-
     out = []
     for e in ranked[:2 * k]:
         if sum(v.fits for v in out) == k:
             break
-        config = dataclasses.replace(e.layout.to_config(base), hosts=hosts)
-        _, plan, _ = plan_for(config)
-        start = time.perf_counter()
-        compiled = compile_step(plan, base.batch_size, base.seq_len)
-        took = time.perf_counter() - start
-        rep = gpu_report.step_report(compiled, plan, base.batch_size, base.seq_len)
-        exposure = {(r.kind, r.axes): r.exposed for r in rep.rows}
-        dcn_axes = crossing(dcn_sizes(e.layout.shape, {}, hosts))
-        again = _estimate(e.layout, plan, e.memory, profile, dcn_axes, base, exposure)
-        top = peak(compiled)
-        out.append(Verified(e, again, top, rep, top <= budget, took))
+        out.append(compile_layout(e, base, hosts, profile, budget))
     return sorted(out, key=lambda v: (not v.fits, v.verified.step_s))
+
+
+def compile_layout(e: cost.Estimate, base, hosts: int, profile, budget: float) -> Verified:
+    """One planned layout compiled for `base.target` on `hosts` hosts, and re-priced."""
+    from jdist.train.setup import plan_for
+
+    config = dataclasses.replace(e.layout.to_config(base), hosts=hosts)
+    _, plan, _ = plan_for(config)
+    start = time.perf_counter()
+    compiled = compile_step(plan, base.batch_size, base.seq_len)
+    took = time.perf_counter() - start
+    rep = gpu_report.step_report(compiled, plan, base.batch_size, base.seq_len)
+    exposure = {(r.kind, r.axes): r.exposed for r in rep.rows}
+    dcn_axes = crossing(dcn_sizes(e.layout.shape, {}, hosts))
+    again = _estimate(e.layout, plan, e.memory, profile, dcn_axes, base, exposure)
+    top = peak(compiled)
+    return Verified(e, again, top, rep, top <= budget, took)
 
 
 def table(verified: list[Verified]) -> str:
