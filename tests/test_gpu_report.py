@@ -88,3 +88,22 @@ def test_loop_collectives_are_weighted_by_trip_count(fsdp_step):
     weighted = gpu_report.executions(text)
     loops = re.findall(r'body=%?([\w.\-]+).*?"known_trip_count":\{"n":"(\d+)"', text)
     assert loops and all(weighted[body] >= int(n) for body, n in loops)
+
+
+def test_peak_breakdown_accounts_for_the_state_and_the_layer_loop():
+    """XLA's account of the peak (`--peak-breakdown`), here of the CPU compiler: the
+    parameters as the arguments hold them, the rest attributed to the step's operations."""
+    from jdist.memory import compile_step
+    from jdist.sharding import per_device_bytes
+
+    config = TrainConfig(model="tiny", mesh="fsdp=8", batch_size=8, seq_len=64, remat="full")
+    _, plan, _ = plan_for(config)
+    lines: list[str] = []
+    compile_step(plan, config.batch_size, config.seq_len, lines)
+    assert lines and "peak usage" in lines[0]
+    state = [line for line in lines if line.endswith("── state")]
+    assert len(state) == 1
+    held = per_device_bytes(plan.abstract.params, plan.shardings.params)  # `state.params`
+    value, unit = state[0].split()[1:3]
+    assert float(value) * {"MiB": 2**20, "GiB": 2**30}[unit] == pytest.approx(held, rel=1e-3)
+    assert any("jit(step)/shard_map" in line for line in lines)

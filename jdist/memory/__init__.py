@@ -353,8 +353,9 @@ def _prefix(part, full):
     return leaves
 
 
-def compile_step(plan, batch_size: int, seq_len: int):
-    """The training step compiled ahead of time on abstract inputs (nothing allocated)."""
+def compile_step(plan, batch_size: int, seq_len: int, breakdown: list | None = None):
+    """The training step compiled ahead of time on abstract inputs (nothing allocated).
+    A `breakdown` list receives the compiler's account of the peak (`jdist.memory.peak`)."""
     import jax
     import jax.numpy as jnp
 
@@ -364,7 +365,13 @@ def compile_step(plan, batch_size: int, seq_len: int):
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     step = make_train_step(plan)
     lowered = step.lower(plan.abstract, {"inputs": tokens, "targets": tokens})
-    return lowered.compile(compiler_options(plan.mesh) or None)
+    if breakdown is None:
+        return lowered.compile(compiler_options(plan.mesh) or None)
+    from jdist.memory.peak import compile_with_breakdown
+
+    compiled, lines = compile_with_breakdown(lowered, compiler_options(plan.mesh))
+    breakdown.extend(lines)
+    return compiled
 
 
 def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:

@@ -23,14 +23,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true",
                         help="also compile the step ahead of time and read the compiler's bytes")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--peak-breakdown", action="store_true",
+                        help="with --measure: what the compiler keeps at the peak, by the "
+                             "operation that made it (XLA's live-range report)")
     try:
         args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
         do_measure, as_json = args.pop("measure"), args.pop("json")
+        want_breakdown = args.pop("peak_breakdown")
         from jdist.mesh import parse_mesh
         from jdist.train.config import TrainConfig
 
         config = TrainConfig(**args)
         require(do_measure or not config.target, "--target compiles the step for a GPU; "
+                "add --measure")
+        require(do_measure or not want_breakdown, "--peak-breakdown reads the compiled step; "
                 "add --measure")
         if config.target:
             prepare_target(config.target)
@@ -43,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     micro = config.batch_size // config.grad_accum
     predicted = predict(plan, micro, config.seq_len)
-    compiled = compile_step(plan, config.batch_size, config.seq_len) if do_measure else None
+    lines: list[str] = []
+    compiled = compile_step(plan, config.batch_size, config.seq_len,
+                            lines if want_breakdown else None) if do_measure else None
     measured = measure(plan, config.batch_size, config.seq_len, compiled) if do_measure else None
     comm = step_report(compiled, config.mesh, plan.mesh) if do_measure else None
     gpu = gpu_report.step_report(compiled, plan, config.batch_size, config.seq_len) \
@@ -55,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             out["measured"] = measured.as_dict()
             out["measured_peak"] = peak(compiled)
             out["comm"] = comm.as_dict()
+        if want_breakdown:
+            out["peak_breakdown"] = lines
         if gpu:
             out["target"] = {"name": config.target, "hosts": config.hosts, **gpu.as_dict()}
         print(json.dumps(out))
@@ -71,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'peak':12} {'':>14} {gib(peak(compiled)):>14}  (arguments + outputs + "
                   f"temporaries, {where})")
             print(gpu_report.table(gpu) if gpu else comm_table(comm))
+            if want_breakdown:
+                print("\n".join(lines) or "no peak breakdown: the compiler wrote no report")
     return 0
 
 
