@@ -5,9 +5,10 @@ Read from the text of a step compiled for a GPU (`jdist.target`), whose instruct
 in the order XLA's latency-hiding scheduler runs them. Per device and per step:
 
 - **Collective bytes** by kind and mesh axes, each collective weighted by how often a step
-  runs it (the trip counts of the loops around it, multiplied; `jdist.hlo.executions`). A
-  conditional (a pipeline tick's `lax.switch`) gives each of its n branches 1/n of its
-  executions: which branch a device takes at a tick is data the program does not show.
+  runs it (the trip counts of the loops around it, multiplied). A pipeline tick's
+  `lax.switch` (idle, forward, backward) weighs each branch by the share of ticks the
+  schedule table gives it on a device (`branch_shares`); any other conditional gives each
+  of its n branches 1/n of its executions (which branch runs is data).
 - **Exposed communication**: an asynchronous collective is *hidden* when at least one
   matmul-class operation (a cuBLAS gemm, a Triton or custom gemm fusion, a cuDNN call, or a
   loop or call holding one) is scheduled between its `-start` and its `-done` on the same
@@ -110,11 +111,12 @@ def is_matmul(i: hlo.Instruction, heavy: set[str]) -> bool:
     return _own_matmul(i) or bool(_callees(i.rest) & heavy)
 
 
-def report(hlo_text: str, mesh, model_flops: float = 0.0) -> GpuReport:
+def report(hlo_text: str, mesh, model_flops: float = 0.0,
+           branch_shares: dict[int, tuple[float, ...]] | None = None) -> GpuReport:
     """The report of scheduled GPU HLO text on `mesh` (module docstring)."""
     comps = hlo.computations(hlo_text)
     heavy = matmul_computations(comps)
-    runs = executions(hlo_text, comps)
+    runs = executions(hlo_text, comps, branch_shares)
     types = {i.name: i.type for text in comps.values() for i in hlo.instructions(text)}
     rows: dict[tuple[str, tuple[str, ...]], Row] = {}
     flops = 0.0
@@ -157,11 +159,13 @@ def _collectives(body: list[hlo.Instruction], heavy: set[str]):
                                                              for w in window)
 
 
-def executions(hlo_text: str, comps: dict[str, str] | None = None) -> dict[str, float]:
+def executions(hlo_text: str, comps: dict[str, str] | None = None,
+               branch_shares: dict[int, tuple[float, ...]] | None = None) -> dict[str, float]:
     """{computation: executions per run} along the whole call graph: a loop body once per
     iteration (`known_trip_count`, else once), a fusion or call as often as its caller,
-    each of a conditional's n branches 1/n of its caller's (which branch runs is data).
-    Reducers (`to_apply`) are not counted: they hold no matmul or collective."""
+    the branches of a conditional with n branches by `branch_shares[n]` (shares in branch
+    order) of its caller's, else 1/n each (which branch runs is data). Reducers
+    (`to_apply`) are not counted: they hold no matmul or collective."""
     comps = comps or hlo.computations(hlo_text)
     times = dict.fromkeys(comps, 0.0)
     entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.MULTILINE)
@@ -179,9 +183,10 @@ def executions(hlo_text: str, comps: dict[str, str] | None = None) -> dict[str, 
             if branches:
                 names = [b.strip().lstrip("%") for b in ",".join(
                     g for g in branches.groups() if g).split(",")]
-                for b in names:
+                shares = (branch_shares or {}).get(len(names)) or [1 / len(names)] * len(names)
+                for b, share in zip(names, shares):
                     if b in times:
-                        times[b] += times[name] / len(names)
+                        times[b] += times[name] * share
     return times
 
 
@@ -260,4 +265,17 @@ def step_report(compiled, plan, batch_size: int, seq_len: int) -> GpuReport:
     from jdist.train.throughput import flops_per_token
 
     model = flops_per_token(plan.model, seq_len) * batch_size * seq_len / plan.mesh.devices.size
-    return report(compiled.as_text(), plan.mesh, model)
+    return report(compiled.as_text(), plan.mesh, model, pipeline_shares(plan))
+
+
+def pipeline_shares(plan) -> dict[int, tuple[float, ...]] | None:
+    """{3: (idle, forward, backward)}: the share of a pipelined step's ticks each operation
+    takes on a device (`jdist.parallel.stage_program` switches on them in that order; every
+    stage runs as many forwards and backwards)."""
+    from jdist.parallel.schedule import BWD, FWD, IDLE
+
+    if plan.pipeline is None:
+        return None
+    table = plan.pipeline.table(plan.mesh.shape["stage"])
+    kinds = [row[0].kind if row[0] is not None else IDLE for row in table.grid]
+    return {3: tuple(kinds.count(k) / len(kinds) for k in (IDLE, FWD, BWD))}
