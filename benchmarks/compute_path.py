@@ -1,13 +1,22 @@
-"""Memory of the real-scale compute path, from compiled programs (deterministic; AOT on CPU):
+"""Memory of the real-scale compute path, from compiled programs (deterministic, ahead of time):
 attention and loss alone, and the whole Llama-3-8B step, flash/chunked beside xla/full.
 
-    python benchmarks/compute_path.py [--json] [--skip-steps]
+Two compilers: `CPU temps` / `CPU peak` come from XLA's CPU compiler (8 simulated devices);
+`GPU temps` / `GPU peak` from XLA's GPU compiler for `--target` (default `h100-80gb` where
+jax's CUDA plugin is installed; `--target none` skips it), the same programs compiled for
+compile-only GPUs (`jdist.target`), nothing run. `predicted` is the planner's step total
+(`jdist.memory.predict`). Everything computes in bfloat16, which the CPU backend widens to
+float32 in many buffers: its numbers overstate what a GPU allocates. cuDNN attention
+(bfloat16 only) exists only on the GPU: its rows have no CPU column.
+
+    python benchmarks/compute_path.py [--json] [--skip-steps] [--target h100-80gb|none]
 
 Targets (issue 12):
   - `llama3-8b`, fsdp=8, ZeRO-3, 8 x 8192 tokens, full remat, bf16, flash attention and the
     chunked loss: compiled step peak <= 24 GiB per device;
   - with flash, the step's temporaries at 16384 tokens <= 2.3 x those at 8192 (linear);
   - the loss's temporaries (forward + backward) <= 10% of the float32 logits' bytes.
+Each target is checked on each compiler's numbers.
 """
 
 from __future__ import annotations
@@ -26,10 +35,14 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
 
+from jdist import target as gpu_target  # noqa: E402
+from jdist.errors import ConfigError  # noqa: E402
 from jdist.loss import cross_entropy  # noqa: E402
-from jdist.memory import compile_step, peak  # noqa: E402
+from jdist.memory import compile_step, peak, predict  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
+from jdist.parallel.attention import cudnn_attention  # noqa: E402
 from jdist.parallel.flash import flash_attention  # noqa: E402
 from jdist.parallel.vocab import vocab_parallel_cross_entropy  # noqa: E402
 from jdist.train.config import TrainConfig  # noqa: E402
@@ -41,35 +54,80 @@ MODEL = "llama3-8b"
 BF16 = jnp.bfloat16
 
 
+def target_of(name: str | None) -> str:
+    """`--target`: the GPU to compile for besides the CPU, '' for none; by default
+    h100-80gb where jax's CUDA plugin is installed. One line and exit 2 when a target is
+    asked for that cannot be compiled for (unknown, or the plugin missing)."""
+    if name is None:
+        name = "h100-80gb" if gpu_target.plugin_installed() else "none"
+    if name == "none":
+        return ""
+    try:
+        gpu_target.prepare_target(name)
+    except ConfigError as e:
+        print(f"compute_path.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return name
+
+
+def device_of(target: str):
+    """One device to compile a single-device program for: the CPU's, or a compile-only GPU."""
+    return gpu_target.devices(target, 1)[0] if target else jax.devices()[0]
+
+
 def temp_bytes(fn, *shapes) -> int:
-    return jax.jit(fn).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+    """Temporaries of `fn` compiled for the device the shapes are placed on."""
+    device = next(iter(shapes[0].sharding.device_set))
+    options = gpu_target.COMPILER_OPTIONS if gpu_target.is_compile_only(device) else None
+    return jax.jit(fn).lower(*shapes).compile(options).memory_analysis().temp_size_in_bytes
 
 
-def attention_rows() -> list[dict]:
-    """One layer's attention, forward and backward, one 8B sequence on one device."""
+def attention_rows(target: str = "") -> list[dict]:
+    """One layer's attention, forward and backward, one 8B sequence on one device: on the
+    CPU, and on the GPU (where cuDNN's fused kernel joins)."""
     cfg = get_preset(MODEL)
     rows = []
     for seq in (8192, 16384):
-        q = jax.ShapeDtypeStruct((1, seq, cfg.n_heads, cfg.dim_per_head), BF16)
-        kv = jax.ShapeDtypeStruct((1, seq, cfg.n_kv_heads, cfg.dim_per_head), BF16)
-        for name, attend in (("xla", dot_product_attention), ("flash", flash_attention)):
+        impls = [("xla", dot_product_attention), ("flash", flash_attention)]
+        for name, attend in impls + ([("cudnn", cudnn_attention)] if target else []):
             grad = jax.grad(lambda q, k, v, f=attend: f(q, k, v, True).astype(jnp.float32).sum(),
                             (0, 1, 2))
-            rows.append({"what": "attention", "impl": name, "seq_len": seq,
-                         "temp_bytes": temp_bytes(grad, q, kv, kv)})
+            row = {"what": "attention", "impl": name, "seq_len": seq, "temp_bytes": None}
+            for where in ("",) * (name != "cudnn") + ((target,) if target else ()):
+                sharding = SingleDeviceSharding(device_of(where))
+                q = jax.ShapeDtypeStruct((1, seq, cfg.n_heads, cfg.dim_per_head), BF16,
+                                         sharding=sharding)
+                kv = jax.ShapeDtypeStruct((1, seq, cfg.n_kv_heads, cfg.dim_per_head), BF16,
+                                          sharding=sharding)
+                temps = temp_bytes(grad, q, kv, kv)
+                if where:
+                    row["gpu"] = {"target": where, "temp_bytes": temps}
+                else:
+                    row["temp_bytes"] = temps
+            rows.append(row)
     return rows
 
 
-def loss_rows() -> list[dict]:
+def loss_rows(target: str = "") -> list[dict]:
     """The loss of one 8B sequence (8192 tokens, vocab 128256) with its gradients, from the
     float32 master weight and bf16 hidden states, as the step runs it (the full loss casts
     the weight to bf16 for its matmul; the chunked one casts a chunk at a time)."""
+    rows = [loss_row(name, "") for name in ("full", "chunked")]
+    for row in rows if target else []:
+        row["gpu"] = {"target": target,
+                      "temp_bytes": loss_row(row["impl"], target)["temp_bytes"]}
+    return rows
+
+
+def loss_row(name: str, target: str) -> dict:
     cfg = get_preset(MODEL)
-    mesh = build_mesh("dp=1", jax.devices()[:1])
+    device = device_of(target)
+    mesh = build_mesh("dp=1", [device])
+    sharding = SingleDeviceSharding(device)
     tokens = 8192
-    h = jax.ShapeDtypeStruct((1, tokens, cfg.d_model), BF16)
-    w = jax.ShapeDtypeStruct((cfg.d_model, cfg.vocab_size), jnp.float32)
-    labels = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+    h = jax.ShapeDtypeStruct((1, tokens, cfg.d_model), BF16, sharding=sharding)
+    w = jax.ShapeDtypeStruct((cfg.d_model, cfg.vocab_size), jnp.float32, sharding=sharding)
+    labels = jax.ShapeDtypeStruct((1, tokens), jnp.int32, sharding=sharding)
 
     def full(h, w, labels):
         return cross_entropy(jnp.einsum("bse,ev->bsv", h, w.astype(BF16)), labels).sum()
@@ -78,42 +136,63 @@ def loss_rows() -> list[dict]:
         return vocab_parallel_cross_entropy(h, w, labels, vocab_dim=1, mesh=mesh, h_spec=P(),
                                             w_spec=P(), label_spec=P()).sum()
 
-    logits = tokens * cfg.vocab_size * 4
-    return [{"what": "loss", "impl": name, "seq_len": tokens,
-             "temp_bytes": temp_bytes(jax.grad(fn, (0, 1)), h, w, labels),
-             "f32_logits_bytes": logits} for name, fn in (("full", full), ("chunked", chunked))]
+    fn = {"full": full, "chunked": chunked}[name]
+    return {"what": "loss", "impl": name, "seq_len": tokens,
+            "temp_bytes": temp_bytes(jax.grad(fn, (0, 1)), h, w, labels),
+            "f32_logits_bytes": tokens * cfg.vocab_size * 4}
 
 
-def step_rows() -> list[dict]:
+# (tokens, attention, loss, on the CPU too): cuDNN attention compiles for the GPU only.
+STEPS = ((8192, "flash", "chunked", True), (16384, "flash", "chunked", True),
+         (8192, "xla", "full", True), (8192, "cudnn", "chunked", False),
+         (16384, "cudnn", "chunked", False))
+
+
+def step_rows(target: str = "") -> list[dict]:
     rows = []
-    for seq, attention, loss in ((8192, "flash", "chunked"), (16384, "flash", "chunked"),
-                                 (8192, "xla", "full")):
-        config = TrainConfig(model=MODEL, mesh="fsdp=8", zero=3, batch_size=8, seq_len=seq,
-                             remat="full", compute_dtype="bfloat16", attention=attention,
-                             loss=loss)
-        _, plan, _ = plan_for(config)
-        compiled = compile_step(plan, config.batch_size, seq)
-        m = compiled.memory_analysis()
-        rows.append({"what": "step", "impl": f"{attention}+{loss}", "seq_len": seq,
-                     "peak_bytes": peak(compiled), "temp_bytes": m.temp_size_in_bytes})
+    for seq, attention, loss, on_cpu in STEPS:
+        if not on_cpu and not target:
+            continue
+        row = {"what": "step", "impl": f"{attention}+{loss}", "seq_len": seq,
+               "temp_bytes": None}
+        for where in ("",) * on_cpu + ((target,) if target else ()):
+            config = TrainConfig(model=MODEL, mesh="fsdp=8", zero=3, batch_size=8,
+                                 seq_len=seq, remat="full", compute_dtype="bfloat16",
+                                 attention=attention, loss=loss, target=where)
+            _, plan, _ = plan_for(config)
+            compiled = compile_step(plan, config.batch_size, seq)
+            numbers = {"peak_bytes": peak(compiled),
+                       "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+            row["predicted_bytes"] = predict(plan, config.batch_size, seq).total
+            if where:
+                row["gpu"] = {"target": where, **numbers}
+            else:
+                row.update(numbers)
+        rows.append(row)
     return rows
 
 
 def checks(rows: list[dict]) -> list[str]:
+    """The issue's targets on the CPU's numbers, then on the GPU's."""
     out = []
     by = {(r["what"], r["impl"], r["seq_len"]): r for r in rows}
-    chunked = by[("loss", "chunked", 8192)]
-    share = chunked["temp_bytes"] / chunked["f32_logits_bytes"]
-    out.append(f"loss temporaries {share:.1%} of the f32 logits (target <= 10%): "
-               f"{'ok' if share <= 0.10 else 'MISSED'}")
-    if ("step", "flash+chunked", 8192) in by:
-        s8, s16 = by[("step", "flash+chunked", 8192)], by[("step", "flash+chunked", 16384)]
-        gib = s8["peak_bytes"] / 2**30
-        out.append(f"8B 8x8192 step peak {gib:.2f} GiB (target <= 24): "
-                   f"{'ok' if gib <= 24 else 'MISSED'}")
-        ratio = s16["temp_bytes"] / s8["temp_bytes"]
-        out.append(f"step temporaries 16384 / 8192 tokens = {ratio:.2f} (target <= 2.3): "
-                   f"{'ok' if ratio <= 2.3 else 'MISSED'}")
+    compilers = [("CPU", lambda r: r)]
+    if "gpu" in by[("loss", "chunked", 8192)]:
+        compilers.append((by[("loss", "chunked", 8192)]["gpu"]["target"], lambda r: r["gpu"]))
+    for where, numbers in compilers:
+        chunked = by[("loss", "chunked", 8192)]
+        share = numbers(chunked)["temp_bytes"] / chunked["f32_logits_bytes"]
+        out.append(f"{where}: loss temporaries {share:.1%} of the f32 logits (target <= 10%): "
+                   f"{'ok' if share <= 0.10 else 'MISSED'}")
+        if ("step", "flash+chunked", 8192) in by:
+            s8 = numbers(by[("step", "flash+chunked", 8192)])
+            s16 = numbers(by[("step", "flash+chunked", 16384)])
+            gib = s8["peak_bytes"] / 2**30
+            out.append(f"{where}: 8B 8x8192 step peak {gib:.2f} GiB (target <= 24): "
+                       f"{'ok' if gib <= 24 else 'MISSED'}")
+            ratio = s16["temp_bytes"] / s8["temp_bytes"]
+            out.append(f"{where}: step temporaries 16384 / 8192 tokens = {ratio:.2f} (target "
+                       f"<= 2.3): {'ok' if ratio <= 2.3 else 'MISSED'}")
     return out
 
 
@@ -122,17 +201,30 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--skip-steps", action="store_true",
                         help="only attention and loss (the whole-step compiles take minutes)")
+    parser.add_argument("--target", default=None,
+                        help="also compile for this GPU (jdist.target: h100-80gb, h200-141gb, "
+                             "a100-80gb; default h100-80gb where jax's CUDA plugin is "
+                             "installed); none: the CPU only")
     args = parser.parse_args()
-    rows = attention_rows() + loss_rows() + ([] if args.skip_steps else step_rows())
-    result = {"rows": rows, "checks": checks(rows)}
+    target = target_of(args.target)
+    rows = attention_rows(target) + loss_rows(target) + \
+        ([] if args.skip_steps else step_rows(target))
+    result = {"target": target or None, "rows": rows, "checks": checks(rows)}
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{'what':10} {'impl':14} {'tokens':>7} {'temporaries':>12} {'peak':>10}")
+    g = lambda n: f"{n / 2**30:9.3f}G" if n is not None else f"{'-':>10}"
+    print(f"{'what':10} {'impl':14} {'tokens':>7} {'CPU temps':>10} {'CPU peak':>10} "
+          f"{'predicted':>10}" + (f" {'GPU temps':>10} {'GPU peak':>10}" if target else "")
+          + "   (per device)")
     for r in rows:
-        peak_text = f"{r['peak_bytes'] / 2**30:9.2f}G" if "peak_bytes" in r else ""
-        print(f"{r['what']:10} {r['impl']:14} {r['seq_len']:>7} "
-              f"{r['temp_bytes'] / 2**30:11.3f}G {peak_text:>10}")
+        gpu = r.get("gpu", {})
+        print(f"{r['what']:10} {r['impl']:14} {r['seq_len']:>7} {g(r['temp_bytes'])} "
+              f"{g(r.get('peak_bytes'))} {g(r.get('predicted_bytes'))}"
+              + (f" {g(gpu.get('temp_bytes'))} {g(gpu.get('peak_bytes'))}" if target else ""))
+    if target:
+        print(f"CPU: XLA's CPU compiler; GPU: XLA's GPU compiler for {target}; predicted: "
+              "jdist.memory.predict (steps)")
     print("\n".join(result["checks"]))
 
 

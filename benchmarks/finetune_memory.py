@@ -3,22 +3,40 @@ double quantization), from the planner (`jdist.memory.predict`) and, with `--mea
 the step compiled ahead of time on abstract inputs (nothing is allocated).
 
     python benchmarks/finetune_memory.py [--models llama3.2-1b,llama3.1-8b,llama3.1-70b]
-        [--rank 16] [--seq-len 2048] [--measure] [--json]
+        [--rank 16] [--seq-len 2048] [--measure] [--target h100-80gb|none] [--json]
 
 Every row is one device (mesh dp=1), batch 1, full remat, bfloat16 compute. Targets (issue
 14): the 70B QLoRA row with double quantization at most 46 GiB; LoRA's optimizer state the
-adapters' only (2 float32 moments per adapter weight). On the CPU backend a measured bf16
-step is larger than on an accelerator: XLA's CPU compiler widens bf16 matmul operands to
-float32 (see the closing note of issue 14).
+adapters' only (2 float32 moments per adapter weight).
+
+Columns by source: the breakdown (params ... total) is the planner's; `CPU act` /
+`CPU peak` come from XLA's CPU compiler (`--measure`); `GPU act` / `GPU peak` from XLA's
+GPU compiler for `--target` (`jdist.target`: compile-only GPUs, nothing run), with
+`--measure` (default target `h100-80gb` where jax's CUDA plugin is installed; `--target none`
+skips it) or when `--target` is given alone (then without the slow CPU compiles). `act` is
+the activations of `jdist.memory.measure`'s breakdown (the step's temporaries less the
+gradients; the state, parameters + gradients + optimizer, comes out as the planner's on
+both compilers; JSON has each whole breakdown); `peak` is arguments + unaliased outputs +
+temporaries, which for these donated steps is the breakdown's total. The CPU backend widens
+bf16 buffers (matmul operands among them: a LoRA step's CPU activations hold about its
+frozen bf16 base again in float32) to float32, so its bf16 step is larger than what a GPU
+allocates (see the closing note of issue 14).
+Attention is `auto` on both: flash on the CPU, cuDNN's fused kernel on the GPU (bfloat16,
+compute capability 8.0+).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 
-from jdist.memory import measure, predict
+from jdist import target as gpu_target
+from jdist.errors import ConfigError
+from jdist.memory import compile_step, measure, peak, predict
 from jdist.train.config import TrainConfig
+from jdist.train.context import attention_of
 from jdist.train.setup import plan_for
 
 VARIANTS = {"full": {}, "lora": {"lora_rank": True},
@@ -27,7 +45,33 @@ VARIANTS = {"full": {}, "lora": {"lora_rank": True},
 GIB = 2**30
 
 
-def row(model: str, variant: str, rank: int, seq_len: int, do_measure: bool) -> dict:
+def target_of(name: str | None, do_measure: bool) -> str:
+    """The GPU to compile for ('' for none): `--target` given, else h100-80gb with
+    `--measure` where jax's CUDA plugin is installed. One line and exit 2 when a target is
+    asked for that cannot be compiled for (unknown, or the plugin missing)."""
+    if name is None:
+        name = "h100-80gb" if do_measure and gpu_target.plugin_installed() else "none"
+    if name == "none":
+        return ""
+    try:
+        gpu_target.prepare_target(name)
+    except ConfigError as e:
+        print(f"finetune_memory.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return name
+
+
+def compiled_numbers(plan, seq_len: int) -> dict:
+    """The compiler's breakdown (GiB) and peak (GiB) of the step on `plan`'s devices."""
+    compiled = compile_step(plan, 1, seq_len)
+    breakdown = measure(plan, 1, seq_len, compiled)
+    return {"attention": attention_of(plan, seq_len),
+            "measured": {k: v / GIB for k, v in breakdown.as_dict().items()},
+            "peak": peak(compiled) / GIB}
+
+
+def row(model: str, variant: str, rank: int, seq_len: int, do_measure: bool,
+        target: str = "") -> dict:
     flags = {k: (rank if v is True else v) for k, v in VARIANTS[variant].items()}
     config = TrainConfig(model=model, mesh="dp=1", batch_size=1, seq_len=seq_len,
                          remat="full", compute_dtype="bfloat16", **flags)
@@ -35,7 +79,15 @@ def row(model: str, variant: str, rank: int, seq_len: int, do_measure: bool) -> 
     out = {"model": model, "variant": variant,
            "predicted": {k: v / GIB for k, v in predict(plan, 1, seq_len).as_dict().items()}}
     if do_measure:
-        out["measured"] = {k: v / GIB for k, v in measure(plan, 1, seq_len).as_dict().items()}
+        numbers = compiled_numbers(plan, seq_len)
+        out["measured"], out["measured_peak"] = numbers["measured"], numbers["peak"]
+        out["attention"] = numbers["attention"]
+    if target:
+        config = dataclasses.replace(config, target=target)
+        _, plan, _ = plan_for(config)
+        out["gpu"] = {"target": target, **compiled_numbers(plan, seq_len),
+                      "predicted": {k: v / GIB for k, v in
+                                    predict(plan, 1, seq_len).as_dict().items()}}
     return out
 
 
@@ -44,23 +96,39 @@ def main() -> None:
     parser.add_argument("--models", default="llama3.2-1b,llama3.1-8b,llama3.1-70b")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--measure", action="store_true", help="also compile each step (AOT)")
+    parser.add_argument("--measure", action="store_true",
+                        help="also compile each step (AOT) on the CPU and for --target")
+    parser.add_argument("--target", default=None,
+                        help="compile each step for this GPU (jdist.target: h100-80gb, "
+                             "h200-141gb, a100-80gb); default with --measure: h100-80gb where "
+                             "jax's CUDA plugin is installed; none: no GPU compile")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = [row(m, v, args.rank, args.seq_len, args.measure)
+    target = target_of(args.target, args.measure)
+    rows = [row(m, v, args.rank, args.seq_len, args.measure, target)
             for m in args.models.split(",") for v in VARIANTS]
     if args.json:
-        print(json.dumps({"rank": args.rank, "seq_len": args.seq_len, "rows": rows}))
+        print(json.dumps({"rank": args.rank, "seq_len": args.seq_len, "target": target or None,
+                          "rows": rows}))
         return
     keys = ("params", "grads", "optimizer", "activations", "total")
     print(f"{'model':14} {'variant':9} " + " ".join(f"{k:>11}" for k in keys)
-          + ("   measured total" if args.measure else "") + "   (GiB per device)")
+          + (f" {'CPU act':>9} {'CPU peak':>9}" if args.measure else "")
+          + (f" {'GPU act':>9} {'GPU peak':>9}" if target else "") + "   (GiB per device)")
     for r in rows:
         p = r["predicted"]
         line = f"{r['model']:14} {r['variant']:9} " + " ".join(f"{p[k]:11.3f}" for k in keys)
         if "measured" in r:
-            line += f"   {r['measured']['total']:14.3f}"
+            line += f" {r['measured']['activations']:9.3f} {r['measured_peak']:9.3f}"
+        if "gpu" in r:
+            line += f" {r['gpu']['measured']['activations']:9.3f} {r['gpu']['peak']:9.3f}"
         print(line)
+    if args.measure or target:
+        used = [f"CPU: XLA's CPU compiler, {rows[0]['attention']} attention"] \
+            if args.measure else []
+        used += [f"GPU: XLA's GPU compiler for {target}, {rows[0]['gpu']['attention']} "
+                 "attention"] if target else []
+        print("predicted: jdist.memory.predict (CPU plan); " + "; ".join(used))
 
 
 if __name__ == "__main__":

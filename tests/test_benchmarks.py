@@ -2,6 +2,7 @@
 session spends its minutes on it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,18 @@ def test_tokenize_benchmark_runs_on_a_small_input():
                          timeout=120, check=True).stdout
     result = json.loads(out)
     assert result["identical_ids"] and all(r["mb_per_s"] > 0 for r in result["rows"])
+
+
+def test_memory_benchmarks_name_the_cuda_extra_when_a_gpu_target_lacks_the_plugin(tmp_path):
+    """`--target` on a machine without jax's CUDA plugin: one line naming the extra, exit 2
+    (a regular `jax_plugins` package first on the path hides an installed plugin)."""
+    (tmp_path / "jax_plugins").mkdir()
+    (tmp_path / "jax_plugins" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    for script in ("zero_memory.py", "compute_path.py", "finetune_memory.py"):
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--target",
+                               "h100-80gb"], capture_output=True, text=True, env=env,
+                              timeout=120)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and '".[cuda12]"' in lines[0] and not done.stdout, done.stderr
