@@ -38,7 +38,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from jdist import target as gpu_target  # noqa: E402
-from jdist.errors import ConfigError  # noqa: E402
 from jdist.loss import cross_entropy  # noqa: E402
 from jdist.memory import compile_step, peak, predict  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
@@ -52,22 +51,6 @@ from models.layers import dot_product_attention  # noqa: E402
 
 MODEL = "llama3-8b"
 BF16 = jnp.bfloat16
-
-
-def target_of(name: str | None) -> str:
-    """`--target`: the GPU to compile for besides the CPU, '' for none; by default
-    h100-80gb where jax's CUDA plugin is installed. One line and exit 2 when a target is
-    asked for that cannot be compiled for (unknown, or the plugin missing)."""
-    if name is None:
-        name = "h100-80gb" if gpu_target.plugin_installed() else "none"
-    if name == "none":
-        return ""
-    try:
-        gpu_target.prepare_target(name)
-    except ConfigError as e:
-        print(f"compute_path.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    return name
 
 
 def device_of(target: str):
@@ -206,7 +189,7 @@ def main() -> None:
                              "a100-80gb; default h100-80gb where jax's CUDA plugin is "
                              "installed); none: the CPU only")
     args = parser.parse_args()
-    target = target_of(args.target)
+    target = gpu_target.requested(args.target, "compute_path.py")
     rows = attention_rows(target) + loss_rows(target) + \
         ([] if args.skip_steps else step_rows(target))
     result = {"target": target or None, "rows": rows, "checks": checks(rows)}

@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 
 from jdist import target as gpu_target
-from jdist.errors import ConfigError
 from jdist.memory import compile_step, measure, peak, predict
 from jdist.train.config import TrainConfig
 from jdist.train.context import attention_of
@@ -43,22 +41,6 @@ VARIANTS = {"full": {}, "lora": {"lora_rank": True},
             "qlora": {"lora_rank": True, "quantize_base": "nf4"},
             "qlora+dq": {"lora_rank": True, "quantize_base": "nf4", "double_quant": True}}
 GIB = 2**30
-
-
-def target_of(name: str | None, do_measure: bool) -> str:
-    """The GPU to compile for ('' for none): `--target` given, else h100-80gb with
-    `--measure` where jax's CUDA plugin is installed. One line and exit 2 when a target is
-    asked for that cannot be compiled for (unknown, or the plugin missing)."""
-    if name is None:
-        name = "h100-80gb" if do_measure and gpu_target.plugin_installed() else "none"
-    if name == "none":
-        return ""
-    try:
-        gpu_target.prepare_target(name)
-    except ConfigError as e:
-        print(f"finetune_memory.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    return name
 
 
 def compiled_numbers(plan, seq_len: int) -> dict:
@@ -104,7 +86,7 @@ def main() -> None:
                              "jax's CUDA plugin is installed; none: no GPU compile")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    target = target_of(args.target, args.measure)
+    target = gpu_target.requested(args.target, "finetune_memory.py", args.measure)
     rows = [row(m, v, args.rank, args.seq_len, args.measure, target)
             for m in args.models.split(",") for v in VARIANTS]
     if args.json:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import jax
 
@@ -38,7 +37,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jdist import data, gpu_report  # noqa: E402
 from jdist import target as gpu_target  # noqa: E402
-from jdist.errors import ConfigError  # noqa: E402
 from jdist.hlo import collective_bytes, collective_counts  # noqa: E402
 from jdist.memory import compile_step, measure, peak, predict  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
@@ -64,22 +62,6 @@ def live_state_bytes_on_device0(plan, compiled, batch_size: int, seq_len: int) -
                 if s.device == device0)
     del state
     return total
-
-
-def target_of(name: str | None) -> str:
-    """`--target`: the GPU to compile for besides the CPU, '' for none; by default
-    h100-80gb where jax's CUDA plugin is installed. One line and exit 2 when a target is
-    asked for that cannot be compiled for (unknown, or the plugin missing)."""
-    if name is None:
-        name = "h100-80gb" if gpu_target.plugin_installed() else "none"
-    if name == "none":
-        return ""
-    try:
-        gpu_target.prepare_target(name)
-    except ConfigError as e:
-        print(f"zero_memory.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    return name
 
 
 def on_gpu(model: str, mesh: str, zero: int, target: str) -> dict:
@@ -160,7 +142,7 @@ def main() -> None:
                              "plugin is installed); none: the CPU only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    target = target_of(args.target)
+    target = gpu_target.requested(args.target, "zero_memory.py")
     rows = [r for m in args.models.split(",") for r in run(m, target)]
     if args.json:
         print(json.dumps({"target": target or None, "rows": rows, "checks": checks(rows)}))

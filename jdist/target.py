@@ -149,3 +149,21 @@ def capability_of(device) -> tuple[int, ...]:
     if reported:
         return tuple(int(x) for x in str(reported).split("."))
     return CAPABILITY.get(device.device_kind, ())
+
+
+def requested(name: str | None, prog: str, default: bool = True) -> str:
+    """A benchmark's or report's `--target NAME|none`: '' for none; unset, h100-80gb where
+    the CUDA plugin is installed (and `default`). A target that cannot be compiled for
+    (unknown, the plugin missing) is one line on stderr and exit status 2."""
+    import sys
+
+    if name is None:
+        name = "h100-80gb" if default and plugin_installed() else "none"
+    if name == "none":
+        return ""
+    try:
+        prepare_target(name)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return name
