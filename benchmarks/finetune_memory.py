@@ -96,21 +96,25 @@ def main() -> None:
     keys = ("params", "grads", "optimizer", "activations", "total")
     print(f"{'model':14} {'variant':9} " + " ".join(f"{k:>11}" for k in keys)
           + (f" {'CPU act':>9} {'CPU peak':>9}" if args.measure else "")
-          + (f" {'GPU act':>9} {'GPU peak':>9}" if target else "") + "   (GiB per device)")
+          + (f" {'GPU pred':>9} {'GPU act':>9} {'GPU peak':>9}" if target else "")
+          + "   (GiB per device)")
     for r in rows:
         p = r["predicted"]
         line = f"{r['model']:14} {r['variant']:9} " + " ".join(f"{p[k]:11.3f}" for k in keys)
         if "measured" in r:
             line += f" {r['measured']['activations']:9.3f} {r['measured_peak']:9.3f}"
         if "gpu" in r:
-            line += f" {r['gpu']['measured']['activations']:9.3f} {r['gpu']['peak']:9.3f}"
+            g = r["gpu"]
+            line += (f" {g['predicted']['total']:9.3f} {g['measured']['activations']:9.3f} "
+                     f"{g['peak']:9.3f}")
         print(line)
     if args.measure or target:
         used = [f"CPU: XLA's CPU compiler, {rows[0]['attention']} attention"] \
             if args.measure else []
         used += [f"GPU: XLA's GPU compiler for {target}, {rows[0]['gpu']['attention']} "
                  "attention"] if target else []
-        print("predicted: jdist.memory.predict (CPU plan); " + "; ".join(used))
+        print("predicted: jdist.memory.predict of the CPU plan (GPU pred: of the target's "
+              "plan, cuDNN attention); " + "; ".join(used))
 
 
 if __name__ == "__main__":
