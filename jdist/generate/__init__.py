@@ -11,6 +11,7 @@ cache follows the same rules (`jdist.generate.cache`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 
@@ -29,7 +30,8 @@ from jdist.generate.cache import (
     init_cache,
 )
 from jdist.generate.sample import GREEDY, Sampling, sample
-from jdist.rules import DEFAULT_RULES, Rules, constrainer, resolve
+from jdist.parallel import embedding
+from jdist.rules import DEFAULT_RULES, Rules, constrainer, mesh_axes_of, resolve
 from models import Llama, ModelConfig
 from models.context import ModelContext
 
@@ -83,9 +85,16 @@ def compiled_step(cfg: ModelConfig, mesh, rules: Rules, dtype, sampling: Samplin
     the prefill (length = the prompt) and the decode step (length 1) are its two shapes."""
     ctx = ModelContext(constrain=constrainer(mesh, rules), compute_dtype=dtype)
     graphdef = graphdef_of(cfg)
+    # Rows are looked up where the table lies over the vocabulary's axes, never gathering
+    # the whole table (jdist.parallel.embedding, as the training step does).
+    vocab_axes = mesh_axes_of(resolve((ax.VOCAB, ax.EMBED), rules, mesh)[0])
 
     def step(params, cache, tokens, key, i):
-        logits, cache = forward(nnx.merge(graphdef, params), tokens, cache, ctx)
+        table = embedding.Table(mesh, params["embed"].shape, vocab_axes)
+        lookup = lambda t: table.take(params["embed"], t).astype(dtype)
+        model = nnx.merge(graphdef, params)
+        logits, cache = forward(model, tokens, cache,
+                                dataclasses.replace(ctx, embed_lookup=lookup))
         return sample(logits[:, -1], jax.random.fold_in(key, i), sampling)[:, None], cache
 
     tokens_sh = NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))

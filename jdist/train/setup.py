@@ -137,6 +137,11 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     """Model, mesh, rules, optimizer and layout from the flags: everything except data.
     All shape checks happen here, before anything is compiled (also used by jdist.memory)."""
     model = model_of(config)
+    require(not (config.target and config.offload == "optimizer"),
+            f"--offload optimizer cannot be compiled for --target {config.target}: jax's "
+            "compile-only GPU devices have no host memory space (jax 0.10.2), so the "
+            "optimizer state would silently stay on the device; drop --target to measure it "
+            "on the CPU compiler, or drop --offload")
     spec = parse_mesh(config.mesh)
     rules = rules_for(config)
     mesh = build_mesh(spec, mesh_devices(spec, config.cpu_devices or 8, config.target,
