@@ -7,13 +7,21 @@ still choose how many CPU devices to simulate after `import jdist`.
 __version__ = "0.1.0"
 
 
+# Set (to "1") beside JAX_PLATFORMS=cpu when importing jdist chose it (below): a default
+# of ours, not the user's choice, which `jdist.launch` must not pass on as one. An
+# environment variable, so that it travels with the one it marks.
+DEFAULTED_MARK = "JDIST_DEFAULTED_JAX_PLATFORMS"
+
+
 def _cpu_without_a_driver() -> None:
     """With jax's CUDA plugin installed (the `cuda12` extra, which also compiles for GPU
     targets) on a machine without an NVIDIA driver, jax prints the plugin's failed
-    cuInit traceback at start and then runs on the CPU anyway: say `cpu` up front instead.
-    A JAX_PLATFORMS the user set is kept; GPU machines are untouched."""
+    cuInit traceback at start and then runs on the CPU anyway: say `cpu` up front instead
+    (the variable, as jax may not be imported yet: the launcher never imports it). A
+    JAX_PLATFORMS the user set is kept; GPU machines are untouched."""
     import importlib.util
     import os
+    import sys
 
     if os.environ.get("JAX_PLATFORMS") or os.path.exists("/proc/driver/nvidia/version"):
         return
@@ -21,8 +29,7 @@ def _cpu_without_a_driver() -> None:
             importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
-    import sys
-
+    os.environ[DEFAULTED_MARK] = "1"
     if "jax" in sys.modules:  # jax read the variable already: tell its config
         try:
             sys.modules["jax"].config.update("jax_platforms", "cpu")

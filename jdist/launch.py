@@ -54,6 +54,17 @@ def nvidia_smi_list() -> str | None:
         return None
 
 
+def user_environment() -> dict[str, str]:
+    """This process's environment as the user gave it: without the JAX_PLATFORMS=cpu that
+    importing jdist sets where jax's CUDA plugin has no driver (each child decides again)."""
+    import jdist
+
+    env = dict(os.environ)
+    if env.pop(jdist.DEFAULTED_MARK, None) and env.get("JAX_PLATFORMS") == "cpu":
+        env.pop("JAX_PLATFORMS")
+    return env
+
+
 def visible_devices(environ: Mapping[str, str],
                     list_gpus: Callable[[], str | None] = nvidia_smi_list
                     ) -> tuple[str, list[str]] | None:
@@ -147,7 +158,7 @@ class Group:
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         for i in range(nproc):
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", **devices[i]}
+            env = {**user_environment(), "PYTHONUNBUFFERED": "1", **devices[i]}
             cmd = [sys.executable, "-m", "jdist.train", *train_args,
                    "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(nproc),
                    "--process-id", str(i)]
@@ -217,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return EXIT_CONFIG
     try:
-        devices = device_env(os.environ, args.nproc)
+        devices = device_env(user_environment(), args.nproc)
     except ValueError as e:
         print(f"jdist.launch: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
