@@ -31,7 +31,7 @@ import json
 import math
 import re
 
-from jdist import hlo
+from jdist import comm, hlo
 from jdist.comm import axes_of
 
 # Custom calls that are matmuls (cuBLAS, cuBLASLt) or run on the tensor cores (cuDNN).
@@ -42,13 +42,9 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
 @dataclasses.dataclass
-class Row:
-    """Collectives of one kind over one set of mesh axes, per step and device."""
+class Row(comm.Row):
+    """`jdist.comm.Row` (no predicted seconds here) with the bytes left exposed."""
 
-    kind: str
-    axes: tuple[str, ...]
-    count: int = 0
-    bytes: int = 0
     exposed_bytes: int = 0
 
     @property
@@ -64,7 +60,8 @@ class GpuReport:
 
     def total(self) -> Row:
         return Row("total", (), sum(r.count for r in self.rows),
-                   sum(r.bytes for r in self.rows), sum(r.exposed_bytes for r in self.rows))
+                   sum(r.bytes for r in self.rows),
+                   exposed_bytes=sum(r.exposed_bytes for r in self.rows))
 
     @property
     def exposed(self) -> float:
