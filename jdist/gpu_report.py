@@ -136,10 +136,7 @@ def report(hlo_text: str, mesh, model_flops: float = 0.0,
 def _collectives(body: list[hlo.Instruction], heavy: set[str]):
     """(kind, result bytes, attributes, exposed) of each collective of one computation."""
     position = {i.name: n for n, i in enumerate(body)}
-    done_of = {}
-    for n, i in enumerate(body):
-        if i.op.endswith("-done"):
-            done_of[i.rest.split(")")[0].lstrip("%")] = n
+    done_of = hlo.dones(body)
     for i in body:
         kind = i.op.removesuffix("-start")
         if kind not in hlo.COLLECTIVES:

@@ -41,9 +41,9 @@ def executed_collectives(hlo_text: str) -> list[tuple[str, str, str, int]]:
     runs = executions(hlo_text)
     out = []
     for name, text in computations(hlo_text).items():
-        done = {i.rest.split(")")[0].lstrip("%"): i.type for i in instructions(text)
-                if i.op.endswith("-done")}
-        for i in instructions(text):
+        body = instructions(text)
+        done = {start: body[n].type for start, n in dones(body).items()}
+        for i in body:
             kind = i.op.removesuffix("-start")
             if kind in COLLECTIVES:
                 result = done.get(i.name) or start_result(kind, i.type) \
@@ -68,6 +68,13 @@ def start_result(kind: str, type_text: str) -> str:
         if depth == 0:
             break
     return parts[1] if len(parts) > 1 else type_text
+
+
+def dones(body: list) -> dict[str, int]:
+    """{async start's name: position of its `-done`} within one computation's
+    instructions (a done's first operand is its start)."""
+    return {i.rest.split(")")[0].lstrip("%"): n for n, i in enumerate(body)
+            if i.op.endswith("-done")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -363,7 +363,7 @@ def _prefix(part, full):
 
 def compile_step(plan, batch_size: int, seq_len: int, breakdown: list | None = None):
     """The training step compiled ahead of time on abstract inputs (nothing allocated).
-    A `breakdown` list receives the compiler's account of the peak (`jdist.memory.peak`)."""
+    A `breakdown` list receives the compiler's account of the peak (`jdist.memory.breakdown`)."""
     import jax
     import jax.numpy as jnp
 
@@ -375,7 +375,7 @@ def compile_step(plan, batch_size: int, seq_len: int, breakdown: list | None = N
     lowered = step.lower(plan.abstract, {"inputs": tokens, "targets": tokens})
     if breakdown is None:
         return lowered.compile(compiler_options(plan.mesh) or None)
-    from jdist.memory.peak import compile_with_breakdown
+    from jdist.memory.breakdown import compile_with_breakdown
 
     compiled, lines = compile_with_breakdown(lowered, compiler_options(plan.mesh))
     breakdown.extend(lines)
