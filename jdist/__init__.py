@@ -19,14 +19,14 @@ def _cpu_without_a_driver() -> None:
     cuInit traceback at start and then runs on the CPU anyway: say `cpu` up front instead
     (the variable, as jax may not be imported yet: the launcher never imports it). A
     JAX_PLATFORMS the user set is kept; GPU machines are untouched."""
-    import importlib.util
     import os
     import sys
 
+    from jdist.target import plugin_installed
+
     if os.environ.get("JAX_PLATFORMS") or os.path.exists("/proc/driver/nvidia/version"):
         return
-    if importlib.util.find_spec("jax_plugins") is None or \
-            importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not plugin_installed():
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ[DEFAULTED_MARK] = "1"
