@@ -9,6 +9,7 @@ though every layout would agree with it.
 """
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,7 @@ def reference_loss(params: dict, cfg, inputs, targets) -> jax.Array:
     block_def, stacked = nnx.split(model.blocks)
     penalties = []
     for layer in range(cfg.n_layers):
-        block = nnx.merge(block_def, jax.tree.map(lambda p: p[layer], stacked))
+        block = nnx.merge(block_def, jax.tree.map(operator.itemgetter(layer), stacked))
         x, stats = block(x, cos, sin, LOCAL)
         penalties += [balance_penalty(stats, cfg)] if stats else []
     head = model.embed[...].T if cfg.tie_embeddings else model.head[...]
