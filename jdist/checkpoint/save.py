@@ -1,319 +1,46 @@
-"""Checkpoints: Orbax async sharded saves, integrity manifests, and restore onto any mesh.
-
-Layout of a run's checkpoints (`RUN_DIR/checkpoints/`), one directory per step:
-
-    <step>/state/...             the TrainState as an Orbax PyTree (OCDBT + zarr; no pickle)
-    <step>/meta/metadata         JSON: step, data position, seed, run config, model, mesh
-    <step>/jdist_manifest.json   size and sha256 of every other file and which process wrote
-                                 it, written by process 0 after Orbax has committed the step
-
-Who writes which file (Orbax 0.12.8, OCDBT): process k writes its shards under
-`state/ocdbt.process_k/` and `state/array_metadatas/process_k`; process 0 (Orbax's primary
-host) writes everything else, including the merged `state/manifest.ocdbt` and `state/d/`
-that point into every process's files. Each process hashes the files it wrote right after
-the commit, while they are still in its page cache, instead of process 0 re-reading them
-all; with several processes each leaves its hashes in `<step>/jdist_manifest.process_k.json`
-for process 0 to merge (and delete).
-
-Orbax writes a step into a temporary directory and renames it when every process has
-finished, so a killed save never leaves a `<step>` directory. The manifest is written
-after that commit and is what makes a checkpoint *good*: a checkpoint without one (killed
-between commit and manifest) or whose files do not match it (deleted or truncated: checked
-on every resume; corrupted in place: checked with `full=True`, which re-hashes) is never
-restored. Old checkpoints are pruned only once a newer one is good, so the newest `keep`
-good checkpoints always survive. A save that fails is recorded, said once, and raised as
-SaveFailed by `Checkpointer.wait()`; the next save retries.
-"""
+"""Checkpoint saves: asynchronous sharded Orbax saves (`Checkpointer`), each finished in
+the background by hashing the files every process wrote and writing the manifest that makes
+the checkpoint good, then pruning to the newest `keep` good ones. A failed save is recorded
+and raised once as SaveFailed (the next save retries), and Orbax's and tensorstore's own
+reports of it are filtered out so that one line says what failed."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import hashlib
 import itertools
-import json
 import logging
 import os
-import re
 import shutil
 import sys
 import tempfile
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import jax
 
+from jdist.checkpoint.integrity import (
+    MANIFEST,
+    META,
+    PARTIAL,
+    STATE,
+    _mib,
+    _reason,
+    _say,
+    file_records,
+    move_aside,
+    read_partials,
+    step_dirs,
+    write_manifest,
+    write_partial,
+)
 from jdist.errors import ConfigError
 
-MANIFEST = "jdist_manifest.json"
-MANIFEST_FORMAT = "jdist-checkpoint-manifest/2"  # /2 added "process" to each file
-READABLE_FORMATS = ("jdist-checkpoint-manifest/1", MANIFEST_FORMAT)
-PARTIAL = "jdist_manifest.process_{}.json"  # one process's hashes, until process 0 merges them
-STATE, META = "state", "meta"
-BAD_DIR_SUFFIX = ".bad"  # sibling of the checkpoint root; where unusable checkpoints are moved
-# Per-process directories and files of an OCDBT checkpoint (Orbax 0.12.8): ocdbt.process_1/,
-# array_metadatas/process_1.
-_PROCESS_PART = re.compile(r"(?:ocdbt\.)?process_(\d+)")
-# hashlib releases the GIL, so files hash in parallel (OCDBT data files are ~2 GiB each).
-HASH_THREADS = 4
 # Generous: a barrier waits for the slowest process's hashing, and after a failure on
 # another process for Orbax's own timeout first.
 BARRIER_TIMEOUT_S = 1800
 _SAVES = itertools.count()  # every process starts the same saves in the same order
-
-
-@dataclasses.dataclass(frozen=True)
-class Found:
-    """A good checkpoint chosen for restore, and the newer ones that were passed over."""
-
-    path: Path
-    step: int
-    meta: dict
-    skipped: tuple[tuple[Path, str], ...] = ()
-
-
-def _say(message: str) -> None:
-    if jax.process_index() == 0:
-        print(f"checkpoint: {message}", flush=True)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.2f} MiB"
-
-
-# ----------------------------------------------------------------------------- integrity
-
-
-def _files(path: Path) -> dict[str, Path]:
-    """Every file of a checkpoint but its manifests (as paths relative to it)."""
-    return {str(p.relative_to(path)): p for p in sorted(path.rglob("*"))
-            if p.is_file() and not p.name.startswith("jdist_manifest")}
-
-
-def owner(rel: str, process_count: int) -> int:
-    """The process that wrote file `rel` of a checkpoint saved by `process_count` processes."""
-    for part in PurePosixPath(rel).parts:
-        m = _PROCESS_PART.fullmatch(part)
-        if m and int(m.group(1)) < process_count:
-            return int(m.group(1))
-    return 0  # the primary host writes everything that is not per-process
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def file_records(path: Path, process: int = 0, process_count: int = 1) -> dict[str, dict]:
-    """Size and sha256 of the files of the checkpoint at `path` that `process` wrote."""
-    mine = {rel: p for rel, p in _files(path).items() if owner(rel, process_count) == process}
-    with ThreadPoolExecutor(HASH_THREADS) as pool:
-        hashes = dict(zip(mine, pool.map(_sha256, mine.values())))
-    return {rel: {"size": p.stat().st_size, "sha256": hashes[rel], "process": process}
-            for rel, p in mine.items()}
-
-
-def _write_json(path: Path, body: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(body, indent=1))
-    os.replace(tmp, path)  # atomic: either absent or whole
-
-
-def write_manifest(path: Path, step: int, records: dict[str, dict] | None = None,
-                   processes: int = 1) -> int:
-    """Write the manifest of the committed checkpoint at `path` from every process's
-    `records` (hashed here, as one process, when None); returns its total bytes."""
-    files = file_records(path) if records is None else dict(sorted(records.items()))
-    total = sum(f["size"] for f in files.values())
-    _write_json(path / MANIFEST, {"format": MANIFEST_FORMAT, "step": step,
-                                  "processes": processes, "total_bytes": total, "files": files})
-    return total
-
-
-def write_partial(path: Path, process: int, records: dict | None, error: str | None) -> None:
-    """One process's hashes (or why it has none), for process 0 to merge."""
-    _write_json(path / PARTIAL.format(process),
-                {"format": MANIFEST_FORMAT, "process": process, "files": records,
-                 "error": error})
-
-
-def read_partials(path: Path, process_count: int) -> tuple[dict[str, dict], list[str]]:
-    """The hashes of processes 1.. from their partial manifests, and what is wrong with any."""
-    records, problems = {}, []
-    for k in range(1, process_count):
-        try:
-            body = json.loads((path / PARTIAL.format(k)).read_text())
-        except (OSError, ValueError) as e:
-            problems.append(f"process {k} recorded no hashes ({_reason(e)})")
-            continue
-        if body.get("error") or not isinstance(body.get("files"), dict):
-            problems.append(f"process {k}: {body.get('error') or 'no files'}")
-        else:
-            records.update(body["files"])
-    return records, problems
-
-
-def validate(path: Path, full: bool = False) -> str | None:
-    """None if the checkpoint at `path` is complete and intact, else why it is not. Every
-    file the manifest lists must exist with its recorded size (one stat a file: catches a
-    deleted or truncated file); `full` also re-reads and re-hashes every file (catches a
-    same-size corruption, at the cost of reading the whole checkpoint)."""
-    manifest = path / MANIFEST
-    if not path.is_dir():
-        return "not a directory"
-    if not manifest.is_file():
-        return f"no {MANIFEST} (its save never finished)"
-    try:
-        body = json.loads(manifest.read_text())
-        files = body["files"]
-        # Checked explicitly, not by `assert`: `python -O` must still validate.
-        well_formed = (body["format"] in READABLE_FORMATS and isinstance(files, dict)
-                       and files and all("size" in f and "sha256" in f for f in files.values()))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        well_formed = False
-    if not well_formed:
-        return f"{MANIFEST} is unreadable"
-    for rel, want in files.items():
-        p = path / rel
-        if not p.is_file():
-            return f"file {rel} is missing"
-        if p.stat().st_size != want["size"]:
-            return f"file {rel} has {p.stat().st_size} bytes, expected {want['size']} (truncated?)"
-    for rel, want in files.items() if full else ():
-        if _sha256(path / rel) != want["sha256"]:
-            return f"file {rel} does not match its recorded sha256 (corrupted or modified)"
-    return None
-
-
-def read_meta(path: Path) -> dict:
-    """The JSON metadata of a checkpoint (run config, step, data position)."""
-    return json.loads((path / META / "metadata").read_text())
-
-
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Committed step directories under a checkpoint root, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted((int(p.name), p) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
-
-
-def latest_good(root: Path, full: bool = False) -> Found | None:
-    """The newest good checkpoint under `root`, or None; remembers the bad ones passed over.
-    `full`: re-hash each candidate (see `validate`)."""
-    skipped = []
-    for step, path in reversed(step_dirs(root)):
-        problem = validate(path, full)
-        if problem is None:
-            return Found(path, step, read_meta(path), tuple(skipped))
-        skipped.append((path, problem))
-    if skipped:
-        return Found(Path(), -1, {}, tuple(skipped))  # nothing usable, but something was there
-    return None
-
-
-def resolve_explicit(text: str, flag: str = "--resume", full: bool = False) -> Found:
-    """`--resume PATH`: a step directory, or a run/checkpoint directory meaning its newest
-    step. It must be good (`full`: re-hashed, see `validate`): an explicit request never
-    falls back."""
-    path = Path(text)
-    if path.is_dir() and not (path / MANIFEST).exists() and not (path / STATE).exists():
-        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        steps = step_dirs(root)
-        if not steps:
-            raise ConfigError(f"{flag} {text}: no checkpoints found there; pass a checkpoint "
-                              "directory such as RUN_DIR/checkpoints/100")
-        path = steps[-1][1]
-    if not path.exists():
-        raise ConfigError(f"{flag} {text}: no such checkpoint; pass an existing checkpoint "
-                          "directory")
-    problem = validate(path, full)
-    if problem is not None:
-        raise ConfigError(f"{flag} {text}: checkpoint is not usable: {problem}; pass an "
-                          "earlier checkpoint (or --resume auto to take the newest good one)")
-    return Found(path, int(read_meta(path)["step"]), read_meta(path))
-
-
-# ------------------------------------------------------------------------------ restore
-
-
-def abstract_target(abstract: Any, shardings: Any) -> Any:
-    """ShapeDtypeStructs carrying the *new* shardings: Orbax reads each shard where it goes."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract, shardings)
-
-
-def restore(path: Path, abstract: Any, shardings: Any) -> tuple[dict, dict]:
-    """Restore the state saved at `path` laid out as `shardings` (any mesh, any process
-    count); returns (state as a dict of its fields, metadata)."""
-    import orbax.checkpoint as ocp
-
-    start = time.perf_counter()
-    target = abstract_target(abstract, shardings)
-    target = target._asdict() if hasattr(target, "_asdict") else target
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        out = ckptr.restore(path.absolute(), args=ocp.args.Composite(
-            **{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()}))
-    state = jax.block_until_ready(out[STATE])
-    size = sum(p.stat().st_size for p in _files(path).values())
-    mesh = next(iter(jax.tree.leaves(shardings,
-                                     is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))).mesh
-    layout = " ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "single device"
-    _say(f"restored step {out[META]['step']} from {path} ({_mib(size)}) onto mesh {layout} "
-         f"in {time.perf_counter() - start:.2f}s")
-    return state, out[META]
-
-
-def restore_leaf(path: Path, keys: tuple[str, ...], abstract: jax.ShapeDtypeStruct,
-                 sharding: jax.sharding.Sharding):
-    """One array of the state saved at `path` (e.g. ("params", "embed")), alone: an Orbax
-    partial restore reads only its files, so tools can walk a checkpoint one array at a
-    time without holding the rest."""
-    import orbax.checkpoint as ocp
-
-    item = jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=sharding)
-    args = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=abstract.shape,
-                                dtype=abstract.dtype)
-    nest = lambda leaf: functools.reduce(lambda tree, k: {k: tree}, reversed(keys), leaf)
-    out = ocp.PyTreeCheckpointer().restore(
-        (path / STATE).absolute(), args=ocp.args.PyTreeRestore(
-            item=nest(item), restore_args=nest(args), partial_restore=True))
-    return functools.reduce(lambda tree, k: tree[k], keys, out)
-
-
-def set_aside(found: Found, root: Path) -> None:
-    """Move the unusable checkpoints passed over by `latest_good` out of the checkpoint root
-    (to ROOT.bad/), so new saves can reuse their step numbers. Call on every process."""
-    from jax.experimental import multihost_utils
-
-    bad = [p for p, _ in found.skipped if p.parent == root]
-    if not bad:
-        return
-    multihost_utils.sync_global_devices("jdist checkpoint: validated")
-    if jax.process_index() == 0:
-        for p in bad:
-            _move_aside(p, root)
-    multihost_utils.sync_global_devices("jdist checkpoint: set aside")
-
-
-def _move_aside(path: Path, root: Path) -> None:
-    dest = root.parent / (root.name + BAD_DIR_SUFFIX)
-    dest.mkdir(parents=True, exist_ok=True)
-    path.rename(dest / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-# --------------------------------------------------------------------------------- save
-
-
-def _reason(e: BaseException | str) -> str:
-    """An exception as one short line. Orbax's can span many, and tensorstore's name the
-    cause (e.g. "File too large") only at their end, after long paths: keep both ends."""
-    text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
-    text = " ".join(text.split())
-    return text if len(text) <= 400 else f"{text[:200]} ... {text[-195:]}"
 
 
 class SaveFailed(Exception):
@@ -504,7 +231,7 @@ class Checkpointer:
         left = self.root / str(failure.step)
         if jax.process_index() == 0 and left.is_dir() and not (left / MANIFEST).is_file():
             try:
-                _move_aside(left, self.root)
+                move_aside(left, self.root)
             except OSError:
                 pass  # still unwritable: the retry fails too, and says why
         if jax.process_count() > 1:  # no process lists the directory before it has moved
