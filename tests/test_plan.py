@@ -3,6 +3,7 @@ model's terms, the CLI's table/JSON and its refusals. Timings are checked by
 `benchmarks/planner.py`, not here."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -125,14 +126,56 @@ def test_unknown_profile_raises_config_error():
         load_profile("h100")
 
 
+# llama3.1-70b's public shape, counted here rather than by jdist: parameters per layer (Q and
+# O [8192, 64 x 128], K and V [8192, 8 x 128], SwiGLU 3 x [8192, 28672], two norm scales)
+# and outside the layers (untied embedding and head [128256, 8192], the final norm scale).
+LAYERS_70B, D_70B = 80, 8192
+LAYER_PARAMS_70B = 2 * D_70B * 64 * 128 + 2 * D_70B * 8 * 128 + 3 * D_70B * 28_672 + 2 * D_70B
+OUTER_PARAMS_70B = 2 * 128_256 * D_70B + D_70B
+NORM_PARAMS_70B = (2 * LAYERS_70B + 1) * D_70B
+
+
+def flag(flags: list[str], name: str, default: str) -> str:
+    return flags[flags.index(name) + 1] if name in flags else default
+
+
+def state_bounds_70b(flags: list[str]) -> dict[str, tuple[float, float]]:
+    """(least, most) bytes per device of the float32 weights, gradients and Adam moments of
+    the layout `flags`: every parameter split over fsdp x tensor (the layers also over the
+    stages; ZeRO-1 splits the moments over data, ZeRO-2 the gradients too, ZeRO-3 all), and at most
+    the norm scales (whole on every device) and Adam's step count above that."""
+    mesh = {k: int(v) for k, v in (a.split("=") for a in flag(flags, "--mesh", "").split(","))}
+    zero, data = int(flag(flags, "--zero", "0")), mesh.get("dp", 1)
+    split = mesh.get("fsdp", 1) * mesh.get("tp", 1) * mesh.get("ep", 1)
+    least = 4 * (LAYERS_70B * LAYER_PARAMS_70B / mesh.get("pp", 1) + OUTER_PARAMS_70B) / split
+    bounds = {}
+    for term, copies, zero_splits in (("params", 1, 3), ("grads", 1, 2), ("optimizer", 2, 1)):
+        per = copies * least / (data if zero >= zero_splits else 1)
+        bounds[term] = (per, per + copies * 4 * NORM_PARAMS_70B + 8)
+    return bounds
+
+
 def test_70b_on_64_h100s():
-    """The acceptance command: a ranked table, every layout fitting 80 GB by the planner's
-    own memory model, and the best one passing the trainer's pre-compile checks."""
+    """The acceptance command: a ranked table of 20 distinct 64-device layouts whose state
+    bytes are what the public 70B shape gives, and every row's command line planned again
+    by the trainer: its pre-compile checks pass and it predicts the memory the row ranked."""
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "plan_70b.py")],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = out["plan"]["layouts"]
     assert len(rows) == 20 and out["checks"] == "passed"
-    assert all(r["memory"]["total"] <= 80e9 for r in rows)
-    assert rows[0]["step_s"] <= rows[-1]["step_s"]
+    assert len({r["layout"] for r in rows}) == 20
+    assert out["plan"]["command"] == rows[0]["command"]
+    for r in rows:
+        mesh = flag(r["flags"], "--mesh", "")
+        assert math.prod(int(a.split("=")[1]) for a in mesh.split(",")) == 64, r["layout"]
+        memory = r["memory"]
+        assert memory["total"] == sum(memory[k] for k in
+                                      ("params", "grads", "optimizer", "activations"))
+        for term, (least, most) in state_bounds_70b(r["flags"]).items():
+            assert least <= memory[term] <= most, (r["layout"], term, memory[term], least)
+        assert r["tokens_per_s"] * r["step_s"] == pytest.approx(512 * 8192, rel=1e-9)
+    assert out["replanned_totals"] == [r["memory"]["total"] for r in rows]
+    steps = [r["step_s"] for r in rows]
+    assert steps == sorted(steps)

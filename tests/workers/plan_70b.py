@@ -1,7 +1,9 @@
 """The planner's 70B acceptance in one process of 64 simulated CPU devices: plan
 llama3.1-70b on 64 H100s over 8 hosts, then run the trainer's own pre-compile checks (every
-check `--dry-run` makes before compiling: flags, shapes, the memory fit) on the best layout's
-command line. Prints one JSON object: the planner's output, its wall time, the checks' verdict."""
+check `--dry-run` makes before compiling: flags, shapes, the memory fit) on every ranked
+layout's command line, and take the memory the trainer predicts for it. Prints one JSON
+object: the planner's output, its wall time, the checks' verdict, the trainer's predicted
+total of each row."""
 
 import contextlib
 import io
@@ -16,8 +18,21 @@ jax.config.update("jax_num_cpu_devices", 64)
 
 from jdist.plan.__main__ import main as plan  # noqa: E402
 from jdist.train.config import parse_args  # noqa: E402
-from jdist.train.fit import check_fits  # noqa: E402
+from jdist.train.fit import check_fits, plan_breakdown  # noqa: E402
 from jdist.train.setup import plan_for  # noqa: E402
+
+BUDGET_GB = 80e9 * 0.75 / 2**30  # what JAX lets a process allocate on an H100 80GB
+
+
+def replanned_total(command: str) -> int:
+    """The total the trainer predicts for a `python -m jdist.train` command line, after its
+    pre-compile checks (every check `--dry-run` makes, the memory fit included) pass."""
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "jdist.train"], words
+    config = parse_args(words[3:] + ["--device-memory-gb", str(BUDGET_GB)])
+    _, train_plan, _ = plan_for(config)
+    check_fits(config, train_plan)  # raises ConfigError when it would not fit
+    return plan_breakdown(config, train_plan).total
 
 
 def run() -> dict:
@@ -29,12 +44,9 @@ def run() -> dict:
         status = plan(argv)
     took = time.perf_counter() - start
     result = json.loads(out.getvalue())
-    words = shlex.split(result["command"])
-    assert words[:3] == ["python", "-m", "jdist.train"], words
-    config = parse_args(words[3:] + ["--device-memory-gb", str(80e9 * 0.75 / 2**30)])
-    _, train_plan, _ = plan_for(config)
-    check_fits(config, train_plan)  # raises ConfigError when it would not fit
-    return {"status": status, "seconds": took, "plan": result, "checks": "passed"}
+    replanned = [replanned_total(row["command"]) for row in result["layouts"]]
+    return {"status": status, "seconds": took, "plan": result, "checks": "passed",
+            "replanned_totals": replanned}
 
 
 if __name__ == "__main__":
