@@ -1,0 +1,130 @@
+"""The whole step: jdist's own collectives (`exact.py`, `kernels.py`) and what the compile
+adds (`partitioner.py`), counted as often as the training step runs them, plain
+(`jdist.train.grads`) or pipelined (`jdist.train.pipelined`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jdist import axes as ax
+from jdist.plan.traffic import exact, partitioner
+from jdist.plan.traffic.exact import gather, reduce
+from jdist.plan.traffic.kernels import (
+    attention_backward,
+    attention_forward,
+    moe_backward,
+    moe_forward,
+)
+from jdist.plan.traffic.layout import FINAL_NORM, PIPE_MANUAL, Collective, Leaf, Step, step_of
+from jdist.train.grads import MANUAL
+
+
+def collectives(plan, batch_size: int, seq_len: int, executed: bool = True) -> list[Collective]:
+    """Every modelled collective of one step. `executed` False: a pipeline's collectives
+    inside the stage's branches once each, as `jdist.comm.report` counts them."""
+    st = step_of(plan, batch_size, seq_len)
+    return pipelined_step(st, executed) if plan.pipeline is not None else plain_step(st)
+
+
+# ---------------------------------------------------------------------------------------
+# One transformer layer (models/llama.py Block) of one micro-batch
+
+
+def layer_forward(st: Step) -> list[Collective]:
+    """A layer's forward: its parameters gathered, Megatron's activation collectives, the
+    context-parallel kernel's, the MoE dispatch's."""
+    gathers = [c for leaf in st.blocks() for c in gather(st, leaf)]
+    return gathers + partitioner.tensor_forward(st) + attention_forward(st) + moe_forward(st)
+
+
+def layer_backward(st: Step, defer: bool, merged: Callable[[Leaf], bool] = lambda _: False
+                   ) -> list[Collective]:
+    """A layer's backward: parameters gathered again (`partitioner.regathers`; not those
+    whose regather XLA `merged` with an earlier identical gather), recomputation,
+    Megatron's, the attention kernel's and the MoE dispatch's backward, gradient
+    reductions."""
+    out = [c for leaf in st.blocks() if partitioner.regathers(st, leaf) and not merged(leaf)
+           for c in gather(st, leaf, "grad_sync.gather (backward)")]
+    out += partitioner.tensor_backward(st) + attention_backward(st) + moe_backward(st)
+    for leaf in st.blocks():
+        out += partitioner.token_partials(st, leaf) + reduce(st, leaf, defer)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The whole step
+
+
+def plain_step(st: Step) -> list[Collective]:
+    """jdist.train.grads: the replica shard_map, `grad_accum` micro-batches scanned."""
+    defer, layers = st.micro > 1, st.model.n_layers
+    per_micro = [c.times(layers) for c in layer_forward(st) + layer_backward(st, defer)]
+    per_micro += exact.embedding_forward(st) + exact.embedding_backward(st, defer)
+    per_micro += exact.final_norm_grad(st, defer)
+    extras = partitioner.extras(st)
+    per_micro += exact.balance_totals(st) + extras.embed_forward + extras.embed_backward
+    per_micro += extras.loss_forward + extras.loss_backward
+    # The final norm's gather is loop-invariant: XLA hoists it out of the micro-batch scan
+    # and merges the backward's with it (once per step; fitted, jax 0.10.2).
+    once = gather(st, st.leaf(FINAL_NORM), "grad_sync.gather (final norm)")
+    shape = exact.loss_shape(st)
+    if shape is None:
+        once += gather(st, st.head, "grad_sync.gather (head)")
+        per_micro += reduce(st, st.head, defer, "grad_sync.reduce (head)")
+    else:
+        per_micro += exact.loss_forward(st, shape) + exact.loss_backward(st, shape, defer)
+        if shape.n_chunks == 1:  # forward's and backward's gathers merged, and hoisted
+            once += exact.head_gathers(st, shape)
+        else:  # inside the forward's and the backward's chunk loops
+            per_micro += [c.times(2) for c in exact.head_gathers(st, shape)]
+    out = [c.times(st.micro) for c in per_micro] + once + extras.per_step
+    if defer:
+        out += exact.finish_all(st, layers)
+    return out + partitioner.zero_update(st) + exact.loss_scalars(st, MANUAL) \
+        + partitioner.grad_norm(st)
+
+
+def chunk_recompute(st: Step, k: int) -> list[Collective]:
+    """The forward a pipeline backward redoes (jax.vjp of the chunk), its ring shifts
+    merged with the backward's where `partitioner.ring_merges`."""
+    out = [c for leaf in st.blocks() for c in gather(st, leaf)] + partitioner.tensor_forward(st)
+    return out + ([] if partitioner.ring_merges(st) else attention_forward(st)) + moe_forward(st)
+
+
+def pipelined_step(st: Step, executed: bool) -> list[Collective]:
+    """jdist.train.pipelined + stage_program: per tick a forward or backward of one chunk
+    of k = L / (P V) layers inside a `lax.switch`, then two permutes; a backward redoes
+    its chunk's forward (jax.vjp) before pulling the cotangent back. The embedding runs in
+    the first chunk, the final norm and loss in the last; gradients accumulate (defer),
+    shared ones are summed over stage once."""
+    table = st.plan.pipeline.table(st.n[ax.STAGE])
+    k = st.model.n_layers // (table.stages * table.virtual)
+    chunk_runs = table.micro * table.virtual if executed else 1
+    end_runs = table.micro if executed else 1
+    forward = [c.times(k) for c in layer_forward(st)]
+    # A one-layer chunk's backward regathers what its recomputed forward just gathered:
+    # XLA merges the two where no automatic axis splits the leaf (fitted, jax 0.10.2).
+    backward = [c.times(k) for c in chunk_recompute(st, k) + layer_backward(
+        st, True, merged=lambda leaf: k == 1 and not leaf.auto)]
+    extras = partitioner.extras(st)
+    first = exact.embedding_forward(st) + extras.embed_forward
+    first_back = first + exact.embedding_backward(st, True) + extras.embed_backward
+    norm = gather(st, st.leaf(FINAL_NORM), "grad_sync.gather (final norm)")
+    shape = exact.loss_shape(st)
+    if shape is None:
+        last = norm + gather(st, st.head, "grad_sync.gather (head)")
+        last_back = last + reduce(st, st.head, True, "grad_sync.reduce (head)")
+    else:  # the backward redoes the loss's forward (log-sum-exp only), then its backward
+        heads = exact.head_gathers(st, shape)
+        last = norm + heads + exact.loss_forward(st, shape)
+        last_back = norm + heads + exact.loss_forward(st, shape, picked=False) \
+            + heads + exact.loss_backward(st, shape, True)
+    last += extras.loss_forward
+    last_back += exact.final_norm_grad(st, True) + extras.loss_recompute \
+        + extras.loss_backward + extras.loss_backward_again
+    out = [c.times(chunk_runs) for c in forward + backward]
+    out += [c.times(end_runs) for c in first + first_back + last + last_back]
+    out += extras.per_step + exact.stage_permutes(st, table.ticks) + exact.stage_sums(st)
+    out += exact.finish_all(st, st.model.n_layers // table.stages)
+    return out + partitioner.zero_update(st) + exact.loss_scalars(st, PIPE_MANUAL) \
+        + partitioner.grad_norm(st)
