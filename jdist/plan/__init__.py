@@ -2,7 +2,7 @@
 
 It enumerates the layouts a model can train with on N devices (`layouts.py`), costs each
 one without compiling it — memory from `jdist.memory`, FLOPs from `jdist.train.throughput`,
-collectives from `traffic.py` priced by `jdist.comm.transfer_time` on an accelerator
+collectives from `traffic/` priced by `jdist.comm.transfer_time` on an accelerator
 profile's links (`profiles.py`, `profiles.toml`), the pipeline bubble from the schedule
 simulator (`cost.py`) — and ranks them. `python -m jdist.plan calibrate` measures the
 `cpu-sim` profile on this machine (`calibrate.py`).
