@@ -44,17 +44,24 @@ def test_prediction_matches_the_compiler(mesh, zero):
         assert abs(a - b) <= 0.05 * b, (key, a, b)
 
 
-@pytest.mark.parametrize("schedule, micro", [("1f1b", 16)])
+# The README: in float32 the activation estimate lands within 5% of the compiled step.
+ACTIVATIONS_RTOL = 0.05
+
+
+@pytest.mark.parametrize("schedule, micro", [("1f1b", 16), ("gpipe", 16)])
 def test_pipeline_activations_follow_the_schedule(schedule, micro):
     """Pipelined, a stage keeps its schedule's stashed micro-batch inputs (all M under gpipe,
-    about P under 1f1b) and recomputes one chunk: the estimate stays in the planner's usual
-    band of the compiler's number instead of counting every layer's activations."""
+    about P under 1f1b) and recomputes one chunk: the estimate, and so the total, land within
+    the README's 5% of the compiler's numbers instead of counting every layer's activations
+    (activations measured 2.6% (1f1b) and 2.4% (gpipe) above it, jax 0.10.2 on CPU)."""
     tx, _ = make_optimizer(1e-3, 10, 1)
     deep = get_preset("tiny", n_layers=8)
     p = with_pipeline(make_plan(deep, build_mesh("dp=2,pp=4"), DEFAULT_RULES, tx),
                       PipelineConfig(schedule, micro))
     predicted, measured = predict(p, 64, 128), measure(p, 64, 128)
-    assert 0.5 <= measured.activations / predicted.activations <= 2.0
+    for key in ("activations", "total"):
+        ratio = getattr(measured, key) / getattr(predicted, key)
+        assert abs(ratio - 1) <= ACTIVATIONS_RTOL, (key, ratio)
 
 
 def run(module: str, *args: str) -> subprocess.CompletedProcess:
