@@ -109,8 +109,8 @@ def main() -> None:
                         help="only the save-to-manifest and validation times (no training step)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    config = TrainConfig(model=args.model, mesh=args.mesh, steps=100, eval_every=0,
-                         n_layers=args.n_layers)
+    config = TrainConfig.of(model=args.model, mesh=args.mesh, steps=100, eval_every=0,
+                            n_layers=args.n_layers)
     if args.integrity_only:
         _, plan, _ = plan_for(config)  # no shape-only refusal: nothing is compiled
         state = init_state(plan, 0)
@@ -132,7 +132,7 @@ def main() -> None:
     setup = prepare(config)
     plan = setup.plan
     state = init_state(plan, 0)
-    batch = data.global_batch(setup.corpus.train, 0, 0, config.batch_size, config.seq_len,
+    batch = data.global_batch(setup.corpus.train, 0, 0, config.data.batch_size, config.data.seq_len,
                               plan.batch_sharding)
     step = make_train_step(plan, setup.schedule)
     step = step.lower(state, batch).compile()
@@ -183,8 +183,8 @@ def main() -> None:
         asyn.close()
         sync.close()
         for name, mesh in (("same", args.mesh), ("other", args.other_mesh)):
-            other = prepare(TrainConfig(model=args.model, mesh=mesh, steps=100,
-                                        n_layers=args.n_layers)).plan
+            other = prepare(TrainConfig.of(model=args.model, mesh=mesh, steps=100,
+                                           n_layers=args.n_layers)).plan
             times = []
             for _ in range(args.repeats):
                 t = time.perf_counter()

@@ -139,14 +139,14 @@ def step_rows(target: str = "") -> list[dict]:
         row = {"what": "step", "impl": f"{attention}+{loss}", "seq_len": seq,
                "temp_bytes": None}
         for where in ("",) * on_cpu + ((target,) if target else ()):
-            config = TrainConfig(model=MODEL, mesh="fsdp=8", zero=3, batch_size=8,
-                                 seq_len=seq, remat="full", compute_dtype="bfloat16",
-                                 attention=attention, loss=loss, target=where)
+            config = TrainConfig.of(model=MODEL, mesh="fsdp=8", zero=3, batch_size=8,
+                                    seq_len=seq, remat="full", compute_dtype="bfloat16",
+                                    attention=attention, loss=loss, target=where)
             _, plan, _ = plan_for(config)
-            compiled = compile_step(plan, config.batch_size, seq)
+            compiled = compile_step(plan, config.data.batch_size, seq)
             numbers = {"peak_bytes": peak(compiled),
                        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
-            row["predicted_bytes"] = predict(plan, config.batch_size, seq).total
+            row["predicted_bytes"] = predict(plan, config.data.batch_size, seq).total
             if where:
                 row["gpu"] = {"target": where, **numbers}
             else:

@@ -28,7 +28,6 @@ compute capability 8.0+).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from jdist import target as gpu_target
@@ -55,8 +54,8 @@ def compiled_numbers(plan, seq_len: int) -> dict:
 def row(model: str, variant: str, rank: int, seq_len: int, do_measure: bool,
         target: str = "") -> dict:
     flags = {k: (rank if v is True else v) for k, v in VARIANTS[variant].items()}
-    config = TrainConfig(model=model, mesh="dp=1", batch_size=1, seq_len=seq_len,
-                         remat="full", compute_dtype="bfloat16", **flags)
+    config = TrainConfig.of(model=model, mesh="dp=1", batch_size=1, seq_len=seq_len,
+                            remat="full", compute_dtype="bfloat16", **flags)
     _, plan, _ = plan_for(config)
     out = {"model": model, "variant": variant,
            "predicted": {k: v / GIB for k, v in predict(plan, 1, seq_len).as_dict().items()}}
@@ -65,7 +64,7 @@ def row(model: str, variant: str, rank: int, seq_len: int, do_measure: bool,
         out["measured"], out["measured_peak"] = numbers["measured"], numbers["peak"]
         out["attention"] = numbers["attention"]
     if target:
-        config = dataclasses.replace(config, target=target)
+        config = config.replace(target=target)
         _, plan, _ = plan_for(config)
         out["gpu"] = {"target": target, **compiled_numbers(plan, seq_len),
                       "predicted": {k: v / GIB for k, v in

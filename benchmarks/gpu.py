@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jdist import data  # noqa: E402
+from jdist.config.groups import MemoryFlags  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
 from jdist.parallel.attention import CUDNN, FLASH, XLA, accelerator, cudnn_refusal  # noqa: E402
 from jdist.rules import DEFAULT_RULES  # noqa: E402
@@ -85,8 +86,8 @@ def attention_errors(dtype) -> dict[str, float]:
 def compiled_step(model, batch: int, seq: int, attention: str, dtype):
     tx, schedule = make_optimizer(1e-4, 100, 10)
     mesh = build_mesh("dp=1", jax.devices()[:1])
-    plan = make_plan(model, mesh, DEFAULT_RULES, tx, compute_dtype=dtype, remat="full",
-                     attention=attention)
+    memory = MemoryFlags(compute_dtype=jnp.dtype(dtype).name, remat="full", attention=attention)
+    plan = make_plan(model, mesh, DEFAULT_RULES, tx, memory)
     step = make_train_step(plan, schedule)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     start = time.perf_counter()

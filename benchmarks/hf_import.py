@@ -86,7 +86,7 @@ def load(variant: str, hf_dir: str) -> dict:
     from jdist.train.config import TrainConfig
     from jdist.train.setup import plan_for
 
-    _, plan, _ = plan_for(TrainConfig(init_from=hf_dir, mesh="fsdp=8"))
+    _, plan, _ = plan_for(TrainConfig.of(init_from=hf_dir, mesh="fsdp=8"))
     with PeakMemory() as memory:
         start = time.perf_counter()
         params, read = _load(variant, hf_dir, plan)

@@ -36,9 +36,9 @@ from jdist.train.step import make_train_step
 def bare_steps_per_sec(config: TrainConfig, steps: int, warmup: int) -> float:
     setup = prepare(config)
     plan = setup.plan
-    state = init_state(plan, config.seed)
-    batch = data.global_batch(setup.corpus.train, config.seed, 0, config.batch_size,
-                              config.seq_len, plan.batch_sharding)
+    state = init_state(plan, config.data.seed)
+    batch = data.global_batch(setup.corpus.train, config.data.seed, 0, config.data.batch_size,
+                              config.data.seq_len, plan.batch_sharding)
     step = make_train_step(plan, setup.schedule)
     step = step.lower(state, batch).compile()
     # Like the training loop, read each step's metrics one step late: never more than two
@@ -70,7 +70,7 @@ def check_costs(config: TrainConfig, repeats: int = 5) -> dict:
     """Seconds of one replica check and one recomputed step beyond the step itself, warm."""
     setup = prepare(config)
     plan = setup.plan
-    state = init_state(plan, config.seed)
+    state = init_state(plan, config.data.seed)
     batch = setup.batch(0)
     step = make_train_step(plan, setup.schedule).lower(state, batch).compile()
     health.check_replicas(state, plan.mesh)
@@ -93,9 +93,9 @@ def soak(model: str, mesh: str, steps: int) -> dict:
     """Both checks at every step for `steps` steps: a false positive stops the run."""
     with tempfile.TemporaryDirectory() as run_dir, open(os.devnull, "w") as devnull, \
             contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
-        config = TrainConfig(model=model, mesh=mesh, steps=steps, batch_size=8, seq_len=32,
-                             eval_every=0, run_dir=run_dir, check_replicas_every=1,
-                             recompute_check_every=1)
+        config = TrainConfig.of(model=model, mesh=mesh, steps=steps, batch_size=8, seq_len=32,
+                                eval_every=0, run_dir=run_dir, check_replicas_every=1,
+                                recompute_check_every=1)
         try:
             history = train(config)
             return {"mesh": mesh, "steps": len(history), "false_positives": 0}
@@ -116,19 +116,19 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:
-        config = TrainConfig(model=args.model, mesh=args.mesh, steps=args.steps,
-                             batch_size=args.batch_size, seq_len=args.seq_len, eval_every=0,
-                             log_every=1, run_dir=run_dir)
+        config = TrainConfig.of(model=args.model, mesh=args.mesh, steps=args.steps,
+                                batch_size=args.batch_size, seq_len=args.seq_len, eval_every=0,
+                                log_every=1, run_dir=run_dir)
         # Bare, full, bare: the two bare runs bracket the full one against drift.
         bare1 = bare_steps_per_sec(config, args.steps, args.warmup)
         full = full_steps_per_sec(config, args.warmup)
         bare2 = bare_steps_per_sec(config, args.steps, args.warmup)
         costs = check_costs(config)
     bare = (bare1 + bare2) / 2
-    defaults = TrainConfig()
-    share = {"replica_check": costs["replica_check_s"] / (defaults.check_replicas_every
+    defaults = TrainConfig.of()
+    share = {"replica_check": costs["replica_check_s"] / (defaults.observe.check_replicas_every
                                                          * costs["step_s"]),
-             "recompute_check": costs["recompute_extra_s"] / (defaults.recompute_check_every
+             "recompute_check": costs["recompute_extra_s"] / (defaults.observe.recompute_check_every
                                                              * costs["step_s"])}
     soaks = [soak("tiny", m, args.soak_steps) for m in args.soak_meshes.split(";")
              if args.soak_steps]
@@ -143,9 +143,11 @@ def main() -> None:
     print(f"{args.model:8} {args.mesh:12} {bare:13.3f} {full:13.3f} {full / bare:7.3f}"
           f"   (target >= 0.95; bare runs {bare1:.3f}, {bare2:.3f})")
     print(f"one step {costs['step_s'] * 1e3:.1f} ms; replica check "
-          f"{costs['replica_check_s'] * 1e3:.1f} ms (every {defaults.check_replicas_every}: "
+          f"{costs['replica_check_s'] * 1e3:.1f} ms (every "
+          f"{defaults.observe.check_replicas_every}: "
           f"{share['replica_check']:.2%} of step time); recompute check +"
-          f"{costs['recompute_extra_s'] * 1e3:.1f} ms (every {defaults.recompute_check_every}: "
+          f"{costs['recompute_extra_s'] * 1e3:.1f} ms (every "
+          f"{defaults.observe.recompute_check_every}: "
           f"{share['recompute_check']:.2%})")
     for r in soaks:
         print(f"soak: tiny on {r['mesh']}: both checks at every step for {r['steps']} steps: "

@@ -73,18 +73,19 @@ def run(estimate, base, corpus, steps: int) -> dict:
     """Compile and run one layout: median step time, compiled memory, HLO bytes."""
     config = estimate.layout.to_config(base)
     _, plan, _ = plan_for(config)
-    compiled = compile_step(plan, base.batch_size, base.seq_len)
-    memory = measure(plan, base.batch_size, base.seq_len, compiled)
+    compiled = compile_step(plan, base.data.batch_size, base.data.seq_len)
+    memory = measure(plan, base.data.batch_size, base.data.seq_len, compiled)
     hlo_bytes = sum(r.bytes for r in report(compiled.as_text(), plan.mesh).rows if r.axes)
     # The report counts a collective inside a pipeline stage's `lax.switch` branch once per
     # branch (it weighs while loops only): compare like with like, and keep what runs.
-    predicted_bytes = sum(r.bytes for r in reported_traffic(plan, base.batch_size,
-                                                            base.seq_len))
-    executed_bytes = sum(r.bytes for r in step_traffic(plan, base.batch_size, base.seq_len))
+    predicted_bytes = sum(r.bytes for r in reported_traffic(plan, base.data.batch_size,
+                                                            base.data.seq_len))
+    executed_bytes = sum(r.bytes for r in step_traffic(plan, base.data.batch_size,
+                                                       base.data.seq_len))
     state = init_state(plan, 0)
     times = []
     for i in range(steps + 2):  # two warm-up steps
-        batch = data.global_batch(corpus.train, 0, i, base.batch_size, base.seq_len,
+        batch = data.global_batch(corpus.train, 0, i, base.data.batch_size, base.data.seq_len,
                                   plan.batch_sharding)
         start = time.perf_counter()
         state, metrics = compiled(state, batch)
@@ -139,8 +140,8 @@ def gpu_main(args) -> None:
     out = []
     for name in args.cases.split(","):
         model, devices, hosts, batch, seq = GPU_CASES[name]
-        base = TrainConfig(model=model, batch_size=batch, seq_len=seq,
-                           compute_dtype="bfloat16", target=args.target)
+        base = TrainConfig.of(model=model, batch_size=batch, seq_len=seq,
+                              compute_dtype="bfloat16", target=args.target)
         start = time.perf_counter()
         ranked = search(base, devices, hosts, profile).ranked
         searched = time.perf_counter() - start
@@ -188,8 +189,8 @@ def main() -> None:
         gpu_main(args)
         return
     profile = load_profile("cpu-sim")
-    base = TrainConfig(model="small", batch_size=args.batch_size, seq_len=args.seq_len,
-                       compute_dtype="float32")
+    base = TrainConfig.of(model="small", batch_size=args.batch_size, seq_len=args.seq_len,
+                          compute_dtype="float32")
     result = search(base, 8, 1, profile)
     chosen = pick(result.ranked, args.top, args.bottom)
     corpus = data.load_corpus(None, args.seq_len)

@@ -37,6 +37,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jdist import data, gpu_report  # noqa: E402
 from jdist import target as gpu_target  # noqa: E402
+from jdist.config.groups import MemoryFlags  # noqa: E402
 from jdist.hlo import collective_bytes, collective_counts  # noqa: E402
 from jdist.memory import compile_step, measure, peak, predict  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
@@ -70,7 +71,7 @@ def on_gpu(model: str, mesh: str, zero: int, target: str) -> dict:
     batch_size, seq_len = SHAPES[model]
     tx, _ = make_optimizer(1e-3, 10, 1)
     plan = make_plan(get_preset(model), build_mesh(mesh, gpu_target.devices(target, 8)),
-                     DEFAULT_RULES, tx, zero=zero)
+                     DEFAULT_RULES, tx, MemoryFlags(zero=zero))
     compiled = compile_step(plan, batch_size, seq_len)
     measured = measure(plan, batch_size, seq_len, compiled=compiled)
     return {"target": target, "attention": attention_of(plan, seq_len),
@@ -84,7 +85,8 @@ def run(model: str, target: str = "") -> list[dict]:
     batch_size, seq_len = SHAPES[model]
     for mesh, zero in LAYOUTS:
         tx, _ = make_optimizer(1e-3, 10, 1)
-        plan = make_plan(get_preset(model), build_mesh(mesh), DEFAULT_RULES, tx, zero=zero)
+        plan = make_plan(get_preset(model), build_mesh(mesh), DEFAULT_RULES, tx,
+                         MemoryFlags(zero=zero))
         compiled = compile_step(plan, batch_size, seq_len)
         predicted = predict(plan, batch_size, seq_len)
         measured = measure(plan, batch_size, seq_len, compiled=compiled)

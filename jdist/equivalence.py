@@ -13,10 +13,10 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jdist import data
+from jdist.config import TrainConfig
 from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES, Rules
@@ -43,28 +43,37 @@ class RunResult:
         return self.lowered.compile().as_text()
 
 
-def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, rules: Rules = DEFAULT_RULES,
-                steps: int = 3, batch_size: int = 16, seq_len: int = 32, seed: int = 0,
-                lr: float = 3e-3, compute_dtype=jnp.float32, zero: int = 0,
-                grad_accum: int = 1, remat: str = "none", offload: bool = False,
-                cp_strategy: str = "ring", pipeline: PipelineConfig | None = None,
-                attention: str = "auto", loss: str = "chunked", eod_id: int | None = None,
-                batch_fn=None, init_from: str | None = None, grads_step: int = 0,
-                quantize: str = "none", double_quant: bool = False) -> RunResult:
-    """Train `steps` steps of `model` on `mesh` (a Mesh or a mesh string); `pipeline`
-    (schedule, micro-batches) applies when the mesh has stages; `eod_id` packs documents
-    (`jdist.packing`). `batch_fn(step)` -> host batch {"inputs", "targets"} replaces the
-    token windows (tests of loss masks). `init_from`: start from that Hugging Face
-    directory's weights (`model` must be its config) instead of the seed's. `grads_step`:
-    the step whose gradients are kept (LoRA's A gets its first nonzero gradient at step 1,
-    once B has moved off zero)."""
+# The harness's own defaults where a test does not say: a few steps of a small batch.
+HARNESS = {"steps": 3, "batch_size": 16, "seq_len": 32, "lr": 3e-3}
+
+
+def config(**flags) -> TrainConfig:
+    """The flags of a harness run (`TrainConfig.of`'s flat names), the rest at the harness's
+    defaults (HARNESS) or the trainer's."""
+    return TrainConfig.of(**{**HARNESS, **flags})
+
+
+def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, flags: TrainConfig | None = None,
+                rules: Rules = DEFAULT_RULES, pipeline: PipelineConfig | None = None,
+                eod_id: int | None = None, batch_fn=None, grads_step: int = 0) -> RunResult:
+    """Train `flags.optim.steps` steps (`flags`: a `config(...)`, default `config()`) of
+    `model` on `mesh` (a Mesh or a mesh string; `flags.parallel.mesh` is not read, nor
+    `--rules`: `rules` is the Rules themselves). The optimizer is AdamW at `--lr` with 2
+    warmup steps over a schedule of at least 10. `pipeline` (schedule, micro-batches)
+    applies when the mesh has stages; `eod_id` packs documents (`jdist.packing`).
+    `batch_fn(step)` -> host batch {"inputs", "targets"} replaces the token windows (tests
+    of loss masks). `--init-from`: start from that Hugging Face directory's weights (`model`
+    must be its config) instead of the seed's. `grads_step`: the step whose gradients are
+    kept (LoRA's A gets its first nonzero gradient at step 1, once B has moved off zero)."""
+    flags = flags or config()
+    steps, seed = flags.optim.steps, flags.data.seed
+    batch_size, seq_len, init_from = flags.data.batch_size, flags.data.seq_len, \
+        flags.model.init_from
     if isinstance(mesh, str):
         mesh = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
-    tx, schedule = make_optimizer(lr, max(steps, 10), warmup=2)
-    plan = make_plan(model, mesh, rules, tx, zero=zero, offload_optimizer=offload,
-                     cp_strategy=cp_strategy, compute_dtype=compute_dtype, remat=remat,
-                     grad_accum=grad_accum, attention=attention, loss=loss, eod_id=eod_id,
-                     quantize=quantize, double_quant=double_quant)
+    tx, schedule = make_optimizer(flags.optim.lr, max(steps, 10), warmup=2)
+    plan = make_plan(model, mesh, rules, tx, flags.memory, flags.parallel, flags.finetune,
+                     eod_id)
     plan = with_pipeline(plan, pipeline)
     losses, norms, first = [], [], None
     with jax.default_matmul_precision("highest"):

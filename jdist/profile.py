@@ -85,7 +85,7 @@ def parse_steps(text: str) -> tuple[int, int]:
 class StepTracer:
     """A trace of steps `first`..`last` into `directory`; see the module docstring.
 
-        tracer = StepTracer(run_dir / "profile", *parse_steps(config.profile_steps))
+        tracer = StepTracer(run_dir / "profile", *parse_steps(config.observe.profile_steps))
         for i in steps:
             with tracer.step(i, pending=state):   # before the step's dispatch
                 state, metrics = step_fn(state, batch)

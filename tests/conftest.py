@@ -30,7 +30,8 @@ def single_device(corpus):
     every test that compares a layout against it. The reference computes the plain way:
     dense (xla) attention and the loss from full logits, unless `settings` say otherwise,
     so every layout's flash blocks, chunked loss and sharded embedding are checked too."""
-    from jdist.equivalence import train_steps
+    from jdist.config import locate
+    from jdist.equivalence import config, train_steps
 
     cache: dict = {}
 
@@ -38,7 +39,11 @@ def single_device(corpus):
         settings = {"attention": "xla", "loss": "full", **settings}
         key = (model, tuple(sorted(settings.items())))
         if key not in cache:
-            cache[key] = train_steps(model, "dp=1", corpus.train, **settings)
+            # Flags make the run's config; the rest (batch_fn, grads_step, ...) are
+            # train_steps' own arguments.
+            flags = {k: v for k, v in settings.items() if k in locate()}
+            rest = {k: v for k, v in settings.items() if k not in flags}
+            cache[key] = train_steps(model, "dp=1", corpus.train, config(**flags), **rest)
         return cache[key]
 
     return run

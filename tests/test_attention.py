@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist.equivalence import assert_matches, train_steps
+from jdist.equivalence import assert_matches, config, train_steps
 from jdist.errors import ConfigError
 from jdist.parallel import attention as attn
 from jdist.parallel import blockwise as bw
@@ -113,5 +113,5 @@ def test_what_cannot_run_is_refused_in_one_line(kw, message):
 
 def test_training_with_flash_matches_single_device(corpus, single_device):
     # Heads over tensor, batch over data and fsdp; the context-parallel runs are flash too.
-    run = train_steps(TINY, "dp=2,fsdp=2,tp=2", corpus.train, attention="flash")
+    run = train_steps(TINY, "dp=2,fsdp=2,tp=2", corpus.train, config(attention="flash"))
     assert_matches(run, single_device(TINY))

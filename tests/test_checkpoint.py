@@ -19,7 +19,7 @@ TINY = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 2, "eval_ever
 
 
 def config(run_dir, **kw) -> TrainConfig:
-    return TrainConfig(**{**TINY, **kw, "run_dir": str(run_dir)})
+    return TrainConfig.of(**{**TINY, **kw, "run_dir": str(run_dir)})
 
 
 def losses(history, after: int = 0) -> dict[int, float]:
@@ -186,7 +186,7 @@ def test_reported_lr_is_the_applied_lr(nan_runs):
     """A skipped step is not an optimizer step under either policy: the schedule does not
     advance over it, and `lr` reports the rate each update applied."""
     skip, rollback, _ = nan_runs
-    schedule = lr_schedule(TrainConfig.lr, NAN["steps"], TINY["warmup"])
+    schedule = lr_schedule(TrainConfig().optim.lr, NAN["steps"], TINY["warmup"])
     updates_before = [0, 1, 2, 2, 3, 4, 5, 6]  # step 3 (the NaN) applied no update
     expected = [float(schedule(n)) for n in updates_before]
     assert [r["lr"] for r in skip] == pytest.approx(expected, rel=1e-6)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdist.equivalence import assert_matches, train_steps
+from jdist.equivalence import assert_matches, config, train_steps
 from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
 from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel.context import ALL_GATHER, RING, ULYSSES, ContextParallel
@@ -132,7 +132,7 @@ def reference(single_device):
     ("dp=2,sp=2,tp=2", RING),
 ])
 def test_training_matches_single_device(corpus, reference, mesh, strategy):
-    run = train_steps(TINY, mesh_of(mesh), corpus.train, cp_strategy=strategy)
+    run = train_steps(TINY, mesh_of(mesh), corpus.train, config(cp_strategy=strategy))
     assert_matches(run, reference)
     if mesh == "sp=8":  # the HLO test rides on this run's compiled step (compiles are slow)
         assert_layer_collectives(run.hlo, strategy)

@@ -34,4 +34,4 @@ def test_flag_reaches_the_plan():
     config = parse_args(["--model", "tiny", "--mesh", "sp=8", "--seq-len", "32",
                          "--cp-strategy", "ulysses"])
     assert prepare(config).plan.cp_strategy == "ulysses"
-    assert parse_args([]).cp_strategy == "ring"
+    assert parse_args([]).parallel.cp_strategy == "ring"

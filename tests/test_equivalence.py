@@ -5,7 +5,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist.equivalence import assert_matches, loss_rel_diff, mismatches, train_steps
+from jdist.equivalence import (
+    assert_matches,
+    config,
+    loss_rel_diff,
+    mismatches,
+    train_steps,
+)
 from jdist.parallel import grad_sync
 from jdist.rules import DEFAULT_RULES, with_sequence_parallel
 from models import get_preset
@@ -23,11 +29,11 @@ TINY = get_preset("tiny")
 ])
 def test_matches_single_device(corpus, single_device, mesh, sequence_parallel):
     rules = with_sequence_parallel(DEFAULT_RULES) if sequence_parallel else DEFAULT_RULES
-    assert_matches(train_steps(TINY, mesh, corpus.train, rules), single_device(TINY))
+    assert_matches(train_steps(TINY, mesh, corpus.train, rules=rules), single_device(TINY))
 
 
 def test_trains_like_single_device_for_ten_steps(corpus, single_device):
-    run = train_steps(TINY, "dp=2,fsdp=2,tp=2", corpus.train, steps=10)
+    run = train_steps(TINY, "dp=2,fsdp=2,tp=2", corpus.train, config(steps=10))
     assert_matches(run, single_device(TINY, steps=10))
     assert run.losses[-1] < run.losses[0] - 0.5  # and it actually learned something
 
@@ -50,7 +56,8 @@ def test_a_summed_data_reduction_is_caught(corpus, single_device, monkeypatch):
 
 
 def test_bfloat16_compute_tracks_float32(corpus, single_device):
-    run = train_steps(TINY, "dp=2,fsdp=2,tp=2", corpus.train, compute_dtype=jnp.bfloat16)
+    run = train_steps(TINY, "dp=2,fsdp=2,tp=2", corpus.train,
+                      config(compute_dtype="bfloat16"))
     assert loss_rel_diff(run, single_device(TINY)) < 2e-2
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(run.params))
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(run.grads))

@@ -25,10 +25,10 @@ def gpu_mesh(text: str, n: int = 8):
 @pytest.fixture(scope="module")
 def fsdp_step():
     """A tiny fsdp=8 step (2 layers, bf16, cuDNN) compiled for 8 H100s."""
-    config = TrainConfig(model="tiny", mesh="fsdp=8", batch_size=8, seq_len=128,
-                         compute_dtype="bfloat16", attention="cudnn", target=H100)
+    config = TrainConfig.of(model="tiny", mesh="fsdp=8", batch_size=8, seq_len=128,
+                            compute_dtype="bfloat16", attention="cudnn", target=H100)
     _, plan, _ = plan_for(config)
-    compiled = compile_step(plan, config.batch_size, config.seq_len)
+    compiled = compile_step(plan, config.data.batch_size, config.data.seq_len)
     return plan, compiled.as_text()
 
 
@@ -96,10 +96,10 @@ def test_peak_breakdown_accounts_for_the_state_and_the_layer_loop():
     from jdist.memory import compile_step
     from jdist.sharding import per_device_bytes
 
-    config = TrainConfig(model="tiny", mesh="fsdp=8", batch_size=8, seq_len=64, remat="full")
+    config = TrainConfig.of(model="tiny", mesh="fsdp=8", batch_size=8, seq_len=64, remat="full")
     _, plan, _ = plan_for(config)
     lines: list[str] = []
-    compile_step(plan, config.batch_size, config.seq_len, lines)
+    compile_step(plan, config.data.batch_size, config.data.seq_len, lines)
     assert lines and "peak usage" in lines[0]
     state = [line for line in lines if line.endswith("── state")]
     assert len(state) == 1

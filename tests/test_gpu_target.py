@@ -312,7 +312,7 @@ FAMILIES = [
 def compile_family(fam: Family) -> Program:
     config = {**COMMON, **fam.config}
     packed = config.pop("packing", None)
-    _, plan, _ = plan_for(TrainConfig(**config))
+    _, plan, _ = plan_for(TrainConfig.of(**config))
     if packed:  # as jdist.train.setup.prepare does for data with an end-of-document id
         plan = dataclasses.replace(plan, eod_id=EOD)
     assert target.is_compile_only(plan.mesh.devices.flat[0])
@@ -424,8 +424,8 @@ def test_jax_stays_on_the_cpu():
 def test_auto_attention_resolves_as_on_the_target():
     """cuDNN on capability >= 8.0 in bf16 (A100 and H100), never in float32."""
     def resolved(name, dtype):
-        _, plan, _ = plan_for(TrainConfig(model="tiny", mesh="dp=8", target=name,
-                                          compute_dtype=dtype))
+        _, plan, _ = plan_for(TrainConfig.of(model="tiny", mesh="dp=8", target=name,
+                                             compute_dtype=dtype))
         return attention_of(plan, SEQ)
 
     assert resolved("a100-80gb", "bfloat16") == "cudnn"
@@ -437,11 +437,11 @@ def test_offload_is_refused_for_a_target():
     """Compile-only devices list no memories, so a pinned-host optimizer state would
     silently stay on the device: refused in one line instead of measured wrongly."""
     with pytest.raises(ConfigError, match="--offload optimizer cannot be compiled"):
-        plan_for(TrainConfig(**{**COMMON, "mesh": "dp=2,fsdp=4", "offload": "optimizer"}))
+        plan_for(TrainConfig.of(**{**COMMON, "mesh": "dp=2,fsdp=4", "offload": "optimizer"}))
 
 
 def test_hosts_split_the_target_devices():
-    _, plan, _ = plan_for(TrainConfig(model="tiny", mesh="dp=2,fsdp=8", target=TARGET, hosts=2))
+    _, plan, _ = plan_for(TrainConfig.of(model="tiny", mesh="dp=2,fsdp=8", target=TARGET, hosts=2))
     devices = plan.mesh.devices
     assert devices.size == 16 and {d.process_index for d in devices.flat} == {0, 1}
     assert all(target.is_compile_only(d) for d in devices.flat)

@@ -24,7 +24,7 @@ def hsdp():
     from jdist.train.state import init_state
     from jdist.train.step import make_train_step
 
-    _, plan, schedule = plan_for(TrainConfig(model="tiny", mesh="dp=4,fsdp=2"))
+    _, plan, schedule = plan_for(TrainConfig.of(model="tiny", mesh="dp=4,fsdp=2"))
     tokens = np.random.default_rng(0).integers(0, plan.model.vocab_size, 4096, np.int32)
     batch = data.global_batch(tokens, 0, 0, 8, 32, plan.batch_sharding)
     return plan.mesh, init_state(plan, 0), make_train_step(plan, schedule), batch
@@ -88,7 +88,7 @@ def test_two_replicas_are_both_named(hsdp):
     from jdist.train.setup import plan_for
     from jdist.train.state import init_state
 
-    _, plan, _ = plan_for(TrainConfig(model="tiny", mesh="dp=2,tp=2,pp=2"))
+    _, plan, _ = plan_for(TrainConfig.of(model="tiny", mesh="dp=2,tp=2,pp=2"))
     state = init_state(plan, 0)
     assert check_replicas(state, plan.mesh) is None
     found = check_replicas(inject_corruption(state, plan.mesh, bit=30), plan.mesh)

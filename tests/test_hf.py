@@ -38,8 +38,8 @@ def hf_tensors(hf_dir: Path) -> dict:
 
 
 def loaded(hf_dir: Path, mesh: str = "dp=1", **flags):
-    _, plan, _ = plan_for(TrainConfig(init_from=str(hf_dir), mesh=mesh, batch_size=16,
-                                      **flags))
+    _, plan, _ = plan_for(TrainConfig.of(init_from=str(hf_dir), mesh=mesh, batch_size=16,
+                                         **flags))
     return plan, load_params(hf_dir, plan)
 
 

@@ -48,8 +48,8 @@ def losses(run_dir) -> dict[int, float]:
 def single(tmp_path_factory):
     """One process, 8 devices: the reference losses and a checkpoint at step 4."""
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    train(TrainConfig(model="tiny", mesh="dp=2,fsdp=4", steps=8, batch_size=16, seq_len=32,
-                      warmup=2, eval_every=0, checkpoint_every=4, run_dir=str(run_dir)))
+    train(TrainConfig.of(model="tiny", mesh="dp=2,fsdp=4", steps=8, batch_size=16, seq_len=32,
+                         warmup=2, eval_every=0, checkpoint_every=4, run_dir=str(run_dir)))
     return run_dir, losses(run_dir)
 
 
@@ -87,9 +87,10 @@ def test_restart_resumes_two_process_checkpoint_and_it_moves_to_one(tmp_path, si
     assert "restart 1/1" in out and "restored step" in out and "all processes finished" in out
     assert close(losses(run_dir), single[1])
     # The 2-process checkpoint at step 4 restores in one process on the same mesh.
-    history = train(TrainConfig(model="tiny", mesh="dp=2,fsdp=4", steps=8, batch_size=16,
-                                seq_len=32, warmup=2, eval_every=0, run_dir=str(tmp_path / "one"),
-                                resume=str(run_dir / "checkpoints" / "4")))
+    history = train(TrainConfig.of(model="tiny", mesh="dp=2,fsdp=4", steps=8, batch_size=16,
+                                   seq_len=32, warmup=2, eval_every=0,
+                                   run_dir=str(tmp_path / "one"),
+                                   resume=str(run_dir / "checkpoints" / "4")))
     assert close({r["step"]: r["loss"] for r in history}, {s: single[1][s] for s in (5, 6, 7, 8)})
 
 

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from jdist import hlo
-from jdist.equivalence import assert_matches, train_steps
+from jdist.config.groups import FinetuneFlags, MemoryFlags
+from jdist.equivalence import assert_matches, config, train_steps
 from jdist.mesh import build_mesh
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES
@@ -23,7 +24,8 @@ from models.lora import LoraConfig, is_adapter
 LORA = dataclasses.replace(get_preset("tiny"), n_layers=4, lora=LoraConfig(4, 8.0))
 # The lr is 0 at step 0 (warmup), so B leaves zero at step 1 and A's gradient is nonzero
 # from step 2: those are the gradients compared.
-SETTINGS = {"steps": 3, "lr": 1e-2, "grads_step": 2}
+SETTINGS = {"steps": 3, "lr": 1e-2}
+GRADS_STEP = 2
 
 
 def flat(tree) -> dict:
@@ -32,7 +34,7 @@ def flat(tree) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(single_device):
-    return single_device(LORA, **SETTINGS)
+    return single_device(LORA, **SETTINGS, grads_step=GRADS_STEP)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,9 @@ _RUNS: dict = {}
 def lora_run(corpus, mesh, **settings):
     key = (mesh, tuple(sorted(settings.items())))
     if key not in _RUNS:
-        _RUNS[key] = train_steps(LORA, mesh, corpus.train, **SETTINGS, **settings)
+        flags = {k: v for k, v in settings.items() if k != "pipeline"}
+        _RUNS[key] = train_steps(LORA, mesh, corpus.train, config(**SETTINGS, **flags),
+                                 pipeline=settings.get("pipeline"), grads_step=GRADS_STEP)
     return _RUNS[key]
 
 
@@ -107,7 +111,7 @@ def test_optimizer_state_is_the_adapters_only():
     frozen = [v for k, v in flat(plan.abstract.params).items() if not is_adapter(k.split("'"))]
     assert frozen and all(x.dtype == jnp.float32 for x in frozen)  # float32 compute: as is
     bf16 = make_plan(LORA, plan.mesh, DEFAULT_RULES, make_optimizer()[0],
-                     compute_dtype=jnp.bfloat16)
+                     MemoryFlags(compute_dtype="bfloat16"))
     stored = {k: v.dtype for k, v in flat(bf16.abstract.params).items()}
     assert all(d == (jnp.float32 if "_lora" in k or "norm" in k else jnp.bfloat16)
                for k, d in stored.items()), stored
@@ -125,8 +129,8 @@ def test_checkpoints_hold_the_adapters_and_resume_elastically(tmp_path, capsys):
 
     flags = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 2, "eval_every": 0,
              "log_every": 100, "lora_rank": 4, "steps": 6}
-    ref = train(TrainConfig(**flags, mesh="fsdp=2", checkpoint_every=3,
-                            run_dir=str(tmp_path / "a")))
+    ref = train(TrainConfig.of(**flags, mesh="fsdp=2", checkpoint_every=3,
+                               run_dir=str(tmp_path / "a")))
     step3 = tmp_path / "a" / "checkpoints" / "3"
     assert ckpt.read_meta(step3)["base_saved"] is False
     saved = ocp.PyTreeCheckpointer().metadata((step3 / "state").absolute())
@@ -134,8 +138,8 @@ def test_checkpoints_hold_the_adapters_and_resume_elastically(tmp_path, capsys):
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(
         dict(saved)["params"])]
     assert names and all("_lora" in n for n in names), names
-    resumed = train(TrainConfig(**flags, mesh="tp=2", resume=str(step3),
-                                run_dir=str(tmp_path / "b")))
+    resumed = train(TrainConfig.of(**flags, mesh="tp=2", resume=str(step3),
+                                   run_dir=str(tmp_path / "b")))
     full = {r["step"]: r["loss"] for r in ref}
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for r in resumed:
@@ -159,15 +163,16 @@ def test_checkpoints_hold_the_adapters_and_resume_elastically(tmp_path, capsys):
 # QLoRA needs whole NF4 blocks of 64 in every shard of each weight's last dimension.
 QLORA = dataclasses.replace(get_preset("tiny"), d_model=128, n_heads=2, n_kv_heads=2, d_ff=256,
                             lora=LoraConfig(4, 8.0))
-Q_SETTINGS = {**SETTINGS, "quantize": "nf4", "double_quant": True}
+Q_SETTINGS = {**SETTINGS, "quantize_base": "nf4", "double_quant": True}
 
 
 def test_qlora_matches_single_device(corpus, single_device):
     from jdist import nf4
 
-    reference = single_device(QLORA, **Q_SETTINGS)
+    reference = single_device(QLORA, **Q_SETTINGS, grads_step=GRADS_STEP)
     # (Pipelines: the same layer loop and `models.layers.weight`, checked by LoRA's pp runs.)
-    run = train_steps(QLORA, "fsdp=2,tp=2", corpus.train, **Q_SETTINGS)
+    run = train_steps(QLORA, "fsdp=2,tp=2", corpus.train, config(**Q_SETTINGS),
+                      grads_step=GRADS_STEP)
     assert_matches(run, reference)
     stored = run.params["blocks"]["attn"]["wq"]
     assert isinstance(stored, nf4.Nf4) and stored.codes.dtype == np.uint8
@@ -191,7 +196,8 @@ def test_qlora_quantizes_while_loading_shard_by_shard(tmp_path):
         return leaf
     write_hf(tmp_path / "hf", base_cfg, at)
     plan = make_plan(QLORA, build_mesh("fsdp=2,tp=2", jax.devices()[:4]), DEFAULT_RULES,
-                     make_optimizer()[0], quantize="nf4", double_quant=True)
+                     make_optimizer()[0],
+                     finetune=FinetuneFlags(quantize_base="nf4", double_quant=True))
     params = load_params(tmp_path / "hf", plan, seed=0)
     for module, name in (("attn", "wo"), ("mlp", "w_gate"), ("mlp", "w_down")):
         got = params["blocks"][module][name]
@@ -212,7 +218,7 @@ def test_qlora_refuses_shards_that_split_nf4_blocks():
 
     with pytest.raises(ConfigError, match="not a whole number of NF4 blocks of 64"):
         make_plan(QLORA, build_mesh("fsdp=4", jax.devices()[:4]), DEFAULT_RULES,
-                  make_optimizer()[0], quantize="nf4")
+                  make_optimizer()[0], finetune=FinetuneFlags(quantize_base="nf4"))
 
 
 def test_memory_planner_knows_lora_and_qlora(quantize="nf4"):
@@ -221,7 +227,8 @@ def test_memory_planner_knows_lora_and_qlora(quantize="nf4"):
     from jdist.memory import measure, predict
 
     p = make_plan(QLORA, build_mesh("fsdp=2,tp=2", jax.devices()[:4]), DEFAULT_RULES,
-                  make_optimizer()[0], quantize=quantize, double_quant=quantize == "nf4")
+                  make_optimizer()[0], finetune=FinetuneFlags(quantize_base=quantize,
+                                                              double_quant=quantize == "nf4"))
     predicted, measured = predict(p, 8, 64), measure(p, 8, 64)
     for key in ("params", "grads", "optimizer"):
         a, b = getattr(predicted, key), getattr(measured, key)
@@ -239,7 +246,6 @@ def test_lora_on_a_mixture_of_experts_model_with_expert_parallelism(corpus, sing
     """MoE: adapters on attention (the default targets there), experts frozen; ep=2,fsdp=2
     trains the adapters as one device does."""
     moe = dataclasses.replace(get_preset("moe-tiny"), lora=LoraConfig(4, 8.0, ("q", "k", "v", "o")))
-    settings = {"steps": 3, "lr": 1e-2, "grads_step": 2}
-    run = train_steps(moe, "ep=2,fsdp=2", corpus.train, **settings)
-    assert_matches(run, single_device(moe, **settings))
+    run = train_steps(moe, "ep=2,fsdp=2", corpus.train, config(**SETTINGS), grads_step=GRADS_STEP)
+    assert_matches(run, single_device(moe, **SETTINGS, grads_step=GRADS_STEP))
     assert all("_lora" in k for k in flat(run.grads))

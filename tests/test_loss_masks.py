@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jdist import data
-from jdist.equivalence import assert_matches, train_steps
+from jdist.equivalence import assert_matches, config, train_steps
 from jdist.loss import IGNORE, cross_entropy
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.train.state import build_model
@@ -52,6 +52,7 @@ def test_loss_is_the_mean_over_counted_tokens(single_device):
     ("pp=2", {"pipeline": PipelineConfig("1f1b", 4)}),
 ])
 def test_masked_loss_matches_single_device(single_device, mesh, settings):
-    run = train_steps(TINY, mesh, _CORPUS, batch_fn=masked_batch, batch_size=BATCH,
-                      seq_len=SEQ, **settings)
+    flags = {k: v for k, v in settings.items() if k != "pipeline"}
+    run = train_steps(TINY, mesh, _CORPUS, config(batch_size=BATCH, seq_len=SEQ, **flags),
+                      pipeline=settings.get("pipeline"), batch_fn=masked_batch)
     assert_matches(run, single_device(TINY, batch_fn=masked_batch))

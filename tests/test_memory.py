@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from jdist.config.groups import MemoryFlags
 from jdist.memory import measure, predict, zero_textbook
 from jdist.mesh import build_mesh
 from jdist.parallel.pipeline import PipelineConfig
@@ -19,7 +20,7 @@ TINY = get_preset("tiny")
 
 def plan(mesh: str, zero: int):
     tx, _ = make_optimizer(1e-3, 10, 1)
-    return make_plan(TINY, build_mesh(mesh), DEFAULT_RULES, tx, zero=zero)
+    return make_plan(TINY, build_mesh(mesh), DEFAULT_RULES, tx, MemoryFlags(zero=zero))
 
 
 def test_textbook_example():

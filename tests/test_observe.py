@@ -3,7 +3,6 @@ accounts for the wall time, per-step system fields; health checks that stop a co
 (exit 4) keeping only checkpoints from before the corruption; resume refusing a changed
 compute dtype; straggler judgement."""
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -27,9 +26,9 @@ def metrics(run_dir) -> list[dict]:
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("observed")
-    config = TrainConfig(**TINY, mesh="dp=2,fsdp=2,tp=2", steps=6, checkpoint_every=3,
-                         eval_every=3, eval_batches=1, tensorboard=True, run_dir=str(run_dir),
-                         check_replicas_every=2, recompute_check_every=4, profile_steps="2-3")
+    config = TrainConfig.of(**TINY, mesh="dp=2,fsdp=2,tp=2", steps=6, checkpoint_every=3,
+                            eval_every=3, eval_batches=1, tensorboard=True, run_dir=str(run_dir),
+                            check_replicas_every=2, recompute_check_every=4, profile_steps="2-3")
     train(config)
     return config, run_dir
 
@@ -80,7 +79,7 @@ def test_goodput_accounts_for_the_wall_time(observed):
 
 def test_resume_refuses_a_changed_compute_dtype(observed):
     config, run_dir = observed
-    changed = dataclasses.replace(config, compute_dtype="bfloat16")
+    changed = config.replace(compute_dtype="bfloat16")
     with pytest.raises(ConfigError, match="trained in float32 but this run computes in "
                                           "bfloat16; pass --compute-dtype float32"):
         train(changed)
@@ -92,15 +91,15 @@ def test_moe_resume_refuses_changed_micro_batching(tmp_path):
     from models import get_preset
 
     model = get_preset("moe-tiny")
-    saved = TrainConfig(model="moe-tiny", grad_accum=2)
-    meta = {"config": dataclasses.asdict(saved), "mesh": {"data": 2}}
+    saved = TrainConfig.of(model="moe-tiny", grad_accum=2)
+    meta = {"config": saved.flat(), "mesh": {"data": 2}}
     found = ckpt.Found(tmp_path, 4, meta)
     resume.check_numerics(found, saved, model, {"data": 4})  # same micro-batching: fine
     with pytest.raises(ConfigError, match="with 2 micro-batches per step but this run uses 4"):
-        resume.check_numerics(found, dataclasses.replace(saved, grad_accum=4), model,
+        resume.check_numerics(found, saved.replace(grad_accum=4), model,
                               {"data": 2})
     dense = get_preset("tiny")
-    resume.check_numerics(found, dataclasses.replace(saved, grad_accum=4), dense, {"data": 2})
+    resume.check_numerics(found, saved.replace(grad_accum=4), dense, {"data": 2})
 
 
 def test_corruption_stops_with_exit_4_and_keeps_the_checkpoint_before_it(tmp_path):
@@ -119,9 +118,9 @@ def test_corruption_stops_with_exit_4_and_keeps_the_checkpoint_before_it(tmp_pat
 
 
 def test_corruption_on_a_pipelined_tensor_mesh(tmp_path):
-    config = TrainConfig(**TINY, mesh="dp=2,tp=2,pp=2", steps=6, eval_every=0,
-                         check_replicas_every=2, inject_corruption_at_step=3,
-                         run_dir=str(tmp_path))
+    config = TrainConfig.of(**TINY, mesh="dp=2,tp=2,pp=2", steps=6, eval_every=0,
+                            check_replicas_every=2, inject_corruption_at_step=3,
+                            run_dir=str(tmp_path))
     with pytest.raises(faults.Corruption, match="after step 4: .*dp=0 and dp=1"):
         train(config)
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]  # stopped at the check

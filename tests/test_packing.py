@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdist.equivalence import train_steps
+from jdist.equivalence import config, train_steps
 from jdist.hf import load_params, model_config
 from jdist.loss import cross_entropy
 from jdist.packing import document_layout
@@ -50,7 +50,7 @@ def separate_loss() -> float:
     documents' tokens of their cross-entropy, each predicting its next token (the last one
     the following EOD). One batch, each document padded at its end to SEQ: causal attention
     keeps padding out of the document's own positions."""
-    _, plan, _ = plan_for(TrainConfig(init_from=HF, mesh="dp=1"))
+    _, plan, _ = plan_for(TrainConfig.of(init_from=HF, mesh="dp=1"))
     model = nnx.merge(plan.graphdef, jax.tree.map(np.asarray, load_params(HF, plan)))
     docs = [doc for row in documents() for doc in row]
     inputs = np.zeros((len(docs), SEQ), np.int32)
@@ -73,14 +73,17 @@ def separate_loss() -> float:
     ("pp=2", {"pipeline": PipelineConfig("1f1b", 2)}),
 ])
 def test_packed_loss_is_the_documents_loss(corpus, separate_loss, mesh, settings):
-    run = train_steps(MODEL, mesh, corpus.train, steps=1, batch_size=BATCH, seq_len=SEQ,
-                      eod_id=EOD, batch_fn=packed_batch, init_from=HF, **settings)
+    flags = {k: v for k, v in settings.items() if k != "pipeline"}
+    run = train_steps(MODEL, mesh, corpus.train,
+                      config(steps=1, batch_size=BATCH, seq_len=SEQ, init_from=HF, **flags),
+                      pipeline=settings.get("pipeline"), eod_id=EOD, batch_fn=packed_batch)
     np.testing.assert_allclose(run.losses[0], separate_loss, rtol=2e-6)
 
 
 def test_unpacked_loss_differs(corpus, separate_loss):
     """The same rows without document masks: the comparison above can fail."""
-    run = train_steps(MODEL, "dp=1", corpus.train, steps=1, batch_size=BATCH, seq_len=SEQ,
-                      attention="xla", batch_fn=packed_batch, init_from=HF)
+    run = train_steps(MODEL, "dp=1", corpus.train,
+                      config(steps=1, batch_size=BATCH, seq_len=SEQ, attention="xla",
+                             init_from=HF), batch_fn=packed_batch)
     # ~1% off (about 5000x the tolerance above)
     assert abs(run.losses[0] - separate_loss) > 1e-3 * separate_loss

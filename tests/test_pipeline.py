@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import data
-from jdist.equivalence import assert_matches, train_steps
+from jdist.config.groups import MemoryFlags
+from jdist.equivalence import assert_matches, config, train_steps
 from jdist.errors import ConfigError
 from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
 from jdist.mesh import build_mesh, parse_mesh
@@ -77,8 +78,8 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
     key = (mesh, schedule, micro, zero)
     if key not in _RUNS:
         virtual = 2 if schedule == "interleaved" else 1
-        _RUNS[key] = train_steps(DEEP, mesh, corpus.train, batch_size=BATCH,
-                                 zero=zero, pipeline=PipelineConfig(schedule, micro, virtual))
+        _RUNS[key] = train_steps(DEEP, mesh, corpus.train, config(batch_size=BATCH, zero=zero),
+                                 pipeline=PipelineConfig(schedule, micro, virtual))
     return _RUNS[key]
 
 
@@ -128,7 +129,7 @@ def moe_reference(single_device):
                                             ("dp=2,pp=2,ep=2", "1f1b")])
 def test_moe_pipeline_with_expert_parallelism_matches_single_device(corpus, moe_reference,
                                                                      mesh, schedule):
-    run = train_steps(MOE, mesh, corpus.train, batch_size=16,
+    run = train_steps(MOE, mesh, corpus.train, config(batch_size=16),
                       pipeline=PipelineConfig(schedule, MOE_MICRO, 1 + (schedule == "interleaved")))
     assert_matches(run, moe_reference)
     # Tokens reach their experts inside the stage: dispatch and return, forward and backward.
@@ -144,7 +145,8 @@ def test_pipelined_moe_reports_load_metrics(corpus):
 
     def metrics(mesh, pipeline=None, grad_accum=1):
         built = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
-        plan = with_pipeline(make_plan(moe, built, DEFAULT_RULES, tx, grad_accum=grad_accum),
+        plan = with_pipeline(make_plan(moe, built, DEFAULT_RULES, tx,
+                                       MemoryFlags(grad_accum=grad_accum)),
                              pipeline)
         batch = data.global_batch(corpus.train, 0, 0, 16, 32, plan.batch_sharding)
         _, out = make_train_step(plan)(init_state(plan, 0), batch)
@@ -168,8 +170,8 @@ def long_reference(single_device):
     ("pp=2,sp=2", "1f1b", "ring"), ("pp=2,sp=2", "interleaved", "ulysses")])
 def test_context_parallel_stages_match_single_device(corpus, long_reference, mesh, schedule,
                                                      strategy):
-    run = train_steps(DEEP, mesh, corpus.train, batch_size=16, seq_len=64,
-                      cp_strategy=strategy,
+    run = train_steps(DEEP, mesh, corpus.train,
+                      config(batch_size=16, seq_len=64, cp_strategy=strategy),
                       pipeline=PipelineConfig(schedule, 4, 1 + (schedule == "interleaved")))
     assert_matches(run, long_reference)
     # Only the pipeline's two permutes: nested in a stage, the ring shifts by all-gather
@@ -187,11 +189,12 @@ def test_tensor_parallel_stages_match_single_device(request, corpus, model, mesh
     reorder) aborted XLA's SPMD partitioner; the stage program now avoids both."""
     moe = bool(model.n_experts)
     built = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
-    config = PipelineConfig(schedule, 4, 1 + (schedule == "interleaved"))
-    check_pipeline(config, model, built, 16)  # accepted
+    pipeline = PipelineConfig(schedule, 4, 1 + (schedule == "interleaved"))
+    check_pipeline(pipeline, model, built, 16)  # accepted
     reference = request.getfixturevalue("moe_reference" if moe else "long_reference")
-    run = train_steps(model, mesh, corpus.train, steps=len(reference.losses), batch_size=16,
-                      seq_len=32 if moe else 64, cp_strategy=strategy, pipeline=config)
+    flags = config(steps=len(reference.losses), batch_size=16, seq_len=32 if moe else 64,
+                   cp_strategy=strategy)
+    run = train_steps(model, mesh, corpus.train, flags, pipeline=pipeline)
     assert_matches(run, reference)
 
 
@@ -255,7 +258,8 @@ def test_interleaved_state_with_offloaded_optimizer_changes_order():
     (a plain checkpoint resumed onto an interleaved mesh)."""
     tx, _ = make_optimizer(1e-3, 10, 1)
     mesh = build_mesh("pp=2,fsdp=2", jax.devices()[:4])
-    plan = with_pipeline(make_plan(DEEP, mesh, DEFAULT_RULES, tx, offload_optimizer=True),
+    plan = with_pipeline(make_plan(DEEP, mesh, DEFAULT_RULES, tx,
+                                   MemoryFlags(offload="optimizer")),
                          PipelineConfig("interleaved", 4, 2))
     state = init_state(plan, 0)
     plain = init_state(make_plan(DEEP, mesh, DEFAULT_RULES, tx), 0)

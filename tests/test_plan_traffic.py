@@ -23,8 +23,8 @@ TOLERANCE = 0.05  # relative, per collective kind and in total
 
 
 def plan_of(mesh: str, batch: int = 8, seq: int = 32, model: str = "tiny", **flags):
-    return plan_for(TrainConfig(model=model, mesh=mesh, batch_size=batch, seq_len=seq,
-                                **flags))[1]
+    return plan_for(TrainConfig.of(model=model, mesh=mesh, batch_size=batch, seq_len=seq,
+                                   **flags))[1]
 
 
 def measured(plan, batch: int, seq: int, text: str | None = None) -> list[comm.Row]:

@@ -53,9 +53,9 @@ def test_sigterm_saves_the_current_step_and_exits_75(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    config = TrainConfig(model="tiny", mesh="dp=2,fsdp=2,tp=2", batch_size=8, seq_len=32,
-                         warmup=2, eval_every=0, steps=12,
-                         run_dir=str(tmp_path_factory.mktemp("ref") / "run"))
+    config = TrainConfig.of(model="tiny", mesh="dp=2,fsdp=2,tp=2", batch_size=8, seq_len=32,
+                            warmup=2, eval_every=0, steps=12,
+                            run_dir=str(tmp_path_factory.mktemp("ref") / "run"))
     return train(config)[-1]["loss"]
 
 

@@ -37,14 +37,14 @@ def tiny_trace(tmp_path_factory):
     from jdist.train.state import init_state
 
     run_dir = tmp_path_factory.mktemp("run")
-    config = TrainConfig(model="tiny", mesh="dp=2,fsdp=2,tp=2", steps=4, batch_size=8,
-                         seq_len=32, eval_every=0, run_dir=str(run_dir))
+    config = TrainConfig.of(model="tiny", mesh="dp=2,fsdp=2,tp=2", steps=4, batch_size=8,
+                            seq_len=32, eval_every=0, run_dir=str(run_dir))
     setup = prepare(config)
-    state = init_state(setup.plan, config.seed)
+    state = init_state(setup.plan, config.data.seed)
     step_fn = compile_step(setup, state)
     tracer = profile.StepTracer(run_dir / "profile", *profile.parse_steps("2-3"))
     try:
-        for i in range(1, config.steps + 1):
+        for i in range(1, config.optim.steps + 1):
             batch = setup.batch(i - 1)
             with tracer.step(i, pending=state):
                 state, _ = step_fn(state, batch)

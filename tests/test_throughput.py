@@ -32,8 +32,8 @@ def test_mfu_needs_a_known_peak():
 
 
 def test_metrics_report_throughput(tmp_path):
-    train(TrainConfig(model="tiny", mesh="dp=2", steps=2, batch_size=4, seq_len=32,
-                      eval_every=0, run_dir=str(tmp_path), peak_tflops=1.0))
+    train(TrainConfig.of(model="tiny", mesh="dp=2", steps=2, batch_size=4, seq_len=32,
+                         eval_every=0, run_dir=str(tmp_path), peak_tflops=1.0))
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     want = record["tokens_per_sec"] * flops_per_token(get_preset("tiny"), 32) / 2 / 1e12
     assert record["tflops_per_device"] == pytest.approx(want)

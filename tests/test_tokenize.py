@@ -169,4 +169,4 @@ def test_prepare_refuses_a_tokenizer_larger_than_the_model(tok_dir):
     from jdist.train.setup import prepare
 
     with pytest.raises(ConfigError, match="has 300 tokens .* pass --vocab-size 300 or larger"):
-        prepare(TrainConfig(model="tiny", mesh="dp=1", tokenizer=str(tok_dir)))
+        prepare(TrainConfig.of(model="tiny", mesh="dp=1", tokenizer=str(tok_dir)))

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jdist.equivalence import assert_matches, train_steps
+from jdist.config.groups import MemoryFlags
+from jdist.equivalence import assert_matches, config, train_steps
 from jdist.hlo import collective_counts, collective_dtypes, loop_bodies, partitioned
 from jdist.mesh import build_mesh
 from jdist.rules import DEFAULT_RULES
@@ -31,16 +32,17 @@ PAIRWISE = [("dp=8", z, 1 if z % 2 == 0 else 4) for z in range(4)] + \
 
 @pytest.mark.parametrize("mesh, zero, grad_accum", PAIRWISE)
 def test_zero_stage_matches_single_device(corpus, reference, mesh, zero, grad_accum):
-    run = train_steps(TINY, mesh, corpus.train, batch_size=BATCH, zero=zero,
-                      grad_accum=grad_accum)
+    run = train_steps(TINY, mesh, corpus.train,
+                      config(batch_size=BATCH, zero=zero, grad_accum=grad_accum))
     assert_matches(run, reference)
 
 
 @pytest.mark.parametrize("remat, offload", [("full", False), ("selective", False),
                                             ("none", True)])
 def test_remat_and_offload_change_nothing_but_memory(corpus, reference, remat, offload):
-    run = train_steps(TINY, "dp=2,fsdp=2,tp=2", corpus.train, batch_size=BATCH,
-                      zero=1, remat=remat, offload=offload)
+    run = train_steps(TINY, "dp=2,fsdp=2,tp=2", corpus.train,
+                      config(batch_size=BATCH, zero=1, remat=remat,
+                             offload="optimizer" if offload else "none"))
     assert_matches(run, reference)
 
 
@@ -48,10 +50,10 @@ TOKENS = jax.ShapeDtypeStruct((BATCH, 32), jnp.int32)
 N_BLOCK_LEAVES = 9  # wq wk wv wo, w_gate w_up w_down, two norm scales
 
 
-def lowered_step(mesh: str, zero: int, grad_accum: int = 1, compute_dtype=jnp.float32):
+def lowered_step(mesh: str, zero: int, grad_accum: int = 1, compute_dtype: str = "float32"):
     tx, _ = make_optimizer(1e-3, 10, 1)
-    plan = make_plan(TINY, build_mesh(mesh), DEFAULT_RULES, tx, zero=zero,
-                     grad_accum=grad_accum, compute_dtype=compute_dtype)
+    plan = make_plan(TINY, build_mesh(mesh), DEFAULT_RULES, tx,
+                     MemoryFlags(zero=zero, grad_accum=grad_accum, compute_dtype=compute_dtype))
     return plan, make_train_step(plan).lower(plan.abstract, {"inputs": TOKENS, "targets": TOKENS})
 
 
@@ -105,7 +107,7 @@ def test_accumulation_reduces_once_per_step_or_into_the_sharded_accumulator(zero
 def test_gradient_reductions_run_in_float32_under_bfloat16(zero):
     """Read right after SPMD partitioning (later CPU passes upcast bf16 collectives): every
     reduction is float32, while weights are gathered in bf16 (ZeRO-3, fsdp)."""
-    _, lowered = lowered_step("dp=2,fsdp=4", zero, compute_dtype=jnp.bfloat16)
+    _, lowered = lowered_step("dp=2,fsdp=4", zero, compute_dtype="bfloat16")
     dtypes = collective_dtypes(partitioned(lowered))
     # And one int32 all-reduce: the global count of counted targets (jdist.loss).
     assert dtypes["all-reduce"] == {"f32", "s32"}

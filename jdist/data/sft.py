@@ -181,12 +181,13 @@ def for_training(config, tokenizer: Tokenizer) -> SftData:
     """`--data-format sft`: the flags it needs checked, the rows loaded, the summary said."""
     from jdist.distributed import is_main_process
 
-    given = repr(config.data) if config.data else "the builtin corpus"
-    require(config.data.endswith(".jsonl"), f"--data-format sft reads a .jsonl of records, "
+    given = repr(config.data.path) if config.data.path else "the builtin corpus"
+    require(config.data.path.endswith(".jsonl"),
+            "--data-format sft reads a .jsonl of records, "
             f"not {given}; pass --data FILE.jsonl")
-    require(bool(config.tokenizer), "--data-format sft needs --tokenizer (a Hugging Face "
+    require(bool(config.data.tokenizer), "--data-format sft needs --tokenizer (a Hugging Face "
             "tokenizer directory, with its chat template for messages records)")
-    loaded = load_sft(config.data, tokenizer, config.seq_len)
+    loaded = load_sft(config.data.path, tokenizer, config.data.seq_len)
     if is_main_process():
         print(loaded.summary(), flush=True)
     return loaded

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from jdist import checkpoint as ckpt
+from jdist.config.groups import MemoryFlags
 from jdist.errors import ConfigError, require
 from jdist.rules import DEFAULT_RULES, Rules
 from jdist.train.layer_order import CHECKPOINT_KEY, permute
@@ -25,7 +26,8 @@ DEFAULT_CONTEXT = 2048  # tokens of prompt plus completion, unless the model say
 def inference_plan(cfg: ModelConfig, mesh, rules: Rules = DEFAULT_RULES,
                    dtype=jnp.float32) -> Plan:
     """The parameters' layout on `mesh`, as training lays them out (no optimizer state)."""
-    return make_plan(cfg, mesh, rules, optax.identity(), compute_dtype=dtype)
+    memory = MemoryFlags(compute_dtype=jnp.dtype(dtype).name)
+    return make_plan(cfg, mesh, rules, optax.identity(), memory)
 
 
 def find_checkpoint(text: str) -> ckpt.Found:

@@ -33,31 +33,34 @@ def main(argv: list[str] | None = None) -> int:
         from jdist.mesh import parse_mesh
         from jdist.train.config import TrainConfig
 
-        config = TrainConfig(**args)
-        require(do_measure or not config.target, "--target compiles the step for a GPU; "
+        config = TrainConfig.of(**args)
+        target = config.devices.target
+        require(do_measure or not target, "--target compiles the step for a GPU; "
                 "add --measure")
         require(do_measure or not want_breakdown, "--peak-breakdown reads the compiled step; "
                 "add --measure")
-        if config.target:
-            prepare_target(config.target)
-        configure_devices(config.cpu_devices or parse_mesh(config.mesh).n_devices(8))
+        if target:
+            prepare_target(target)
+        configure_devices(config.devices.cpu_devices or
+                          parse_mesh(config.parallel.mesh).n_devices(8))
         from jdist.train.setup import plan_for
 
         _, plan, _ = plan_for(config)
     except ConfigError as e:
         print(f"jdist: error: {e}", file=sys.stderr)
         return 2
-    micro = config.batch_size // config.grad_accum
-    predicted = predict(plan, micro, config.seq_len)
+    batch_size, seq_len = config.data.batch_size, config.data.seq_len
+    micro = batch_size // config.memory.grad_accum
+    predicted = predict(plan, micro, seq_len)
     lines: list[str] = []
-    compiled = compile_step(plan, config.batch_size, config.seq_len,
+    compiled = compile_step(plan, batch_size, seq_len,
                             lines if want_breakdown else None) if do_measure else None
-    measured = measure(plan, config.batch_size, config.seq_len, compiled) if do_measure else None
-    comm = step_report(compiled, config.mesh, plan.mesh) if do_measure else None
-    gpu = gpu_report.step_report(compiled, plan, config.batch_size, config.seq_len) \
-        if config.target else None
+    measured = measure(plan, batch_size, seq_len, compiled) if do_measure else None
+    comm = step_report(compiled, config.parallel.mesh, plan.mesh) if do_measure else None
+    gpu = gpu_report.step_report(compiled, plan, batch_size, seq_len) if target else None
     if as_json:
-        out = {"model": config.model, "mesh": dict(plan.mesh.shape), "zero": config.zero,
+        out = {"model": config.model.preset, "mesh": dict(plan.mesh.shape),
+               "zero": config.memory.zero,
                "predicted": predicted.as_dict()}
         if measured:
             out["measured"] = measured.as_dict()
@@ -66,18 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         if want_breakdown:
             out["peak_breakdown"] = lines
         if gpu:
-            out["target"] = {"name": config.target, "hosts": config.hosts, **gpu.as_dict()}
+            out["target"] = {"name": target, "hosts": config.devices.hosts, **gpu.as_dict()}
         print(json.dumps(out))
     else:
-        print(f"model {config.model}, mesh {config.mesh}, zero {config.zero}, "
-              f"micro-batch {micro} x {config.seq_len}, remat {config.remat}, "
-              f"{plan.compute_dtype.name}" + (f", LoRA rank {plan.model.lora.rank}" if
-                                               plan.model.lora else "")
+        print(f"model {config.model.preset}, mesh {config.parallel.mesh}, zero "
+              f"{config.memory.zero}, micro-batch {micro} x {seq_len}, remat "
+              f"{config.memory.remat}, {plan.compute_dtype.name}"
+              + (f", LoRA rank {plan.model.lora.rank}" if plan.model.lora else "")
               + (f", base {plan.quantize}" + (" double-quant" if plan.double_quant else "")
                  if plan.quantize != "none" else ""))
         print(table(predicted, measured))
         if compiled is not None:
-            where = f"{config.target} GPU compiler" if config.target else "compiled step"
+            where = f"{target} GPU compiler" if target else "compiled step"
             print(f"{'peak':12} {'':>14} {gib(peak(compiled)):>14}  (arguments + outputs + "
                   f"temporaries, {where})")
             print(gpu_report.table(gpu) if gpu else comm_table(comm))

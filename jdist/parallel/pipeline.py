@@ -47,13 +47,15 @@ def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
 def pipeline_for(flags, model, mesh) -> PipelineConfig | None:
     """The pipeline a run's flags ask for (`--microbatches`, `--pp-schedule`,
     `--pp-virtual-stages`), checked; None when the mesh has one stage."""
-    config = PipelineConfig(flags.pp_schedule, flags.microbatches, flags.pp_virtual_stages)
+    parallel = flags.parallel
+    config = PipelineConfig(parallel.pp_schedule, parallel.microbatches,
+                            parallel.pp_virtual_stages)
     if mesh.shape[ax.STAGE] == 1:
-        require(config.microbatches == 0 and config.virtual == 1 and not flags.pp_show_schedule,
+        require(config.microbatches == 0 and config.virtual == 1 and not parallel.pp_show_schedule,
                 "--microbatches, --pp-virtual-stages and --pp-show-schedule pipeline the "
                 "model over stages; add pp=P to --mesh")
         return None
-    check_pipeline(config, model, mesh, flags.batch_size, flags.grad_accum)
+    check_pipeline(config, model, mesh, flags.data.batch_size, flags.memory.grad_accum)
     return config
 
 

@@ -61,7 +61,7 @@ def base_config(args):
         path = args.model[:-len("config.json")] if args.model.endswith("config.json") \
             else args.model
         model = {"init_from": path or "."}
-    return TrainConfig(**model, batch_size=args.batch_size, seq_len=args.seq_len,
+    return TrainConfig.of(**model, batch_size=args.batch_size, seq_len=args.seq_len,
                        compute_dtype=dtype, lora_rank=args.lora_rank,
                        quantize_base=args.quantize_base, double_quant=args.double_quant,
                        target=args.target)
@@ -69,14 +69,15 @@ def base_config(args):
 
 def command(base, layout) -> str:
     head = ["python -m jdist.train"]
-    head += [f"--init-from {base.init_from}"] if base.init_from else [f"--model {base.model}"]
-    head += [f"--batch-size {base.batch_size}", f"--seq-len {base.seq_len}",
-             f"--compute-dtype {base.compute_dtype}"]
-    if base.lora_rank is not None:
-        head.append(f"--lora-rank {base.lora_rank}")
-    if base.quantize_base != "none":
-        head.append(f"--quantize-base {base.quantize_base}")
-    if base.double_quant:
+    head += [f"--init-from {base.model.init_from}"] if base.model.init_from else \
+        [f"--model {base.model.preset}"]
+    head += [f"--batch-size {base.data.batch_size}", f"--seq-len {base.data.seq_len}",
+             f"--compute-dtype {base.memory.compute_dtype}"]
+    if base.finetune.lora_rank is not None:
+        head.append(f"--lora-rank {base.finetune.lora_rank}")
+    if base.finetune.quantize_base != "none":
+        head.append(f"--quantize-base {base.finetune.quantize_base}")
+    if base.finetune.double_quant:
         head.append("--double-quant")
     return " ".join(head + layout.flags())
 
@@ -192,7 +193,8 @@ def plan_main(argv: list[str]) -> int:
         return 0
     print(f"{args.model} on {args.devices} x {args.profile.name} ({hosts} host"
           f"{'s' if hosts > 1 else ''}), batch "
-          f"{args.batch_size} x {args.seq_len}, {base.compute_dtype}: {describe_counts(result)} "
+          f"{args.batch_size} x {args.seq_len}, {base.memory.compute_dtype}: "
+          f"{describe_counts(result)} "
           f"({took:.1f} s, planned on {devices})")
     print(table(result.ranked, args.top))
     if verified:

@@ -137,7 +137,7 @@ def measure_step(n_devices: int, batch_size: int = 8, seq_len: int = 256,
     from jdist.train.context import attention_of
     from jdist.train.setup import plan_for
 
-    config = TrainConfig(model="small", mesh=f"dp={n_devices}", batch_size=batch_size,
+    config = TrainConfig.of(model="small", mesh=f"dp={n_devices}", batch_size=batch_size,
                          seq_len=seq_len, compute_dtype="float32", cpu_devices=n_devices)
     _, plan, _ = plan_for(config)
     compiled = compile_step(plan, batch_size, seq_len)
@@ -154,7 +154,7 @@ def measure_step(n_devices: int, batch_size: int = 8, seq_len: int = 256,
         times.append(time.perf_counter() - start)
     flops = executed_flops(plan.model, seq_len, batch_size * seq_len / n_devices,
                            attention_of(plan, seq_len), plan.remat, False, plan.loss, 1)
-    return {"model": "small", "mesh": config.mesh, "batch_size": batch_size,
+    return {"model": "small", "mesh": config.parallel.mesh, "batch_size": batch_size,
             "seq_len": seq_len, "seconds": statistics.median(times[2:]),
             "flops_per_device": flops}
 

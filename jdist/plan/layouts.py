@@ -83,8 +83,8 @@ class Layout:
     def to_config(self, base):
         """`base` (a TrainConfig with model, batch, sequence and fine-tuning flags) run
         with this layout."""
-        return dataclasses.replace(
-            base, mesh=self.mesh_text(), zero=self.zero, remat=self.remat,
+        return base.replace(
+            mesh=self.mesh_text(), zero=self.zero, remat=self.remat,
             grad_accum=self.grad_accum, sequence_parallel=self.sequence_parallel,
             cp_strategy=self.cp_strategy, pp_schedule=self.pp_schedule,
             microbatches=self.microbatches, pp_virtual_stages=self.virtual,

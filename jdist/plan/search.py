@@ -72,8 +72,8 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
     from jdist.train.setup import model_of
 
     fixed = fixed or {}
-    if base.target:  # compile-only devices of the target GPU, laid over the hosts
-        base = dataclasses.replace(base, hosts=hosts)
+    if base.devices.target:  # compile-only devices of the target GPU, laid over the hosts
+        base = base.replace(hosts=hosts)
     budget = budget if budget is not None else profile.usable_memory_bytes * HEADROOM
     model = model_of(base)
     result = Result([])
@@ -86,7 +86,7 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
             continue
         dcn_axes = crossing(dcn)
         groups: dict[tuple, list[Layout]] = {}
-        for layout in mesh_variants(shape, base.batch_size, model.n_layers):
+        for layout in mesh_variants(shape, base.data.batch_size, model.n_layers):
             groups.setdefault((layout.zero, layout.sequence_parallel), []).append(layout)
         for (zero, _), layouts in groups.items():
             if not model.lora and state_lower_bound(model, shape, zero) > budget:
@@ -141,11 +141,11 @@ def _best_variant(base, layout: Layout, plan, state, profile, dcn_axes, budget: 
     replicas = shape[ax.DATA] * shape[ax.FSDP] * shape[ax.EXPERT]
     best = None
     for remat in REMATS:
-        for attention in attentions(plan, base.seq_len):
-            for accum in accumulations(base.batch_size // replicas, plan.pipeline is not None):
+        for attention in attentions(plan, base.data.seq_len):
+            for accum in accumulations(base.data.batch_size // replicas, plan.pipeline is not None):
                 variant = dataclasses.replace(plan, remat=remat, grad_accum=accum,
                                               attention=attention)
-                memory = predict(variant, base.batch_size // accum, base.seq_len, state)
+                memory = predict(variant, base.data.batch_size // accum, base.data.seq_len, state)
                 chosen = dataclasses.replace(layout, remat=remat, grad_accum=accum,
                                              attention=attention)
                 if memory.total > budget:
@@ -167,9 +167,10 @@ def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base,
     if layout.offload:
         from jdist.sharding import per_device_bytes
         offload = per_device_bytes(plan.abstract.opt_state, plan.opt_device_shardings)
-    rows = step_traffic(plan, base.batch_size, base.seq_len)
-    return cost.estimate(layout, plan, memory, rows, profile, dcn_axes, base.batch_size,
-                         base.seq_len, attention_of(plan, base.seq_len), offload, exposure)
+    batch_size, seq_len = base.data.batch_size, base.data.seq_len
+    rows = step_traffic(plan, batch_size, seq_len)
+    return cost.estimate(layout, plan, memory, rows, profile, dcn_axes, batch_size, seq_len,
+                         attention_of(plan, seq_len), offload, exposure)
 
 
 def devices_needed(base, n_devices: int, hosts: int, profile) -> tuple[int, int] | None:
@@ -190,14 +191,14 @@ def smallest_change(base, n_devices: int, hosts: int, profile) -> list[str]:
     more = devices_needed(base, n_devices, hosts, profile)
     if more:
         out.append(f"--devices {more[0]} --hosts {more[1]}")
-    seq = base.seq_len // 2
+    seq = base.data.seq_len // 2
     while seq >= 128:
-        if search(dataclasses.replace(base, seq_len=seq), n_devices, hosts, profile).ranked:
+        if search(base.replace(seq_len=seq), n_devices, hosts, profile).ranked:
             out.append(f"--seq-len {seq}")
             break
         seq //= 2
-    if base.lora_rank is None:
-        qlora = dataclasses.replace(base, lora_rank=16, quantize_base="nf4", double_quant=True,
+    if base.finetune.lora_rank is None:
+        qlora = base.replace(lora_rank=16, quantize_base="nf4", double_quant=True,
                                     compute_dtype="bfloat16")
         if search(qlora, n_devices, hosts, profile).ranked:
             out.append("QLoRA (--lora-rank 16 --quantize-base nf4 --double-quant)")

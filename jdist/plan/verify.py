@@ -37,8 +37,8 @@ class Verified:
 
 def verify(ranked: list[cost.Estimate], k: int, base, hosts: int, profile, budget: float) -> \
         list[Verified]:
-    """Compile the layouts of `ranked` for `base.target` on `hosts` hosts, best first, until
-    `k` of them fit `budget` by the GPU compiler (at most 2k compiles); the verified
+    """Compile the layouts of `ranked` for `base.devices.target` on `hosts` hosts, best first,
+    until `k` of them fit `budget` by the GPU compiler (at most 2k compiles); the verified
     ranking: fitting ones by re-priced step time, then the ones that do not fit."""
     out = []
     for e in ranked[:2 * k]:
@@ -49,15 +49,15 @@ def verify(ranked: list[cost.Estimate], k: int, base, hosts: int, profile, budge
 
 
 def compile_layout(e: cost.Estimate, base, hosts: int, profile, budget: float) -> Verified:
-    """One planned layout compiled for `base.target` on `hosts` hosts, and re-priced."""
+    """One planned layout compiled for `base.devices.target` on `hosts` hosts, and re-priced."""
     from jdist.train.setup import plan_for
 
-    config = dataclasses.replace(e.layout.to_config(base), hosts=hosts)
+    config = e.layout.to_config(base).replace(hosts=hosts)
     _, plan, _ = plan_for(config)
     start = time.perf_counter()
-    compiled = compile_step(plan, base.batch_size, base.seq_len)
+    compiled = compile_step(plan, base.data.batch_size, base.data.seq_len)
     took = time.perf_counter() - start
-    rep = gpu_report.step_report(compiled, plan, base.batch_size, base.seq_len)
+    rep = gpu_report.step_report(compiled, plan, base.data.batch_size, base.data.seq_len)
     exposure = {(r.kind, r.axes): r.exposed for r in rep.rows}
     dcn_axes = crossing(dcn_sizes(e.layout.shape, {}, hosts))
     again = _estimate(e.layout, plan, e.memory, profile, dcn_axes, base, exposure)

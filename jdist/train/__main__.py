@@ -64,17 +64,17 @@ def train_from_flags(argv: list[str] | None) -> None:
     from jdist.train.config import parse_args
 
     config = parse_args(argv)
-    spec = parse_mesh(config.mesh)
-    if config.target:
+    spec = parse_mesh(config.parallel.mesh)
+    if config.devices.target:
         from jdist.errors import require
         from jdist.target import prepare_target
 
-        require(config.dry_run, f"--target {config.target} compiles for GPUs this machine "
-                                "does not have, which cannot run; add --dry-run")
-        prepare_target(config.target)
+        require(config.memory.dry_run, f"--target {config.devices.target} compiles for GPUs "
+                "this machine does not have, which cannot run; add --dry-run")
+        prepare_target(config.devices.target)
     coordinator, n_proc, proc_id = process_settings(
-        config.coordinator, config.num_processes, config.process_id)
-    cpu_devices = config.cpu_devices or spec.n_devices(default_fill=8)
+        config.devices.coordinator, config.devices.num_processes, config.devices.process_id)
+    cpu_devices = config.devices.cpu_devices or spec.n_devices(default_fill=8)
     configure_devices(max(1, cpu_devices // n_proc))
     initialize(coordinator, n_proc, proc_id)
     check_process_split(cpu_devices, n_proc)

@@ -22,10 +22,8 @@ from jdist.errors import (  # noqa: F401 - the exit statuses are part of this mo
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_SAVE_FAILED,
-    require,
 )
 
-ON_NAN = ("skip", "rollback", "stop")
 MAX_ROLLBACKS = 8       # rollback gives up (like stop) after this many in one run
 
 
@@ -53,28 +51,6 @@ class Rollback(Exception):
     def __init__(self, step: int):
         super().__init__(step)
         self.step = step
-
-
-def check_flags(config) -> None:
-    """The fault-tolerance flags, checked with every other user input."""
-    require(config.on_nan in ON_NAN,
-            f"--on-nan {config.on_nan!r} is not a policy; use one of {', '.join(ON_NAN)}")
-    require(config.checkpoint_every >= 0,
-            f"--checkpoint-every {config.checkpoint_every} must be 0 (never) or positive")
-    require(config.keep >= 1, f"--keep {config.keep} must be at least 1")
-    for flag in ("inject_nan_at_step", "inject_corruption_at_step", "check_replicas_every",
-                 "recompute_check_every", "straggler_every"):
-        value = getattr(config, flag)
-        require(value >= 0, f"--{flag.replace('_', '-')} {value} must be 0 (off) or positive")
-    if config.profile_steps:
-        from jdist.profile import parse_steps
-
-        parse_steps(config.profile_steps)
-    require(config.straggler_windows >= 1,
-            f"--straggler-windows {config.straggler_windows} must be at least 1")
-    require(config.straggler_threshold > 1,
-            f"--straggler-threshold {config.straggler_threshold} must be above 1 (a ratio "
-            "to the median step time)")
 
 
 def is_finite(record: dict) -> bool:
@@ -105,25 +81,6 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
         return updates, new_state
 
     return optax.GradientTransformation(inner.init, update)
-
-
-def inject_nan(step_fn, plan, at_step: int):
-    """`--inject-nan-at-step N` (debug): step N (1-based, as in metrics.jsonl) runs its
-    forward and backward pass on NaN parameters, so its loss and gradients are non-finite.
-    The stored parameters are not poisoned (they stay as they were at that step); the
-    optimizer state goes wherever the optimizer's update puts it, and the `--on-nan` policy
-    decides what happens next."""
-    from jdist.sharding import replicated
-
-    def step(state, batch):
-        hit = state.step == at_step - 1
-        poisoned = jax.tree.map(lambda p: jnp.where(hit, jnp.nan, p), state.params)
-        new, metrics = step_fn(state._replace(params=poisoned), batch)
-        params = jax.tree.map(lambda n, o: jnp.where(hit, o, n), new.params, state.params)
-        return new._replace(params=params), metrics
-
-    return jax.jit(step, out_shardings=(plan.shardings, replicated(plan.mesh)),
-                   donate_argnums=0)
 
 
 def advance(state, plan):

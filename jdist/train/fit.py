@@ -3,8 +3,6 @@ before anything is allocated, with a suggestion when it does not; and `--dry-run
 
 from __future__ import annotations
 
-import dataclasses
-
 from jdist import gpu_report
 from jdist.comm import comm_table, step_report
 from jdist.errors import ConfigError
@@ -16,16 +14,16 @@ def suggest(config, budget: int) -> str:
     """The first of a few standard changes whose predicted total fits in `budget` bytes."""
 
     candidates = []
-    for zero in range(config.zero + 1, 4):
+    for zero in range(config.memory.zero + 1, 4):
         candidates.append((f"--zero {zero}", {"zero": zero}))
-    if config.remat in ("none", "everything_saveable"):
+    if config.memory.remat in ("none", "everything_saveable"):
         candidates += [("--remat selective", {"remat": "selective"}),
                        ("--remat full", {"remat": "full"})]
-    candidates += [(f"--zero 3 --remat full --grad-accum {config.grad_accum * k}",
-                    {"zero": 3, "remat": "full", "grad_accum": config.grad_accum * k})
+    candidates += [(f"--zero 3 --remat full --grad-accum {config.memory.grad_accum * k}",
+                    {"zero": 3, "remat": "full", "grad_accum": config.memory.grad_accum * k})
                    for k in (2, 4, 8)]
     for flags, change in candidates:
-        trial = dataclasses.replace(config, **change)
+        trial = config.replace(**change)
         try:
             _, plan, _ = plan_for(trial)
         except ConfigError:  # e.g. the batch no longer splits: not a suggestion
@@ -40,17 +38,18 @@ def device_budget(config) -> int | None:
     """Per-device memory limit: --device-memory-gb, else what the accelerator reports."""
     import jax
 
-    if config.device_memory_gb:
-        return int(config.device_memory_gb * 2**30)
-    if config.target:  # what JAX lets one process allocate on that GPU
+    if config.memory.device_memory_gb:
+        return int(config.memory.device_memory_gb * 2**30)
+    if config.devices.target:  # what JAX lets one process allocate on that GPU
         from jdist.plan.profiles import load_profile
-        return int(load_profile(config.target).usable_memory_bytes)
+        return int(load_profile(config.devices.target).usable_memory_bytes)
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
 
 
 def plan_breakdown(config, plan) -> Breakdown:
-    return predict(plan, config.batch_size // config.grad_accum, config.seq_len)
+    data = config.data
+    return predict(plan, data.batch_size // config.memory.grad_accum, data.seq_len)
 
 
 def check_fits(config, plan) -> None:
@@ -72,23 +71,24 @@ def dry_run(config) -> None:
 
     _, plan, _ = plan_for(config)
     print(layout_table(plan), flush=True)
-    print(compute_line(plan, config.seq_len), flush=True)
-    compiled = compile_step(plan, config.batch_size, config.seq_len)
-    measured = measure(plan, config.batch_size, config.seq_len, compiled)
+    print(compute_line(plan, config.data.seq_len), flush=True)
+    compiled = compile_step(plan, config.data.batch_size, config.data.seq_len)
+    measured = measure(plan, config.data.batch_size, config.data.seq_len, compiled)
     print(table(plan_breakdown(config, plan), measured), flush=True)
-    if config.target:
-        print(f"compiled for {plan.mesh.devices.size} x {config.target} on {config.hosts} "
-              f"host{'s' if config.hosts > 1 else ''} by the GPU compiler: peak "
+    if config.devices.target:
+        hosts = config.devices.hosts
+        print(f"compiled for {plan.mesh.devices.size} x {config.devices.target} on {hosts} "
+              f"host{'s' if hosts > 1 else ''} by the GPU compiler: peak "
               f"{gib(peak(compiled)).strip()} per device", flush=True)
-        print(gpu_report.table(gpu_report.step_report(compiled, plan, config.batch_size,
-                                                      config.seq_len)), flush=True)
+        print(gpu_report.table(gpu_report.step_report(compiled, plan, config.data.batch_size,
+                                                      config.data.seq_len)), flush=True)
     else:
-        print(comm_table(step_report(compiled, config.mesh, plan.mesh)), flush=True)
+        print(comm_table(step_report(compiled, config.parallel.mesh, plan.mesh)), flush=True)
     check_fits(config, plan)
     budget = device_budget(config)
-    if config.target and budget and peak(compiled) > budget:
+    if config.devices.target and budget and peak(compiled) > budget:
         raise ConfigError(f"the GPU-compiled step needs {peak(compiled) / 2**30:.2f} GiB per "
-                          f"device but {config.target} lets a process allocate "
+                          f"device but {config.devices.target} lets a process allocate "
                           f"{budget / 2**30:.2f} GiB; try {suggest(config, budget)}")
     print("dry run: the plan fits; nothing was allocated", flush=True)
 

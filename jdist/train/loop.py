@@ -25,18 +25,18 @@ from jdist.train.tensorboard import TensorBoardLog
 
 def train(config) -> list[dict]:
     """Run training; returns the metrics of every step (also written to metrics.jsonl)."""
-    if config.pp_show_schedule:
+    if config.parallel.pp_show_schedule:
         plan = plan_for(config)[1]
         print(show_schedule(plan.pipeline, plan.mesh.shape["stage"]), flush=True)
         return []
-    if config.dry_run:
+    if config.memory.dry_run:
         fit.dry_run(config)
         return []
     clock = Goodput()
     with clock("setup"):
         setup = prepare(config)
         fit.check_fits(config, setup.plan)
-        run_dir = Path(config.run_dir or report.default_run_dir())
+        run_dir = Path(config.checkpoint.run_dir or report.default_run_dir())
         data_id = data.fingerprint(setup.corpus)
         found = resume.find(config, setup.model, run_dir, data_id,  # before anything is written
                             dict(setup.plan.mesh.shape))
@@ -44,9 +44,9 @@ def train(config) -> list[dict]:
         main = is_main_process()
         log = report.open_run_dir(run_dir, setup, first) if main else report.MetricsLog(None)
         clock.lost_before_resume = log.dropped_s
-        sinks = [TensorBoardLog(run_dir)] if config.tensorboard and main else []
+        sinks = [TensorBoardLog(run_dir)] if config.observe.tensorboard and main else []
     with clock("checkpoint" if found else "init"):
-        state = resume.start_state(setup.plan, config.seed, found, config.init_from)
+        state = resume.start_state(setup.plan, config.data.seed, found, config.model.init_from)
     with clock("compile"):
         step_fn = compile_step(setup, state)
         eval_fn = make_eval_step(setup.plan)
@@ -61,8 +61,8 @@ def compile_step(setup: Setup, state: TrainState):
     config, plan = setup.config, setup.plan
     start = time.perf_counter()
     step_fn = make_train_step(plan)
-    if config.inject_nan_at_step:
-        step_fn = faults.inject_nan(step_fn, plan, config.inject_nan_at_step)
+    if config.checkpoint.inject_nan_at_step:
+        step_fn = faults.inject_nan(step_fn, plan, config.checkpoint.inject_nan_at_step)
     step_fn = reporting_lr(step_fn, plan, setup.schedule)
     step_fn = step_fn.lower(state, setup.batch(0)).compile()
     if is_main_process():

@@ -125,13 +125,13 @@ class StepRecords:
     blocked waiting for the devices' results (what tells a straggling host apart)."""
 
     def __init__(self, config, log: MetricsLog, show: bool, plan=None, sinks=()):
-        self.tokens_per_step = config.batch_size * config.seq_len
-        self.flops = flops_per_token(plan.model, config.seq_len) if plan else 0.0
+        self.tokens_per_step = config.data.batch_size * config.data.seq_len
+        self.flops = flops_per_token(plan.model, config.data.seq_len) if plan else 0.0
         self.devices = plan.mesh.size if plan else 1
         self.peak = peak_tflops(plan.mesh.devices.flat[0].device_kind,
-                                config.peak_tflops) if plan else 0.0
-        self.attention = attention_of(plan, config.seq_len) if plan else None
-        self.progress = Progress(config.steps, config.log_every, show)
+                                config.observe.peak_tflops) if plan else 0.0
+        self.attention = attention_of(plan, config.data.seq_len) if plan else None
+        self.progress = Progress(config.optim.steps, config.observe.log_every, show)
         self.log, self.sinks, self.history = log, list(sinks), []
         self.last_done = time.perf_counter()
 
@@ -179,11 +179,11 @@ def open_run_dir(run_dir: Path, setup, resume_step: int) -> MetricsLog:
     log = MetricsLog(run_dir, resume_step)
     config, plan, corpus = setup.config, setup.plan, setup.corpus
     (run_dir / "config.json").write_text(json.dumps({
-        "train": dataclasses.asdict(config), "model": dataclasses.asdict(setup.model),
+        "train": config.flat(), "model": dataclasses.asdict(setup.model),
         "mesh": dict(plan.mesh.shape), "data": corpus.source,
         "processes": jax.process_count(), "jax": jax.__version__}, indent=2))
     print(layout_table(plan), flush=True)
-    print(compute_line(plan, config.seq_len), flush=True)
+    print(compute_line(plan, config.data.seq_len), flush=True)
     print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
           f"tokens; run dir: {run_dir}", flush=True)
     return log

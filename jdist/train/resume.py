@@ -10,17 +10,16 @@ from pathlib import Path
 import jax
 
 from jdist import checkpoint as ckpt
+from jdist.config import result_flags
 from jdist.errors import require
 from jdist.train import trainable
 from jdist.train.layer_order import CHECKPOINT_KEY, restore_order
 from jdist.train.state import Plan, TrainState, init_state, state_from_params
 
-# Flags that decide *what* is computed. A resumed run must keep them; everything else
-# (mesh, ZeRO stage, process count, remat, ...) only decides *how* and may change.
-RESULT_FLAGS = ("seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",
-                "clip_norm", "data", "data_dtype", "init_from", "tokenizer", "packing",
-                "data_format", "lora_rank", "lora_alpha", "lora_targets", "quantize_base",
-                "double_quant")
+# Flags that decide *what* is computed (their fields' "result" metadata). A resumed run must
+# keep them; everything else (mesh, ZeRO stage, process count, remat, ...) only decides *how*
+# and may change.
+RESULT_FLAGS = result_flags()
 
 
 # Checkpoint metadata: whether the parameters saved include the frozen base (LoRA saves
@@ -47,8 +46,8 @@ def run_meta(config, model, mesh, step: int, data_fingerprint: str = "",
     order = list(range(model.n_layers)) if layer_order is None else \
         [int(i) for i in layer_order]
     return {CHECKPOINT_KEY: order, "step": step, "data_position": step,
-            "rng": {"seed": config.seed},
-            "config": dataclasses.asdict(config), "model": dataclasses.asdict(model),
+            "rng": {"seed": config.data.seed},
+            "config": config.flat(), "model": dataclasses.asdict(model),
             "mesh": dict(mesh.shape), "processes": jax.process_count(),
             "jax": jax.__version__, "data_fingerprint": data_fingerprint}
 
@@ -68,9 +67,9 @@ def check_compatible(found: ckpt.Found, config, model, data_fingerprint: str = "
         require(saved_model.get(key) == value,
                 f"--resume: checkpoint {found.path} is of a model with {key}={saved_model.get(key)}"
                 f" but this run's model has {key}={value}; pass the same --model and shape flags")
-    current = _plain(dataclasses.asdict(config))
+    current = _plain(config.flat())
     # A flag newer than the checkpoint was at its default when the checkpoint was written.
-    defaults = _plain(dataclasses.asdict(type(config)()))
+    defaults = _plain(type(config)().flat())
     saved = {key: saved.get(key, defaults[key]) for key in RESULT_FLAGS}
     for key in RESULT_FLAGS:
         flag = "--" + key.replace("_", "-")
@@ -94,18 +93,17 @@ def check_numerics(found: ckpt.Found, config, model, mesh_shape: dict) -> None:
     order of a sum, so it may change on resume."""
     from jdist.train.setup import compute_dtype_of
 
-    defaults = _plain(dataclasses.asdict(type(config)()))
+    defaults = _plain(type(config)().flat())
     saved = {**defaults, **found.meta.get("config", {})}
-    was = compute_dtype_of(dataclasses.replace(config, compute_dtype=saved["compute_dtype"],
-                                               quantize_base=saved["quantize_base"]))
+    was = compute_dtype_of(config.replace(compute_dtype=saved["compute_dtype"],
+                                          quantize_base=saved["quantize_base"]))
     now = compute_dtype_of(config)
     require(was == now, f"--resume: checkpoint {found.path} was trained in {was.__name__} "
             f"but this run computes in {now.__name__}; pass --compute-dtype "
             f"{was.__name__} (or start a new --run-dir)")
     if model.n_experts:
         was, now = (micro_batches(c, m) for c, m in
-                    ((saved, found.meta.get("mesh", {})), (dataclasses.asdict(config),
-                                                           mesh_shape)))
+                    ((saved, found.meta.get("mesh", {})), (config.flat(), mesh_shape)))
         require(was == now, f"--resume: checkpoint {found.path} was trained with {was} "
                 f"micro-batches per step but this run uses {now}, which changes a "
                 "mixture-of-experts model's routing; keep --grad-accum x --microbatches "
@@ -118,15 +116,15 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "",
     unusable explicit PATH or a mismatched checkpoint; with `auto`, passes over (and moves
     aside) unusable checkpoints, saying so. Runs on every process."""
     root = checkpoint_root(run_dir)
-    if config.resume == "none":
+    if config.checkpoint.resume == "none":
         existing = ckpt.step_dirs(root)
         require(not existing,
                 f"--resume none, but {root} already holds checkpoints (up to step "
                 f"{existing[-1][0] if existing else 0}); pass --resume auto to continue that run "
                 "or choose a new --run-dir")
         return None
-    if config.resume == "auto":
-        found = ckpt.latest_good(root, full=config.verify_checkpoint == "full")
+    if config.checkpoint.resume == "auto":
+        found = ckpt.latest_good(root, full=config.checkpoint.verify_checkpoint == "full")
         if found is None:
             return None
         for path, why in found.skipped:
@@ -134,10 +132,12 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "",
         if found.step < 0:
             ckpt._say(f"no usable checkpoint in {root}; starting from scratch")
     else:
-        found = ckpt.resolve_explicit(config.resume, full=config.verify_checkpoint == "full")
+        found = ckpt.resolve_explicit(config.checkpoint.resume,
+                                      full=config.checkpoint.verify_checkpoint == "full")
         newer = [s for s, p in ckpt.step_dirs(root) if s > found.step]
         require(not newer,
-                f"--resume {config.resume}: this run's {root} already holds later checkpoints "
+                f"--resume {config.checkpoint.resume}: this run's {root} already holds later "
+                "checkpoints "
                 f"(up to step {newer[-1] if newer else 0}) that new saves would collide with; "
                 "choose a new --run-dir or --resume auto")
     if found.step >= 0:

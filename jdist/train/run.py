@@ -53,22 +53,22 @@ class Run:
     def __post_init__(self):
         self.config, self.plan = self.setup.config, self.setup.plan
         self.checkpoints = ckpt.Checkpointer(resume.checkpoint_root(self.run_dir),
-                                             self.config.keep)
+                                             self.config.checkpoint.keep)
         self.stragglers = None
-        if jax.process_count() > 1 and self.config.straggler_every:
+        if jax.process_count() > 1 and self.config.observe.straggler_every:
             self.stragglers = straggler.Detector(
-                self.config.straggler_every, self.config.straggler_threshold,
-                self.config.straggler_windows, straggler.hostnames())
-        delay = straggler.parse_injection(self.config.inject_straggler)
+                self.config.observe.straggler_every, self.config.observe.straggler_threshold,
+                self.config.observe.straggler_windows, straggler.hostnames())
+        delay = straggler.parse_injection(self.config.observe.inject_straggler)
         self.delay = delay[1] if delay and delay[0] == jax.process_index() else 0.0
         self.waited = 0.0  # seconds blocked on other processes outside reading metrics
         self.tracer, self.held = None, []  # held: records of profiled steps, until read
-        if self.config.profile_steps:
+        if self.config.observe.profile_steps:
             where = self.run_dir / "profile"  # trace files are named after the host:
             if jax.process_count() > 1:      # one directory per process
                 where = where / f"process{jax.process_index()}"
             self.tracer = profile.StepTracer(where, *profile.parse_steps(
-                self.config.profile_steps))
+                self.config.observe.profile_steps))
 
     def train_from(self, step: int) -> list[dict]:
         """Train from `step` to the end and save the final state; returns every step's
@@ -81,9 +81,9 @@ class Run:
                         break
                     except faults.Rollback as e:
                         step = self.roll_back(e.step)
-                if self.config.checkpoint_every and self.records.history:
-                    self.check_replicas(self.config.steps)
-                    self.save(self.config.steps)  # skipped if just saved
+                if self.config.checkpoint.checkpoint_every and self.records.history:
+                    self.check_replicas(self.config.optim.steps)
+                    self.save(self.config.optim.steps)  # skipped if just saved
             with self.clock("checkpoint"):
                 self.checkpoints.close()  # raises SaveFailed if the last save did not land
         finally:
@@ -110,7 +110,7 @@ class Run:
             print(goodput.table(summary), flush=True)
 
     def steps_from(self, i: int) -> None:
-        while i < self.config.steps:
+        while i < self.config.optim.steps:
             if i in self.passed_over:
                 with self.clock("train"):
                     self.flush()  # keep the records in step order
@@ -139,13 +139,13 @@ class Run:
             self.waited += time.perf_counter() - start
             self.flush()
             self.pending = (done, metrics, data_wait)
-        save_now = _every(config.checkpoint_every, done)
-        eval_now = _every(config.eval_every, done) or (bool(config.eval_every)
-                                                       and done == config.steps)
+        save_now = _every(config.checkpoint.checkpoint_every, done)
+        eval_every = config.observe.eval_every
+        eval_now = _every(eval_every, done) or (bool(eval_every) and done == config.optim.steps)
         if save_now or stop_now or eval_now:
             with self.clock("train", step=done):
                 self.flush(params=self.state.params if eval_now else None)
-        if save_now or stop_now or _every(config.check_replicas_every, done):
+        if save_now or stop_now or _every(config.observe.check_replicas_every, done):
             self.check_replicas(done)  # nothing unchecked is ever saved
         if save_now or stop_now:
             self.save(done)
@@ -160,7 +160,7 @@ class Run:
         traced = (self.tracer.step(done, pending=self.state) if self.tracer is not None
                   else contextlib.nullcontext())
         with traced:
-            if _every(self.config.recompute_check_every, done):
+            if _every(self.config.observe.recompute_check_every, done):
                 with self.clock("checks"):
                     state, metrics, mismatch = health.recompute_check(self.step_fn, self.state,
                                                                       batch)
@@ -168,7 +168,7 @@ class Run:
                     raise faults.Corruption(f"step {done}: {mismatch.message()}")
             else:
                 state, metrics = self.step_fn(self.state, batch)
-        if done == self.config.inject_corruption_at_step:
+        if done == self.config.observe.inject_corruption_at_step:
             state = state._replace(params=health.inject_corruption(state.params,
                                                                    self.plan.mesh, bit=None))
         return state, metrics
@@ -176,7 +176,7 @@ class Run:
     def check_replicas(self, done: int) -> None:
         """`--check-replicas-every`: every copy of every parameter and optimizer-state shard
         bitwise equal to the others."""
-        if not self.config.check_replicas_every:
+        if not self.config.observe.check_replicas_every:
             return
         with self.clock("checks"):
             mismatch = health.check_replicas(self.state._replace(step=None), self.plan.mesh)
@@ -210,15 +210,16 @@ class Run:
             record["skipped"] = True
         elif not faults.is_finite(record):
             self.nonfinite += 1
-            if self.config.on_nan == "rollback":
+            if self.config.checkpoint.on_nan == "rollback":
                 raise faults.Rollback(step)
-            if self.config.on_nan == "skip":
+            if self.config.checkpoint.on_nan == "skip":
                 record["skipped"] = True  # the update was not applied (faults.skip_nonfinite)
         record["nonfinite_steps"] = self.nonfinite
         if params is not None and not record.get("skipped"):
             record.update(self.evaluate(params))
         self.keep(record)
-        if self.config.on_nan == "stop" and not passed_over and not faults.is_finite(record):
+        if self.config.checkpoint.on_nan == "stop" and not passed_over and \
+                not faults.is_finite(record):
             raise faults.stopped(record)
 
     def keep(self, record: dict) -> None:
@@ -254,11 +255,11 @@ class Run:
 
     def _evaluate(self, params) -> dict:
         losses = [self.eval_fn(params, self.setup.batch(i, data.VAL_STREAM))
-                  for i in range(self.config.eval_batches)]
+                  for i in range(self.config.observe.eval_batches)]
         return {"val_loss": sum(float(x) for x in losses) / len(losses)}
 
     def save(self, step: int) -> None:
-        save_base = self.config.save_base
+        save_base = self.config.finetune.save_base
         state = resume.saved_state(self.plan, self.state, save_base)
         meta = resume.run_meta(self.config, self.setup.model, self.plan.mesh, step, self.data_id,
                                order_of(self.plan))
@@ -275,15 +276,15 @@ class Run:
         with self.clock("checkpoint"):
             self.checkpoints.close()
         self.state = self.pending = None  # free the devices before restoring
-        good = resume.find(dataclasses.replace(self.config, resume="auto"), self.setup.model,
+        good = resume.find(self.config.replace(resume="auto"), self.setup.model,
                            self.run_dir, self.data_id)
         origin = self.origin
         if origin is not None and (good is None or origin.step > good.step) \
                 and ckpt.validate(origin.path) is None:
             good = origin  # resumed from elsewhere; nothing as recent saved here yet
         with self.clock("checkpoint" if good else "init"):
-            self.state = resume.start_state(self.plan, self.config.seed, good,
-                                             self.config.init_from)
+            self.state = resume.start_state(self.plan, self.config.data.seed, good,
+                                             self.config.model.init_from)
         first = good.step if good else 0
         self.clock.redo_after(first)
         self.passed_over.add(bad_step - 1)

@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from jdist import axes as ax
-from jdist import data, packing, remat
+from jdist import data, packing
+from jdist.config import TrainConfig
+from jdist.config.groups import compute_dtype_name
 from jdist.data import sft
 from jdist.data.tokenizer import load_tokenizer
 from jdist.errors import require
@@ -27,7 +29,6 @@ from jdist.rules import (
 )
 from jdist.sharding import check_divisible, check_model_fits
 from jdist.train import faults
-from jdist.train.config import TrainConfig
 from jdist.train.context import attention_of
 from jdist.train.optim import make_optimizer
 from jdist.train.state import Plan, make_plan, with_pipeline
@@ -50,13 +51,14 @@ class Setup:
 
     def batch(self, step: int, stream: int = data.TRAIN_STREAM) -> dict:
         """The global batch of `step` (training or validation stream), laid out for the mesh."""
+        flags = self.config.data
         if self.rows is not None:
             rows = self.rows.train if stream == data.TRAIN_STREAM else self.rows.val
-            return sft.sft_batch(rows, self.config.seed, step, self.config.batch_size,
+            return sft.sft_batch(rows, flags.seed, step, flags.batch_size,
                                  self.plan.batch_sharding, stream)
         tokens = self.corpus.train if stream == data.TRAIN_STREAM else self.corpus.val
-        return data.global_batch(tokens, self.config.seed, step, self.config.batch_size,
-                                 self.config.seq_len, self.plan.batch_sharding, stream)
+        return data.global_batch(tokens, flags.seed, step, flags.batch_size, flags.seq_len,
+                                 self.plan.batch_sharding, stream)
 
 
 def mesh_devices(spec: MeshSpec, cpu_fill: int, target: str = "", hosts: int = 1) -> list:
@@ -75,59 +77,45 @@ def mesh_devices(spec: MeshSpec, cpu_fill: int, target: str = "", hosts: int = 1
 
 
 def compute_dtype_of(config: TrainConfig):
-    """`--compute-dtype`, with `auto` resolved: float32, but bfloat16 for QLoRA (whose base
-    is dequantized in the compute dtype, as the QLoRA paper computes)."""
-    name = config.compute_dtype
-    if name == "auto":
-        name = "float32" if config.quantize_base == "none" else "bfloat16"
-    return DTYPES[name]
+    """`--compute-dtype`, with `auto` resolved (`jdist.config.groups.compute_dtype_name`)."""
+    return DTYPES[compute_dtype_name(config.memory, config.finetune)]
 
 
 def rules_for(config: TrainConfig) -> Rules:
-    rules = load_rules(config.rules) if config.rules else DEFAULT_RULES
-    return with_sequence_parallel(rules) if config.sequence_parallel else rules
+    rules = load_rules(config.parallel.rules) if config.parallel.rules else DEFAULT_RULES
+    return with_sequence_parallel(rules) if config.parallel.sequence_parallel else rules
 
 
 def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
     """Each micro-batch must still split evenly over the batch-sharding axes."""
-    require(config.grad_accum >= 1, f"--grad-accum {config.grad_accum} must be at least 1")
     batch_axes = mesh_axes_of(resolve((ax.BATCH,), rules, mesh)[0])
     ways = math.prod(mesh.shape[a] for a in batch_axes)
-    require(config.batch_size % (config.grad_accum * ways) == 0,
-            f"--batch-size {config.batch_size} cannot be split into {config.grad_accum} "
-            f"micro-batches over {'x'.join(batch_axes)} = {ways} devices; use a multiple of "
-            f"{config.grad_accum * ways} or change --grad-accum")
+    accum, batch_size = config.memory.grad_accum, config.data.batch_size
+    require(batch_size % (accum * ways) == 0,
+            f"--batch-size {batch_size} cannot be split into {accum} micro-batches over "
+            f"{'x'.join(batch_axes)} = {ways} devices; use a multiple of {accum * ways} or "
+            "change --grad-accum")
 
 
 def model_of(config: TrainConfig) -> ModelConfig:
     """The preset with its shape flags, or the model a Hugging Face `--init-from` describes;
     with its LoRA adapters when `--lora-rank` is given."""
-    if not config.init_from:
-        model = get_preset(config.model, **config.model_overrides())
+    if not config.model.init_from:
+        model = get_preset(config.model.preset, **config.model.overrides())
     else:
         from jdist.hf import model_config
 
-        given = [k for k, v in config.model_overrides().items() if v is not None]
-        require(not given, f"--init-from takes the model shape from {config.init_from}/"
-                           f"config.json; drop --{given[0].replace('_', '-') if given else ''}")
-        model = model_config(config.init_from)
+        model = model_config(config.model.init_from)
     return with_lora(model, config)
 
 
 def with_lora(model: ModelConfig, config: TrainConfig) -> ModelConfig:
-    require(config.lora_rank is not None or config.quantize_base == "none",
-            f"--quantize-base {config.quantize_base} quantizes a frozen base, which only LoRA "
-            "has; add --lora-rank R")
-    require(config.lora_rank is not None or not (config.double_quant or config.save_base),
-            f"--{'double-quant' if config.double_quant else 'save-base'} applies to LoRA "
-            "fine-tuning; add --lora-rank R or drop the flag")
-    require(not config.double_quant or config.quantize_base == "nf4",
-            "--double-quant quantizes NF4 block scales; add --quantize-base nf4")
-    if config.lora_rank is None:
+    flags = config.finetune
+    if flags.lora_rank is None:
         return model
-    targets = tuple(t.strip() for t in config.lora_targets.split(",")) if \
-        config.lora_targets else (ATTENTION_TARGETS if model.n_experts else tuple(TARGETS))
-    model = dataclasses.replace(model, lora=LoraConfig(config.lora_rank, config.lora_alpha,
+    targets = tuple(t.strip() for t in flags.lora_targets.split(",")) if \
+        flags.lora_targets else (ATTENTION_TARGETS if model.n_experts else tuple(TARGETS))
+    model = dataclasses.replace(model, lora=LoraConfig(flags.lora_rank, flags.lora_alpha,
                                                        targets))
     model.validate()
     return model
@@ -136,34 +124,33 @@ def with_lora(model: ModelConfig, config: TrainConfig) -> ModelConfig:
 def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     """Model, mesh, rules, optimizer and layout from the flags: everything except data.
     All shape checks happen here, before anything is compiled (also used by jdist.memory)."""
+    config.validate()  # each group's own checks; those across groups follow
     model = model_of(config)
-    require(not (config.target and config.offload == "optimizer"),
-            f"--offload optimizer cannot be compiled for --target {config.target}: jax's "
+    require(not (config.devices.target and config.memory.offload == "optimizer"),
+            f"--offload optimizer cannot be compiled for --target {config.devices.target}: "
+            "jax's "
             "compile-only GPU devices have no host memory space (jax 0.10.2), so the "
             "optimizer state would silently stay on the device; drop --target to measure it "
             "on the CPU compiler, or drop --offload")
-    spec = parse_mesh(config.mesh)
+    spec = parse_mesh(config.parallel.mesh)
     rules = rules_for(config)
-    mesh = build_mesh(spec, mesh_devices(spec, config.cpu_devices or 8, config.target,
-                                          config.hosts))
+    devices = config.devices
+    mesh = build_mesh(spec, mesh_devices(spec, devices.cpu_devices or 8, devices.target,
+                                          devices.hosts))
     check_model_fits(model, mesh, rules)
-    check_divisible((config.batch_size, config.seq_len), (ax.BATCH, ax.LENGTH), mesh, rules,
-                    "global batch")
+    check_divisible((config.data.batch_size, config.data.seq_len), (ax.BATCH, ax.LENGTH), mesh,
+                    rules, "global batch")
     check_micro_batches(config, mesh, rules)
-    require(not (model.n_experts and config.sequence_parallel and mesh.shape[ax.TENSOR] > 1),
+    require(not (model.n_experts and config.parallel.sequence_parallel
+                 and mesh.shape[ax.TENSOR] > 1),
             "--sequence-parallel with tensor parallelism is not supported for MoE models; "
             "drop --sequence-parallel or tp")
-    remat.check(config.remat)
-    tx, schedule = make_optimizer(config.lr, config.steps, config.warmup, config.weight_decay,
-                                  config.clip_norm)
-    if config.on_nan == "skip":
+    optim = config.optim
+    tx, schedule = make_optimizer(optim.lr, optim.steps, optim.warmup, optim.weight_decay,
+                                  optim.clip_norm)
+    if config.checkpoint.on_nan == "skip":
         tx = faults.skip_nonfinite(tx)
-    plan = make_plan(model, mesh, rules, tx, zero=config.zero,
-                     offload_optimizer=config.offload == "optimizer",
-                     cp_strategy=config.cp_strategy, compute_dtype=compute_dtype_of(config),
-                     remat=config.remat, grad_accum=config.grad_accum,
-                     attention=config.attention, loss=config.loss,
-                     quantize=config.quantize_base, double_quant=config.double_quant)
+    plan = make_plan(model, mesh, rules, tx, config.memory, config.parallel, config.finetune)
     return model, with_schedule(plan, config), schedule
 
 
@@ -171,40 +158,40 @@ def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
     """`plan` running the step as `config` says where that moves no state: context-parallel
     strategy, pipeline schedule, attention kernel, remat, accumulation — checked. (The
     parallelism planner varies these on one plan.)"""
-    check_context_parallel(plan.model.n_heads, config.seq_len, plan.mesh, plan.rules,
-                           config.cp_strategy)
+    check_context_parallel(plan.model.n_heads, config.data.seq_len, plan.mesh, plan.rules,
+                           config.parallel.cp_strategy)
     pipeline = pipeline_for(config, plan.model, plan.mesh)
-    plan = dataclasses.replace(plan, cp_strategy=config.cp_strategy, remat=config.remat,
-                               grad_accum=config.grad_accum, attention=config.attention)
-    attention_of(plan, config.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
+    plan = dataclasses.replace(plan, cp_strategy=config.parallel.cp_strategy,
+                               remat=config.memory.remat, grad_accum=config.memory.grad_accum,
+                               attention=config.memory.attention)
+    attention_of(plan, config.data.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
     return with_pipeline(plan, pipeline)
 
 
 def prepare(config: TrainConfig) -> Setup:
-    """Every check a user's input can fail happens here, before anything is compiled."""
-    require(config.steps >= 1, f"--steps {config.steps} must be at least 1")
-    require(config.batch_size >= 1, f"--batch-size {config.batch_size} must be at least 1")
-    require(config.seq_len >= 2, f"--seq-len {config.seq_len} must be at least 2")
-    require(config.eval_batches >= 1 or not config.eval_every,
-            f"--eval-batches {config.eval_batches} must be at least 1 (or pass --eval-every 0)")
-    faults.check_flags(config)
+    """Every check a user's input can fail happens here (`plan_for` validates the flags
+    first), before anything is compiled."""
     model, plan, schedule = plan_for(config)
     require(not (model.shape_only and jax.default_backend() == "cpu"),
-            f"model preset {config.model!r} is shape-only on CPU (too large to allocate); "
+            f"model preset {config.model.preset!r} is shape-only on CPU (too large to "
+            "allocate); "
             "train 'tiny' or 'small' here, or plan it with --dry-run")
-    tokenizer = load_tokenizer(config.tokenizer)
-    require(not config.tokenizer or tokenizer.vocab_size <= model.vocab_size,
-            f"--tokenizer {config.tokenizer} has {tokenizer.vocab_size} tokens but the model "
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    require(not config.data.tokenizer or tokenizer.vocab_size <= model.vocab_size,
+            f"--tokenizer {config.data.tokenizer} has {tokenizer.vocab_size} tokens but the "
+            "model "
             f"vocabulary is {model.vocab_size}; " + (
-                "use the tokenizer of that checkpoint" if config.init_from else
+                "use the tokenizer of that checkpoint" if config.model.init_from else
                 f"pass --vocab-size {tokenizer.vocab_size} or larger"))
     # --data-dtype's default defers to a .bin's sidecar; only another value counts as given.
-    dtype = None if config.data_dtype == "uint16" else config.data_dtype
-    rows = sft.for_training(config, tokenizer) if config.data_format == sft.SFT else None
+    dtype = None if config.data.data_dtype == "uint16" else config.data.data_dtype
+    rows = sft.for_training(config, tokenizer) if config.data.data_format == sft.SFT else None
     corpus = rows.corpus() if rows is not None else \
-        data.load_corpus(config.data or None, config.seq_len, dtype, tokenizer=tokenizer)
+        data.load_corpus(config.data.path or None, config.data.seq_len, dtype,
+                         tokenizer=tokenizer)
     data.check_vocab(corpus, model.vocab_size)
-    if config.packing == packing.DOCUMENTS or rows is not None:  # sft records are packed documents
+    # sft records are packed documents
+    if config.data.packing == packing.DOCUMENTS or rows is not None:
         require(corpus.eod_id is not None,
                 "--packing documents needs an end-of-document id, which byte-level data has "
                 "not; pass --tokenizer (one with an eos token) or a .bin written by "

@@ -15,16 +15,15 @@ from flax import nnx
 
 from jdist import axes as ax
 from jdist import nf4
-from jdist import remat as remat_policies
 from jdist import sharding as sh
+from jdist.config.groups import FinetuneFlags, MemoryFlags, ParallelFlags, compute_dtype_name
 from jdist.errors import require
-from jdist.loss import CHUNKED, LOSSES
-from jdist.parallel.attention import AUTO, IMPLEMENTATIONS
+from jdist.loss import CHUNKED
 from jdist.parallel.grad_sync import manual_part
 from jdist.rules import Rules, mesh_axes_of, resolve
 from jdist.train import trainable
 from jdist.train.layer_order import in_model_order, store
-from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, STAGES, zero_shardings
+from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, zero_shardings
 from models import Llama, ModelConfig
 
 
@@ -95,19 +94,18 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation,
-              zero: int = 0, offload_optimizer: bool = False, cp_strategy: str = "ring",
-              compute_dtype=jnp.float32, remat: str = "none", grad_accum: int = 1,
-              attention: str = AUTO, loss: str = CHUNKED, eod_id: int | None = None,
-              quantize: str = "none", double_quant: bool = False) -> Plan:
+              memory: MemoryFlags | None = None, parallel: ParallelFlags | None = None,
+              finetune: FinetuneFlags | None = None, eod_id: int | None = None) -> Plan:
     """Shapes and shardings of the whole training state, from the model's logical names,
     the ZeRO stage, and whether optimizer state lives in host memory between steps; and
-    how the step computes (dtype, remat policy, micro-batches)."""
-    require(zero in STAGES, f"--zero {zero} is not a ZeRO stage; use 0, 1, 2 or 3")
-    require(grad_accum >= 1, f"--grad-accum {grad_accum} must be at least 1")
-    remat_policies.check(remat)
-    require(attention in IMPLEMENTATIONS,
-            f"unknown --attention {attention!r}; use {', '.join(IMPLEMENTATIONS)}")
-    require(loss in LOSSES, f"unknown --loss {loss!r}; use {', '.join(LOSSES)}")
+    how the step computes (dtype, remat policy, micro-batches: `memory`; context-parallel
+    strategy: `parallel`; the frozen base's storage: `finetune`); a group not given is at
+    its defaults."""
+    memory, parallel, finetune = (memory or MemoryFlags(), parallel or ParallelFlags(),
+                                  finetune or FinetuneFlags())
+    memory.validate()  # tests and benchmarks plan without the command line's checks
+    zero, quantize, double_quant = memory.zero, finetune.quantize_base, finetune.double_quant
+    compute_dtype = jnp.dtype(compute_dtype_name(memory, finetune))
     graphdef, abstract_vars = abstract_model(cfg)
     require(quantize in trainable.QUANTIZATIONS,
             f"unknown --quantize-base {quantize!r}; use {' or '.join(trainable.QUANTIZATIONS)}")
@@ -129,15 +127,15 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     opt_device = sh.optimizer_shardings(tx, trained, trainable.select(cfg, pick(OPTIMIZER)),
                                         mesh)
     opt_rest = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_device) \
-        if offload_optimizer else opt_device
+        if memory.offload == "optimizer" else opt_device
     state_sh = TrainState(step=sh.replicated(mesh), params=pick(PARAMETERS), opt_state=opt_rest)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
                           opt_state=jax.eval_shape(tx.init, trained))
     batch_sharding = jax.sharding.NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
-                zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, cp_strategy,
-                compute_dtype=jnp.dtype(compute_dtype), remat=remat, grad_accum=grad_accum,
-                attention=attention, loss=loss, eod_id=eod_id, quantize=quantize,
+                zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, parallel.cp_strategy,
+                compute_dtype=compute_dtype, remat=memory.remat, grad_accum=memory.grad_accum,
+                attention=memory.attention, loss=memory.loss, eod_id=eod_id, quantize=quantize,
                 double_quant=double_quant)
 
 

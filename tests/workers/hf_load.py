@@ -22,7 +22,7 @@ from jdist.train.setup import plan_for  # noqa: E402
 
 def main(hf_dir: str, coordinator: str, process_id: int) -> None:
     initialize(coordinator, 2, process_id)
-    _, plan, _ = plan_for(TrainConfig(init_from=hf_dir, mesh="fsdp=8"))
+    _, plan, _ = plan_for(TrainConfig.of(init_from=hf_dir, mesh="fsdp=8"))
     source = Source(hf_dir)
     params = load_params(hf_dir, plan, source)
     ref = np.load(f"{hf_dir}/reference.npz")

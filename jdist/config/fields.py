@@ -1,0 +1,23 @@
+"""How a configuration field is declared: its default, help text, whether it decides the
+run's results, and (rarely) a flag name other than the field's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def flag(default, help: str, result: bool = False, name: str | None = None):
+    """A field of a configuration group. `help` is required: it is the field's `--help` line.
+    `result`: the field decides *what* a run computes, so a resumed run must keep it
+    (`jdist.train.resume`); everything else only decides *how* and may change on resume.
+    `name`: the flag (and config.json key) when it must differ from the field's name."""
+    metadata = {"help": help, "result": result}
+    if name is not None:
+        metadata["flag"] = name
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    """The field's flag without dashes (`grad_accum` for `--grad-accum`), also its key in a
+    run directory's config.json."""
+    return field.metadata.get("flag", field.name)

@@ -1,0 +1,318 @@
+"""The flags of `python -m jdist.train`, one typed group per concern. Each group's
+`validate()` holds the checks that need only its own values; checks across groups stay with
+the code that combines them (`jdist.train.setup`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jdist.config.fields import flag
+from jdist.data.sft import FORMATS
+from jdist.errors import require
+from jdist.loss import LOSSES
+from jdist.packing import PACKINGS
+from jdist.parallel.attention import IMPLEMENTATIONS
+from jdist.parallel.schedule import SCHEDULES
+
+# The choices are the owning modules' own lists, so a new kernel or schedule needs no edit here.
+Attention = Literal[IMPLEMENTATIONS]
+Loss = Literal[LOSSES]
+Packing = Literal[PACKINGS]
+Schedule = Literal[SCHEDULES]
+DataFormat = Literal[FORMATS]
+ON_NAN = ("skip", "rollback", "stop")  # --on-nan policies (jdist.train.faults)
+
+
+@dataclasses.dataclass
+class ModelFlags:
+    """the model: a preset, its shape overrides, or a Hugging Face checkpoint"""
+
+    preset: str = flag("small", "model preset: tiny, small, moe-tiny, moe-small; shape-only "
+                       "llama2-7b, llama3-8b, llama3.1-8b, llama3.1-70b, llama3.2-1b, "
+                       "llama3.2-3b, 8x7b (aliases 1b, 7b, 70b)", name="model")
+    init_from: str = flag("", "start from a Hugging Face Llama directory (config.json + "
+                          "safetensors): the model shape comes from its config.json, each "
+                          "process reads only its shards", result=True)
+    # Shape overrides; None keeps the preset's value.
+    n_layers: int | None = flag(None, "transformer blocks (default: the preset's)")
+    d_model: int | None = flag(None, "width of the residual stream (default: the preset's)")
+    n_heads: int | None = flag(None, "attention (query) heads (default: the preset's)")
+    n_kv_heads: int | None = flag(None, "key/value heads, fewer than --n-heads for grouped-"
+                                  "query attention (default: the preset's)")
+    d_ff: int | None = flag(None, "hidden width of the MLP (default: the preset's)")
+    vocab_size: int | None = flag(None, "vocabulary size (default: the preset's)")
+    tie_embeddings: bool | None = flag(None, "share the input embedding with the output "
+                                       "projection (default: the preset's)")
+    n_experts: int | None = flag(None, "experts per MoE layer (0: dense MLP); presets "
+                                 "moe-tiny, moe-small, 8x7b")
+    top_k: int | None = flag(None, "experts per token (1 or 2 typical)")
+    moe_routing: str | None = flag(None, "dropless (nothing dropped) or capacity (overflow "
+                                   "tokens skip the MLP)")
+    capacity_factor: float | None = flag(None, "capacity routing: each expert takes factor x "
+                                         "tokens x k / E tokens")
+    aux_loss_weight: float | None = flag(None, "weight of the Switch load-balancing loss")
+    z_loss_weight: float | None = flag(None, "weight of the router z-loss")
+
+    def overrides(self) -> dict:
+        """The shape overrides by field name (None: the preset's value)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("preset", "init_from")}
+
+    def validate(self) -> None:
+        given = [k for k, v in self.overrides().items() if v is not None]
+        require(not (self.init_from and given),
+                f"--init-from takes the model shape from {self.init_from}/config.json; drop "
+                f"--{given[0].replace('_', '-') if given else ''}")
+
+
+@dataclasses.dataclass
+class FinetuneFlags:
+    """fine-tuning: LoRA adapters on a frozen (optionally NF4-quantized, QLoRA) base"""
+
+    lora_rank: int | None = flag(None, "train LoRA adapters of this rank; the base model is "
+                                 "frozen (no gradients, no optimizer state) (default: full "
+                                 "training)", result=True)
+    lora_alpha: float = flag(16.0, "LoRA scale numerator: adapters add (alpha / rank) x A B",
+                             result=True)
+    lora_targets: str = flag("", "comma-separated projections to adapt: q,k,v,o,gate,up,down "
+                             "(default: all of them; attention only for mixture-of-experts "
+                             "models)", result=True)
+    quantize_base: Literal["none", "nf4"] = flag(
+        "none", "QLoRA: none, or nf4 (frozen block weights stored as 4-bit NormalFloat in "
+        "blocks of 64, dequantized per layer in the compute dtype)", result=True)
+    double_quant: bool = flag(False, "with --quantize-base nf4: also quantize the block "
+                              "scales to 8 bits (blocks of 256): ~0.516 bytes per base weight",
+                              result=True)
+    save_base: bool = flag(False, "with LoRA: also save the frozen base weights in "
+                           "checkpoints (by default only the adapters and their optimizer "
+                           "state; the base comes back from --init-from or the seed)")
+
+    def validate(self) -> None:
+        require(self.lora_rank is not None or self.quantize_base == "none",
+                f"--quantize-base {self.quantize_base} quantizes a frozen base, which only "
+                "LoRA has; add --lora-rank R")
+        require(self.lora_rank is not None or not (self.double_quant or self.save_base),
+                f"--{'double-quant' if self.double_quant else 'save-base'} applies to LoRA "
+                "fine-tuning; add --lora-rank R or drop the flag")
+        require(not self.double_quant or self.quantize_base == "nf4",
+                "--double-quant quantizes NF4 block scales; add --quantize-base nf4")
+
+
+@dataclasses.dataclass
+class ParallelFlags:
+    """parallelism: the device mesh, how the rules shard over it, and the pipeline"""
+
+    mesh: str = flag("fsdp=-1", "mesh as AXIS=SIZE pairs (dp, pp, fsdp, sp/cp, ep, tp; one "
+                     "may be -1) or a preset name from meshes/")
+    rules: str = flag("", "TOML file overriding the logical-axis rules ([rules] name = [mesh "
+                      "axes]) (default: jdist.rules.DEFAULT_RULES)")
+    sequence_parallel: bool = flag(False, "shard activations' sequence dim over tensor "
+                                   "between TP regions")
+    cp_strategy: str = flag("ring", "attention when the mesh has sp>1: ring (K/V pass around, "
+                            "load-balanced), all_gather (gather K/V), or ulysses (all-to-all "
+                            "to heads)")
+    microbatches: int = flag(0, "micro-batches per step that stream through the pipeline "
+                             "stages (default: one per stage)")
+    pp_schedule: Schedule = flag("1f1b", "pipeline schedule: gpipe (all forwards, then all "
+                                 "backwards), 1f1b (activations of about pp micro-batches "
+                                 "alive), interleaved (virtual stages)")
+    pp_virtual_stages: int = flag(1, "layer chunks per stage for --pp-schedule interleaved")
+    pp_show_schedule: bool = flag(False, "print the pipeline schedule (stage x tick grid, "
+                                  "bubble) and exit")
+
+    def validate(self) -> None:
+        pass  # every parallelism check needs the mesh built (jdist.train.setup)
+
+
+@dataclasses.dataclass
+class DeviceFlags:
+    """devices and processes: simulated CPUs, a deviceless GPU target, multi-process runs"""
+
+    cpu_devices: int = flag(0, "CPU devices to simulate when the mesh has a -1 axis (default "
+                            "8)")
+    target: str = flag("", "with --dry-run: compile for GPUs this machine does not have "
+                       "(deviceless): h100-80gb, h200-141gb, a100-80gb; needs the cuda12 extra")
+    hosts: int = flag(1, "with --target: hosts the mesh's devices sit on (a -1 axis fills 8 "
+                      "per host)")
+    coordinator: str = flag("", "multi-process runs: HOST:PORT of process 0 (default: "
+                            "JDIST_COORDINATOR, or Slurm's, else a single process)")
+    num_processes: int = flag(0, "multi-process runs: how many processes (default: "
+                              "JDIST_NUM_PROCESSES or Slurm's)")
+    process_id: int = flag(-1, "multi-process runs: this process's index (default: "
+                           "JDIST_PROCESS_ID or Slurm's)")
+
+    def validate(self) -> None:
+        pass  # --hosts is checked where the target's devices are made (setup.mesh_devices)
+
+
+@dataclasses.dataclass
+class MemoryFlags:
+    """precision and memory: how each step computes, and what it keeps where"""
+
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = flag(
+        "auto", "dtype of matmuls and activations; master weights stay float32 (auto: "
+        "float32, or bfloat16 with --quantize-base, as QLoRA computes)")
+    zero: Literal[0, 1, 2, 3] = flag(0, "ZeRO stage over the data axis: 0 DDP, 1 +optimizer "
+                                     "state sharded, 2 +gradients (reduce-scatter), 3 "
+                                     "+parameters")
+    grad_accum: int = flag(1, "micro-batches per optimizer step (one compiled step, scanned)")
+    remat: str = flag("none", "activation checkpointing: none, full, selective, or a policy "
+                      "name (dots_saveable, offload_selective, ...)")
+    offload: Literal["none", "optimizer"] = flag(
+        "none", "none, or optimizer: optimizer state lives in pinned host memory between steps")
+    attention: Attention = flag("auto", "attention kernel: auto (cudnn on NVIDIA GPUs in bf16, "
+                                "else flash from 1024 tokens, else xla), xla (dense "
+                                "reference), flash (pure-JAX blockwise, O(S) memory), cudnn")
+    loss: Loss = flag("chunked", "chunked (cross-entropy over vocab chunks, never [batch, "
+                      "length, vocab] logits) or full (the reference)")
+    dry_run: bool = flag(False, "compile the step, print the memory plan and exit")
+    device_memory_gb: float = flag(0.0, "per-device memory budget for the fit check (default: "
+                                   "the device's; CPU has no limit)")
+
+    def validate(self) -> None:
+        """Also checked by `make_plan`, which tests and benchmarks call without flags."""
+        from jdist import remat as remat_policies
+        from jdist.zero import STAGES
+
+        require(self.zero in STAGES, f"--zero {self.zero} is not a ZeRO stage; use 0, 1, 2 "
+                "or 3")
+        require(self.grad_accum >= 1, f"--grad-accum {self.grad_accum} must be at least 1")
+        remat_policies.check(self.remat)
+        require(self.attention in IMPLEMENTATIONS,
+                f"unknown --attention {self.attention!r}; use {', '.join(IMPLEMENTATIONS)}")
+        require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; use {', '.join(LOSSES)}")
+
+
+@dataclasses.dataclass
+class OptimFlags:
+    """the optimizer: AdamW with linear warmup, cosine decay to a tenth, global-norm clipping"""
+
+    steps: int = flag(300, "optimizer steps (the learning-rate schedule spans them)",
+                      result=True)
+    lr: float = flag(3e-3, "peak learning rate", result=True)
+    warmup: int = flag(30, "steps of linear learning-rate warmup", result=True)
+    weight_decay: float = flag(0.1, "AdamW's decoupled weight decay", result=True)
+    clip_norm: float = flag(1.0, "clip the gradients to this global norm", result=True)
+
+    def validate(self) -> None:
+        require(self.steps >= 1, f"--steps {self.steps} must be at least 1")
+
+
+@dataclasses.dataclass
+class DataFlags:
+    """the data: what is read, how it is tokenized and packed, and the batch"""
+
+    path: str = flag("", "text file, directory of text files, or .bin of token ids (default: "
+                     "builtin corpus)", result=True, name="data")
+    data_dtype: str = flag("uint16", "token dtype of a .bin file: uint16 or uint32 (its "
+                           ".bin.json sidecar, when there is one, decides)", result=True)
+    tokenizer: str = flag("", "Hugging Face tokenizer directory or tokenizer.json (default: "
+                          "bytes)", result=True)
+    data_format: DataFormat = flag("text", "text (documents or token ids) or sft (a .jsonl of "
+                                   "prompt/completion or chat messages records; loss on the "
+                                   "answers only; implies --packing documents; needs "
+                                   "--tokenizer)", result=True)
+    packing: Packing = flag("none", "none (windows of the token stream attend across "
+                            "documents) or documents (attention and rotary positions restart "
+                            "at each end-of-document id)", result=True)
+    batch_size: int = flag(16, "global batch size in sequences (split over data x fsdp)",
+                           result=True)
+    seq_len: int = flag(128, "tokens per sequence", result=True)
+    seed: int = flag(0, "seed of the parameter initialisation and the data order",
+                     result=True)
+
+    def validate(self) -> None:
+        require(self.batch_size >= 1, f"--batch-size {self.batch_size} must be at least 1")
+        require(self.seq_len >= 2, f"--seq-len {self.seq_len} must be at least 2")
+
+
+@dataclasses.dataclass
+class CheckpointFlags:
+    """the run directory, checkpoints and fault tolerance"""
+
+    run_dir: str = flag("", "where config.json and metrics.jsonl go (default: runs/<time>)")
+    checkpoint_every: int = flag(0, "save an async sharded checkpoint to RUN_DIR/checkpoints "
+                                 "every N steps (0: only on preemption)")
+    keep: int = flag(3, "keep the newest K good checkpoints")
+    resume: str = flag("auto", "auto (newest good checkpoint in --run-dir, else start fresh), "
+                       "a checkpoint directory, or none")
+    verify_checkpoint: Literal["size", "full"] = flag(
+        "size", "size (every file of a checkpoint present with its recorded size) or full "
+        "(also re-hash every file) before resuming from it")
+    on_nan: str = flag("stop", "non-finite loss or gradient: skip the update, rollback to the "
+                       "last checkpoint and skip that batch, or stop (exit status 3)")
+    inject_nan_at_step: int = flag(0, "debug: make step N's loss and gradients NaN (tests "
+                                   "--on-nan)")
+
+    def validate(self) -> None:
+        require(self.on_nan in ON_NAN,
+                f"--on-nan {self.on_nan!r} is not a policy; use one of {', '.join(ON_NAN)}")
+        require(self.checkpoint_every >= 0,
+                f"--checkpoint-every {self.checkpoint_every} must be 0 (never) or positive")
+        require(self.keep >= 1, f"--keep {self.keep} must be at least 1")
+        _require_off_or_positive(self, "inject_nan_at_step")
+
+
+@dataclasses.dataclass
+class ObserveFlags:
+    """observability: logging, evaluation, metrics, profiles and health checks"""
+
+    log_every: int = flag(10, "print a progress line every N steps")
+    eval_every: int = flag(100, "evaluate held-out loss every N steps (0: never)")
+    eval_batches: int = flag(4, "held-out batches per evaluation (from the last 5 percent of "
+                             "the data)")
+    tensorboard: bool = flag(False, "also write the metrics as TensorBoard event files under "
+                             "RUN_DIR/tensorboard")
+    peak_tflops: float = flag(0.0, "per-device peak TFLOP/s for the mfu metric (default: the "
+                              "accelerator's dense bf16 peak when known; none on CPU)")
+    profile_steps: str = flag("", "A-B: capture a jax.profiler trace of steps A..B into "
+                              "RUN_DIR/profile and record each step's collective/compute/idle "
+                              "fractions of device time")
+    straggler_every: int = flag(10, "with several processes: compare the processes' host step "
+                                "times every N steps (0: never)")
+    straggler_threshold: float = flag(1.5, "a process whose step time is above this times the "
+                                      "median is slow")
+    straggler_windows: int = flag(3, "report a process slow for this many consecutive windows")
+    check_replicas_every: int = flag(100, "every N steps (and before each save) compare a "
+                                     "bitwise fingerprint of every parameter and optimizer-"
+                                     "state shard across the replicas that must be identical "
+                                     "(0: never); exit 4 on mismatch")
+    recompute_check_every: int = flag(1000, "every N steps run the step twice on the same "
+                                      "inputs and compare the results bitwise (0: never); "
+                                      "exit 4 on mismatch")
+    inject_corruption_at_step: int = flag(0, "test-only: after step N flip a bit of one "
+                                          "replica's copy of a parameter (tests "
+                                          "--check-replicas-every)")
+    inject_straggler: str = flag("", "test-only: PROCESS:SECONDS makes that process sleep "
+                                 "SECONDS per step (tests straggler detection)")
+
+    def validate(self) -> None:
+        require(self.eval_batches >= 1 or not self.eval_every,
+                f"--eval-batches {self.eval_batches} must be at least 1 (or pass "
+                "--eval-every 0)")
+        for name in ("inject_corruption_at_step", "check_replicas_every",
+                     "recompute_check_every", "straggler_every"):
+            _require_off_or_positive(self, name)
+        if self.profile_steps:
+            from jdist.profile import parse_steps
+
+            parse_steps(self.profile_steps)
+        require(self.straggler_windows >= 1,
+                f"--straggler-windows {self.straggler_windows} must be at least 1")
+        require(self.straggler_threshold > 1,
+                f"--straggler-threshold {self.straggler_threshold} must be above 1 (a ratio "
+                "to the median step time)")
+
+
+def compute_dtype_name(memory: MemoryFlags, finetune: FinetuneFlags) -> str:
+    """`--compute-dtype`, with `auto` resolved: float32, but bfloat16 for QLoRA (whose base
+    is dequantized in the compute dtype, as the QLoRA paper computes)."""
+    if memory.compute_dtype != "auto":
+        return memory.compute_dtype
+    return "float32" if finetune.quantize_base == "none" else "bfloat16"
+
+
+def _require_off_or_positive(group, name: str) -> None:
+    value = getattr(group, name)
+    require(value >= 0, f"--{name.replace('_', '-')} {value} must be 0 (off) or positive")
