@@ -28,7 +28,8 @@ def suggest(config, budget: int) -> str:
             _, plan, _ = plan_for(trial)
         except ConfigError:  # e.g. the batch no longer splits: not a suggestion
             continue
-        need = predict(plan, trial.batch_size // trial.grad_accum, trial.seq_len).total
+        data = trial.data
+        need = predict(plan, data.batch_size // trial.memory.grad_accum, data.seq_len).total
         if need <= budget:
             return f"{flags} (predicted {need / 2**30:.2f} GiB)"
     return "more fsdp or tensor parallelism (a larger mesh), or a smaller model"
