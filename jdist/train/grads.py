@@ -18,24 +18,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
 from jdist import loss as objective
-from jdist import packing
 from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
 from jdist.train import trainable
-from jdist.train.context import (
-    context_parallel_of,
-    embed_lookup,
-    head_of,
-    model_context,
-    reorder_tokens,
-    token_losses,
-    unmaterialized,
-)
+from jdist.train.forward import Forward, Params, chunk
 from jdist.train.layer_order import BLOCKS, EMBED
 
 MANUAL = ax.REPLICA_AXES
@@ -95,19 +85,6 @@ def replica_map(plan, local, out_specs, manual: tuple[str, ...] = MANUAL):
         out_specs=out_specs, axis_names=frozenset(manual), check_vma=gs.REPLICA_CHECK_VMA)
 
 
-def materialized(primal: dict, stored: dict, sync: dict, dtype, defer: bool) -> dict:
-    """The values a layer computes with; a frozen leaf (None in `primal`) is gathered
-    without a gradient (`stored` is never differentiated); an NF4-stored one stays
-    quantized until the layer uses it (`models.layers.weight`)."""
-    def frozen(s, y):  # a frozen array, or each array of an NF4-stored weight
-        return jax.tree.map(lambda a, b: gs.gather(a, b, dtype), s, y)
-
-    values = jax.tree.map(lambda p, s, y: frozen(s, y) if p is None else
-                          gs.materialize(p, s, y, dtype, defer), primal, stored, sync,
-                          is_leaf=lambda x: x is None)
-    return values  # NF4 weights stay quantized: dequantized where used (models.layers.weight)
-
-
 def trained_primal(plan, stored: dict, stacked_syncs: dict) -> dict:
     """The gradient-layout blocks of the trained parameters (None for frozen ones): what
     the step differentiates."""
@@ -115,43 +92,14 @@ def trained_primal(plan, stored: dict, stacked_syncs: dict) -> dict:
                               stacked_syncs)
 
 
-def replica_terms(plan, primal: dict, stored: dict, sync: dict, tokens, targets,
-                  defer: bool, scale) -> jax.Array:
+def replica_terms(fw: Forward, params: Params, tokens, targets, scale) -> jax.Array:
     """This replica's `jdist.loss.loss_terms` for its tokens (the cross-entropy summed over
-    counted targets times `scale`, `jdist.loss.piece_cross_entropy`). The shared parameters
-    are materialized here, each block's inside the layer loop (`ModelContext.layer_params`)."""
-    dtype = plan.compute_dtype
-    lookup = embed_lookup(plan, MANUAL, primal[EMBED], stored[EMBED], sync[EMBED], defer)
-    head = head_of(plan, primal, stored, sync, defer)
-    skip = unmaterialized(plan, lookup, head)
-    shared = {k: materialized(primal[k], stored[k], sync[k], dtype, defer)
-              if k not in skip else stored[k] for k in stored if k != BLOCKS}
-
-    def layer_params(layer_state, layer_primal):
-        return materialized(layer_primal, nnx.to_pure_dict(layer_state), sync[BLOCKS], dtype,
-                            defer)
-
-    ctx = model_context(plan, MANUAL, tokens.shape[1], layer_params, primal[BLOCKS], lookup)
-    model = nnx.merge(plan.graphdef, {**shared, BLOCKS: stored[BLOCKS]})
-    cp = context_parallel_of(plan, MANUAL)
-    segments, positions = stream_layout(plan, cp, tokens)
-    x, stats = model.run_blocks(model.embed_tokens(reorder_tokens(cp, tokens), ctx), ctx,
-                                positions, segments)
-    targets = reorder_tokens(cp, targets)
-    ce = objective.piece_cross_entropy(
-        token_losses(plan, MANUAL, model, x, targets, ctx, head), targets, scale)
-    stats = stats if plan.model.n_experts else None
-    replicas = tuple(a for a in MANUAL if plan.mesh.shape[a] > 1)
-    return objective.loss_terms(plan.model, ce, stats, replicas)
-
-
-def stream_layout(plan, cp, tokens):
-    """(segment ids or None, positions) of token ids [batch, length] in the context-parallel
-    kernel's order: packed documents' (`jdist.packing`), or one text's."""
-    segments, positions = packing.layout_of(plan.eod_id, tokens)
-    if segments is None:
-        return None, cp.positions(tokens.shape[1])
-    return reorder_tokens(cp, segments), reorder_tokens(cp, positions)
+    counted targets times `scale`, `jdist.loss.piece_cross_entropy`): the whole model as
+    one chunk (`jdist.train.forward.chunk`)."""
+    tokens, targets, segments, positions = fw.in_kernel_order(tokens, targets)
+    blocks = Params(*(t[BLOCKS] for t in params))
+    return chunk(fw, params.shared(), blocks, None, tokens, targets, positions, segments,
+                 scale)[1]
 
 
 def step_grads(plan, params: dict, batch: dict):
@@ -170,8 +118,10 @@ def step_grads(plan, params: dict, batch: dict):
         scale = objective.piece_scale(
             micro * n_replicas, jax.lax.psum(objective.token_count(targets), MANUAL))
 
+        fw = Forward(plan, MANUAL, defer, tokens.shape[1], sync[BLOCKS])
+
         def micro_loss(primal, tok, tgt):
-            terms = replica_terms(plan, primal, stored, sync, tok, tgt, defer, scale)
+            terms = replica_terms(fw, Params(primal, stored, sync), tok, tgt, scale)
             return terms[0] / micro, terms
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -207,7 +157,8 @@ def step_eval(plan, params: dict, batch: dict) -> jax.Array:
     def local(stored, tokens, targets):
         scale = objective.piece_scale(replica_count(plan.mesh),
                                       jax.lax.psum(objective.token_count(targets), MANUAL))
-        terms = replica_terms(plan, stored, stored, sync, tokens, targets, False, scale)
+        fw = Forward(plan, MANUAL, False, tokens.shape[1], sync[BLOCKS])
+        terms = replica_terms(fw, Params(stored, stored, sync), tokens, targets, scale)
         ce = terms[objective.term_names(plan.model).index(objective.CROSS_ENTROPY)] \
             if plan.model.n_experts else terms[0]
         return jax.lax.psum(ce, MANUAL) / replica_count(plan.mesh)

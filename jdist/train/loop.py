@@ -7,18 +7,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import jax
-
 from jdist import data
 from jdist.distributed import is_main_process
 from jdist.parallel.pipeline import show_schedule
-from jdist.sharding import replicated
-from jdist.train import faults, fit, report, resume
+from jdist.train import fit, report, resume
 from jdist.train.goodput import Goodput
-from jdist.train.optim import updates_applied
 from jdist.train.run import Run
 from jdist.train.setup import Setup, plan_for, prepare
-from jdist.train.state import Plan, TrainState
+from jdist.train.state import TrainState
 from jdist.train.step import make_eval_step, make_train_step
 from jdist.train.tensorboard import TensorBoardLog
 
@@ -58,27 +54,10 @@ def train(config) -> list[dict]:
 
 def compile_step(setup: Setup, state: TrainState):
     """The train step (with `--inject-nan-at-step`, if asked), compiled ahead of time."""
-    config, plan = setup.config, setup.plan
     start = time.perf_counter()
-    step_fn = make_train_step(plan)
-    if config.checkpoint.inject_nan_at_step:
-        step_fn = faults.inject_nan(step_fn, plan, config.checkpoint.inject_nan_at_step)
-    step_fn = reporting_lr(step_fn, plan, setup.schedule)
+    step_fn = make_train_step(setup.plan, setup.schedule,
+                              inject_nan_at_step=setup.config.checkpoint.inject_nan_at_step)
     step_fn = step_fn.lower(state, setup.batch(0)).compile()
     if is_main_process():
         print(f"compiled train step in {time.perf_counter() - start:.1f}s", flush=True)
     return step_fn
-
-
-def reporting_lr(step_fn, plan: Plan, schedule):
-    """Adds `lr` to the step's metrics: the rate its update applies, at the optimizer's own
-    count (`schedule(state.step)` would run ahead of it after skipped steps)."""
-    def step(state: TrainState, batch: dict):
-        count = updates_applied(state.opt_state)
-        if plan.offload:  # the optimizer state lives in host memory between steps
-            count = jax.device_put(count, updates_applied(plan.opt_device_shardings))
-        new, metrics = step_fn(state, batch)
-        return new, {**metrics, "lr": schedule(count)}
-
-    return jax.jit(step, out_shardings=(plan.shardings, replicated(plan.mesh)),
-                   donate_argnums=0)

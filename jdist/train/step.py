@@ -4,41 +4,69 @@ stages), then the AdamW update on the sharded state."""
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import jax
+import jax.numpy as jnp
 import optax
 
 from jdist.sharding import replicated
 from jdist.train import trainable
 from jdist.train.grads import step_eval, step_grads
+from jdist.train.optim import updates_applied
 from jdist.train.pipelined import pipeline_eval, pipeline_grads
 from jdist.train.state import Plan, TrainState
 
 
-def gradients(plan: Plan, params: dict, batch: dict):
+class Batch(TypedDict):
+    """A global batch of token windows, laid out as `Plan.batch_sharding`."""
+
+    inputs: jax.Array   # [batch, length] int32 token ids
+    targets: jax.Array  # [batch, length] next-token ids; jdist.loss.IGNORE where not counted
+
+
+def gradients(plan: Plan, params: dict, batch: Batch):
     """(objective, metrics, gradients laid out as `plan.grad_shardings`) of a global batch."""
     if plan.pipeline is not None:  # stages run their schedule (jdist.parallel.pipeline)
         return pipeline_grads(plan, params, batch)
     return step_grads(plan, params, batch)
 
 
-def make_train_step(plan: Plan, schedule: optax.Schedule | None = None,
-                    return_grads: bool = False):
-    """`step(state, batch) -> (state, metrics)`, jitted with the plan's shardings; the old
-    state is donated so parameters and optimizer state are updated in place. With
-    `return_grads` it returns `(state, metrics, gradients)` (the equivalence harness)."""
+def make_train_step(plan: Plan, schedule: optax.Schedule | None = None, *,
+                    return_grads: bool = False, inject_nan_at_step: int = 0):
+    """The one training step: `step(state, batch) -> (state, metrics)`, jitted with the
+    plan's shardings; the old state is donated so parameters and optimizer state are
+    updated in place. Options:
 
-    def step(state: TrainState, batch: dict):
-        loss_value, extra, grads = gradients(plan, state.params, batch)
+    - `schedule`: report `lr`, the rate this step's update applies, read at the optimizer's
+      own count of updates (`updates_applied`: a skipped step does not advance it);
+    - `return_grads`: also return the gradients, `(state, metrics, gradients)` (the
+      equivalence harness);
+    - `inject_nan_at_step` N (debug, `--inject-nan-at-step`): step N (1-based, as in
+      metrics.jsonl) runs its forward and backward on NaN parameters, so its loss and
+      gradients are non-finite; the stored parameters are kept as they were and the
+      optimizer state goes where the update puts it (the `--on-nan` policy decides next).
+    """
+
+    def step(state: TrainState, batch: Batch):
+        params = state.params
+        if inject_nan_at_step:
+            hit = state.step == inject_nan_at_step - 1
+            params = jax.tree.map(lambda p: jnp.where(hit, jnp.nan, p), params)
+        loss_value, extra, grads = gradients(plan, params, batch)
         # Offloaded optimizer state comes in from host memory for the update only.
         opt_state = jax.device_put(state.opt_state, plan.opt_device_shardings) \
             if plan.offload else state.opt_state
-        trained = trainable.select(plan.model, state.params)  # frozen leaves: None
-        updates, opt_state = plan.tx.update(grads, opt_state, trained)
-        params = trainable.combine(optax.apply_updates(trained, updates), state.params)
         metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads), **extra}
         if schedule is not None:
-            metrics["lr"] = schedule(state.step)
-        new_state = TrainState(state.step + 1, params, opt_state)
+            metrics["lr"] = schedule(updates_applied(opt_state))
+        trained = trainable.select(plan.model, state.params)  # frozen leaves: None
+        updates, opt_state = plan.tx.update(grads, opt_state, trained)
+        new_params = trainable.combine(optax.apply_updates(trained, updates), state.params)
+        if inject_nan_at_step:
+            new_params = jax.tree.map(lambda n, o: jnp.where(hit, o, n), new_params,
+                                      state.params)
+        new_state = TrainState(state.step + 1, new_params, opt_state)
         return (new_state, metrics, grads) if return_grads else (new_state, metrics)
 
     batch_sh = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
