@@ -31,12 +31,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jdist import checkpoint as ckpt
 from jdist import data
-from jdist.train.config import TrainConfig
+from jdist.config import TrainConfig
+from jdist.step.build import make_train_step
+from jdist.step.state import TrainState, init_state
 from jdist.train.faults import tree_bytes
 from jdist.train.loop import prepare
 from jdist.train.setup import plan_for
-from jdist.train.state import TrainState, init_state
-from jdist.train.step import make_train_step
 
 
 def drop_page_cache() -> bool:

@@ -38,13 +38,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from jdist import target as gpu_target  # noqa: E402
+from jdist.config import TrainConfig  # noqa: E402
 from jdist.loss import cross_entropy  # noqa: E402
 from jdist.memory import compile_step, peak, predict  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
 from jdist.parallel.attention import cudnn_attention  # noqa: E402
 from jdist.parallel.flash import flash_attention  # noqa: E402
 from jdist.parallel.vocab import vocab_parallel_cross_entropy  # noqa: E402
-from jdist.train.config import TrainConfig  # noqa: E402
 from jdist.train.setup import plan_for  # noqa: E402
 from models import get_preset  # noqa: E402
 from models.layers import dot_product_attention  # noqa: E402

@@ -31,9 +31,9 @@ import argparse
 import json
 
 from jdist import target as gpu_target
+from jdist.config import TrainConfig
 from jdist.memory import compile_step, measure, peak, predict
-from jdist.train.config import TrainConfig
-from jdist.train.context import attention_of
+from jdist.step.context import attention_of
 from jdist.train.setup import plan_for
 
 VARIANTS = {"full": {}, "lora": {"lora_rank": True},

@@ -32,8 +32,8 @@ from jdist.config.groups import MemoryFlags  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
 from jdist.parallel.attention import CUDNN, FLASH, XLA, accelerator, cudnn_refusal  # noqa: E402
 from jdist.rules import DEFAULT_RULES  # noqa: E402
-from jdist.train import init_state, make_optimizer, make_plan  # noqa: E402
-from jdist.train.step import make_train_step  # noqa: E402
+from jdist.step import init_state, make_optimizer, make_plan  # noqa: E402
+from jdist.step.build import make_train_step  # noqa: E402
 from jdist.train.throughput import PEAK_TFLOPS, flops_per_token, peak_tflops  # noqa: E402
 from models import get_preset  # noqa: E402
 

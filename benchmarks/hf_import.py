@@ -45,7 +45,7 @@ def _shapes(cfg) -> dict:
     import jax
     from flax import nnx
 
-    from jdist.train.state import build_model
+    from jdist.step.state import build_model
 
     tree = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0))))
     return {tuple(k.key for k in p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(tree)}
@@ -83,7 +83,7 @@ def load(variant: str, hf_dir: str) -> dict:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
-    from jdist.train.config import TrainConfig
+    from jdist.config import TrainConfig
     from jdist.train.setup import plan_for
 
     _, plan, _ = plan_for(TrainConfig.of(init_from=hf_dir, mesh="fsdp=8"))

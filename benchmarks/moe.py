@@ -28,8 +28,8 @@ from jdist import data
 from jdist.hlo import collective_bytes, loop_bodies
 from jdist.mesh import build_mesh
 from jdist.rules import DEFAULT_RULES
-from jdist.train import init_state, make_optimizer, make_plan, make_train_step
-from jdist.train.step import gradients, make_eval_step
+from jdist.step import init_state, make_optimizer, make_plan, make_train_step
+from jdist.step.build import gradients, make_eval_step
 from models import get_preset
 
 N = 8

@@ -26,11 +26,11 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 from jdist import data
+from jdist.config import TrainConfig
+from jdist.step.build import make_train_step
+from jdist.step.state import init_state
 from jdist.train import health
-from jdist.train.config import TrainConfig
 from jdist.train.loop import prepare, train
-from jdist.train.state import init_state
-from jdist.train.step import make_train_step
 
 
 def bare_steps_per_sec(config: TrainConfig, steps: int, warmup: int) -> float:

@@ -27,8 +27,8 @@ from jdist.hlo import executed_collective_bytes
 from jdist.mesh import build_mesh
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES
-from jdist.train import make_optimizer, make_plan, make_train_step
-from jdist.train.state import with_pipeline
+from jdist.step import make_optimizer, make_plan, make_train_step
+from jdist.step.state import with_pipeline
 from models import get_preset
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))

@@ -32,12 +32,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jdist import axes as ax  # noqa: E402
 from jdist import data  # noqa: E402
 from jdist.comm import report  # noqa: E402
+from jdist.config import TrainConfig  # noqa: E402
 from jdist.memory import compile_step, measure  # noqa: E402
 from jdist.plan.profiles import load_profile  # noqa: E402
 from jdist.plan.search import search  # noqa: E402
 from jdist.plan.traffic import reported_traffic, step_traffic  # noqa: E402
-from jdist.train import init_state  # noqa: E402
-from jdist.train.config import TrainConfig  # noqa: E402
+from jdist.step import init_state  # noqa: E402
 from jdist.train.setup import plan_for  # noqa: E402
 
 FAMILIES = {  # a layout belongs to each family whose test it passes

@@ -20,7 +20,7 @@ from jdist.memory import compile_step, predict  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
 from jdist.remat import NAMES  # noqa: E402
 from jdist.rules import DEFAULT_RULES  # noqa: E402
-from jdist.train import init_state, make_optimizer, make_plan  # noqa: E402
+from jdist.step import init_state, make_optimizer, make_plan  # noqa: E402
 from models import get_preset  # noqa: E402
 
 

@@ -42,8 +42,8 @@ from jdist.hlo import collective_bytes, collective_counts  # noqa: E402
 from jdist.memory import compile_step, measure, peak, predict  # noqa: E402
 from jdist.mesh import build_mesh  # noqa: E402
 from jdist.rules import DEFAULT_RULES  # noqa: E402
-from jdist.train import init_state, make_optimizer, make_plan  # noqa: E402
-from jdist.train.context import attention_of  # noqa: E402
+from jdist.step import init_state, make_optimizer, make_plan  # noqa: E402
+from jdist.step.context import attention_of  # noqa: E402
 from models import get_preset  # noqa: E402
 
 SHAPES = {"small": (16, 128), "1b": (8, 1024)}  # global batch, sequence length

@@ -14,7 +14,7 @@ EXPERT = "expert"
 TENSOR = "tensor"
 MESH_AXES = (DATA, STAGE, FSDP, SEQUENCE, EXPERT, TENSOR)
 # The axes over which whole replicas of the step split the batch and ZeRO shards the state:
-# the gradient shard_map is manual over these (jdist.train.grads), the rest is GSPMD's.
+# the gradient shard_map is manual over these (jdist.step.grads), the rest is GSPMD's.
 REPLICA_AXES = (DATA, FSDP)
 
 # Command-line spellings of each mesh axis.

@@ -1,5 +1,7 @@
-"""Multi-process start-up: `jax.distributed` from explicit flags, environment variables, or
-a Slurm allocation; and which process speaks."""
+"""The devices a run has: the simulated CPU platform's size, multi-process start-up
+(`jax.distributed` from explicit flags, environment variables, or a Slurm allocation),
+which process speaks, and which devices a mesh is built on (jax's, or a deviceless GPU
+target's, `jdist.target`)."""
 
 from __future__ import annotations
 
@@ -59,3 +61,43 @@ def is_main_process() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+def configure_devices(n_local: int) -> None:
+    """Simulate `n_local` CPU devices. Only the CPU platform reads this, so it is harmless
+    on accelerators (whose devices are counted as they are, see `check_process_split`); it
+    must happen before JAX initialises its backends."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n_local)
+    except RuntimeError:  # backends already up (e.g. called from a test): keep what exists
+        pass
+
+
+def check_process_split(cpu_devices: int, n_proc: int) -> None:
+    """Every process must hold the same number of devices: on CPU, of the `cpu_devices`
+    simulated in all (each process was given its share by `configure_devices`); on
+    accelerators, of the devices that exist. Call once the process group is joined."""
+    import jax
+
+    n = cpu_devices if jax.default_backend() == "cpu" else jax.device_count()
+    require(n % n_proc == 0, f"{n} devices cannot be split evenly over {n_proc} processes; "
+            "change the mesh or the process count")
+
+
+def mesh_devices(spec, cpu_fill: int, target: str = "", hosts: int = 1) -> list:
+    """The devices a mesh runs on: a deviceless GPU `target`'s (`jdist.target`; a -1 axis
+    fills its hosts' 8 devices each), else jax's. Simulated CPU devices beyond what the mesh
+    needs are left idle."""
+    if target:
+        from jdist import target as gpu_target
+
+        require(hosts >= 1, f"--hosts {hosts} must be at least 1")
+        return list(gpu_target.devices(target, spec.n_devices(8 * hosts), hosts))
+    import jax
+
+    devices = jax.devices()
+    if devices[0].platform == "cpu" and jax.process_count() == 1:
+        return devices[: min(len(devices), spec.n_devices(cpu_fill))]
+    return devices

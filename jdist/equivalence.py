@@ -20,10 +20,10 @@ from jdist.config import TrainConfig
 from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES, Rules
-from jdist.train.layer_order import to_model_order
-from jdist.train.optim import make_optimizer
-from jdist.train.state import init_state, make_plan, state_from_params, with_pipeline
-from jdist.train.step import make_train_step
+from jdist.step.build import make_train_step
+from jdist.step.layer_order import to_model_order
+from jdist.step.optim import make_optimizer
+from jdist.step.state import init_state, make_plan, state_from_params, with_pipeline
 from models import ModelConfig
 
 RTOL = 1e-5  # float32: losses, gradient norms and each gradient leaf, relative

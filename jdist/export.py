@@ -38,9 +38,10 @@ def checkpoint_reader(found):
     from flax import nnx
 
     from jdist.checkpoint import restore_leaf
-    from jdist.train.layer_order import BLOCKS, CHECKPOINT_KEY
-    from jdist.train.state import build_model
+    from jdist.step.layer_order import CHECKPOINT_KEY
+    from jdist.step.state import build_model
     from models.config import config_from_dict
+    from models.names import BLOCKS
 
     cfg = config_from_dict(found.meta["model"])
     require(not cfg.n_experts, f"{found.path}: a mixture-of-experts checkpoint; Hugging Face "
@@ -66,8 +67,8 @@ def hf_reader(hf_dir: str | Path, cfg):
 
     from jdist.hf import layout
     from jdist.hf.load import Source
-    from jdist.train.layer_order import BLOCKS
-    from jdist.train.state import build_model
+    from jdist.step.state import build_model
+    from models.names import BLOCKS
 
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0))))
     source = Source(hf_dir)
@@ -90,7 +91,7 @@ def hf_reader(hf_dir: str | Path, cfg):
 
 def nf4_round_trip(w, double_quant: bool):
     """dequantize(quantize(w)) of a stacked [L, ...] weight, float32 on the host: the base
-    weight a --quantize-base nf4 run computes with (`jdist.train.trainable.to_storage`)."""
+    weight a --quantize-base nf4 run computes with (`jdist.step.trainable.to_storage`)."""
     import jax
     import numpy as np
 
@@ -109,7 +110,7 @@ def _nf4_jit():
 
 
 def _quantized(path) -> bool:
-    from jdist.train.trainable import NF4, quantized
+    from jdist.step.trainable import NF4, quantized
 
     return quantized(tuple(path), NF4)
 
@@ -135,8 +136,8 @@ def saved_nf4_reader(found, cfg, double_quant: bool, read_checkpoint):
 
     from jdist import nf4
     from jdist.checkpoint import restore_leaf
-    from jdist.train.layer_order import CHECKPOINT_KEY
-    from jdist.train.state import build_model
+    from jdist.step.layer_order import CHECKPOINT_KEY
+    from jdist.step.state import build_model
 
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0))))
     order = np.argsort(np.asarray(found.meta.get(CHECKPOINT_KEY) or range(cfg.n_layers)))
@@ -166,7 +167,7 @@ def seed_reader(cfg, seed: int):
     import numpy as np
     from flax import nnx
 
-    from jdist.train.state import build_model
+    from jdist.step.state import build_model
 
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg, seed))))()
     host = jax.tree.map(np.asarray, params)

@@ -11,6 +11,7 @@ attention keeps heads on `tensor` while the residual stream may put length there
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -69,6 +70,15 @@ def resolve(names: Sequence[str | None], rules: Rules = DEFAULT_RULES, mesh=None
     if mesh is not None:
         result = [_drop_trivial(c, mesh.shape) for c in result]
     return PartitionSpec(*result)
+
+
+def batch_split(shape: Mapping[str, int], rules: Rules = DEFAULT_RULES
+                ) -> tuple[tuple[str, ...], int]:
+    """(the mesh axes the global batch's rows are split over, as the rules place `batch`;
+    how many ways): the one place the batch-axis product is written. `shape`: a mesh's
+    shape (or a planned one's)."""
+    axes = tuple(a for a in mesh_axes_of(resolve((ax.BATCH,), rules)[0]) if shape[a] > 1)
+    return axes, math.prod(shape[a] for a in axes)
 
 
 def _drop_trivial(candidate: Candidate, shape: Mapping[str, int]) -> Candidate:

@@ -5,7 +5,7 @@ base weight's input-dimension names and B its output-dimension names, so the rul
 them like the weight; the rank dimension (`LORA_RANK`) is in no rule and never sharded.
 B starts at zero, so a fresh adapter computes exactly the base model. The adapters are
 ordinary parameters of the model; which parameters a step trains (only the adapters, when
-`ModelConfig.lora` is set) is the step's business (`jdist.train.trainable`).
+`ModelConfig.lora` is set) is the step's business (`jdist.step.trainable`).
 """
 
 from __future__ import annotations

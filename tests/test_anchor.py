@@ -20,9 +20,9 @@ from flax import nnx
 import jdist.loss
 from jdist.mesh import build_mesh
 from jdist.rules import DEFAULT_RULES
-from jdist.train.optim import make_optimizer
-from jdist.train.state import init_state, make_plan
-from jdist.train.step import make_train_step
+from jdist.step.build import make_train_step
+from jdist.step.optim import make_optimizer
+from jdist.step.state import init_state, make_plan
 from models import Llama, get_preset
 from models.context import LOCAL
 from models.layers import rotary_tables

@@ -7,12 +7,12 @@ import shutil
 import pytest
 
 from jdist import checkpoint as ckpt
+from jdist.config import TrainConfig
 from jdist.errors import ConfigError
+from jdist.step.optim import lr_schedule
 from jdist.train import resume
 from jdist.train.__main__ import main
-from jdist.train.config import TrainConfig
 from jdist.train.loop import train
-from jdist.train.optim import lr_schedule
 
 TINY = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 2, "eval_every": 0,
         "log_every": 100}

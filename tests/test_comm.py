@@ -98,8 +98,8 @@ def test_device_group_formats():
 
 
 def test_dry_run_reports_the_compiled_step(monkeypatch, capsys):
+    from jdist.config import parse_args
     from jdist.train import fit
-    from jdist.train.config import parse_args
 
     compiled, measured = [], []
     real = fit.compile_step

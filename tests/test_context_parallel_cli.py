@@ -4,7 +4,7 @@ context parallelism reported in one line with exit status 2 before anything comp
 import pytest
 from test_cli import TINY, run_cli
 
-from jdist.train.config import parse_args
+from jdist.config import parse_args
 from jdist.train.loop import prepare
 
 BAD = [

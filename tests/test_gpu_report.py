@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import comm, gpu_report, target
+from jdist.config import TrainConfig
 from jdist.memory import compile_step
 from jdist.mesh import build_mesh
-from jdist.train.config import TrainConfig
 from jdist.train.setup import plan_for
 
 H100 = "h100-80gb"

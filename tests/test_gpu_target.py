@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding
 from jdist import axes as ax
 from jdist import hlo, target
 from jdist.comm import axes_of
+from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.generate import KVCache, compiled_step
 from jdist.generate.cache import cache_shape, cache_shardings
@@ -57,9 +58,8 @@ from jdist.gpu_report import executions, step_report
 from jdist.memory import compile_step
 from jdist.mesh import build_mesh
 from jdist.rules import DEFAULT_RULES, resolve
-from jdist.train import trainable
-from jdist.train.config import TrainConfig
-from jdist.train.context import attention_of
+from jdist.step import trainable
+from jdist.step.context import attention_of
 from jdist.train.setup import plan_for
 from models import get_preset
 

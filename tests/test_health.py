@@ -19,10 +19,10 @@ WORKER = "worker"
 def hsdp():
     """A tiny model's step-0 state on dp=4,fsdp=2, its jitted train step and a batch."""
     from jdist import data
-    from jdist.train.config import TrainConfig
+    from jdist.config import TrainConfig
+    from jdist.step.build import make_train_step
+    from jdist.step.state import init_state
     from jdist.train.setup import plan_for
-    from jdist.train.state import init_state
-    from jdist.train.step import make_train_step
 
     _, plan, schedule = plan_for(TrainConfig.of(model="tiny", mesh="dp=4,fsdp=2"))
     tokens = np.random.default_rng(0).integers(0, plan.model.vocab_size, 4096, np.int32)
@@ -83,10 +83,10 @@ def test_dp4_fsdp2_clean_then_flip_of_the_lowest_mantissa_bit_found_by_majority(
 
 
 def test_two_replicas_are_both_named(hsdp):
-    from jdist.train.config import TrainConfig
+    from jdist.config import TrainConfig
+    from jdist.step.state import init_state
     from jdist.train.health import check_replicas, inject_corruption
     from jdist.train.setup import plan_for
-    from jdist.train.state import init_state
 
     _, plan, _ = plan_for(TrainConfig.of(model="tiny", mesh="dp=2,tp=2,pp=2"))
     state = init_state(plan, 0)

@@ -17,13 +17,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.hf import load_params, model_config
 from jdist.hf.export import write_hf
-from jdist.train.config import TrainConfig
-from jdist.train.layer_order import to_model_order
+from jdist.step.layer_order import to_model_order
+from jdist.step.state import build_model
 from jdist.train.setup import plan_for
-from jdist.train.state import build_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 UNTIED, TIED = FIXTURES / "llama-untied", FIXTURES / "llama-tied"

@@ -8,7 +8,7 @@ from jdist.hlo import collective_counts, collective_shapes, loop_bodies, partiti
 from jdist.mesh import build_mesh
 from jdist.parallel import embedding
 from jdist.rules import DEFAULT_RULES
-from jdist.train import make_eval_step, make_optimizer, make_plan, make_train_step
+from jdist.step import make_eval_step, make_optimizer, make_plan, make_train_step
 from models import get_preset
 
 TOKENS = jax.ShapeDtypeStruct((16, 32), jnp.int32)

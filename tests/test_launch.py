@@ -13,8 +13,8 @@ import time
 import pytest
 
 from jdist import checkpoint as ckpt
+from jdist.config import TrainConfig
 from jdist.launch import device_env, split_devices, visible_devices
-from jdist.train.config import TrainConfig
 from jdist.train.loop import train
 
 ARGS = ["--model", "tiny", "--mesh", "dp=2,fsdp=4", "--steps", "8", "--batch-size", "16",

@@ -15,8 +15,8 @@ from jdist.equivalence import assert_matches, config, train_steps
 from jdist.mesh import build_mesh
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES
-from jdist.train.optim import make_optimizer
-from jdist.train.state import build_model, init_state, make_plan
+from jdist.step.optim import make_optimizer
+from jdist.step.state import build_model, init_state, make_plan
 from models import get_preset
 from models.lora import LoraConfig, is_adapter
 
@@ -123,8 +123,8 @@ def test_checkpoints_hold_the_adapters_and_resume_elastically(tmp_path, capsys):
     import orbax.checkpoint as ocp
 
     from jdist import checkpoint as ckpt
+    from jdist.config import TrainConfig
     from jdist.train.__main__ import main
-    from jdist.train.config import TrainConfig
     from jdist.train.loop import train
 
     flags = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 2, "eval_every": 0,
@@ -234,7 +234,7 @@ def test_memory_planner_knows_lora_and_qlora(quantize="nf4"):
         a, b = getattr(predicted, key), getattr(measured, key)
         assert abs(a - b) <= 0.05 * b, (key, a, b)
     from jdist.sharding import per_device_bytes
-    from jdist.train import trainable
+    from jdist.step import trainable
 
     adapters = per_device_bytes(trainable.select(QLORA, p.abstract.params), p.grad_shardings)
     assert predicted.grads == adapters  # float32 gradients of the adapters only

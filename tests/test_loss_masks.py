@@ -10,7 +10,7 @@ from jdist import data
 from jdist.equivalence import assert_matches, config, train_steps
 from jdist.loss import IGNORE, cross_entropy
 from jdist.parallel.pipeline import PipelineConfig
-from jdist.train.state import build_model
+from jdist.step.state import build_model
 from models import get_preset
 
 TINY = get_preset("tiny")

@@ -11,8 +11,8 @@ from jdist.memory import measure, predict, zero_textbook
 from jdist.mesh import build_mesh
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES
-from jdist.train import make_optimizer, make_plan
-from jdist.train.state import with_pipeline
+from jdist.step import make_optimizer, make_plan
+from jdist.step.state import with_pipeline
 from models import get_preset
 
 TINY = get_preset("tiny")

@@ -17,7 +17,7 @@ from jdist.hlo import collective_counts, loop_bodies
 from jdist.mesh import build_mesh
 from jdist.parallel.moe import moe_ffn
 from jdist.rules import DEFAULT_RULES
-from jdist.train import make_optimizer, make_plan, make_train_step
+from jdist.step import make_optimizer, make_plan, make_train_step
 from models import get_preset
 
 MOE = get_preset("moe-tiny")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from jdist import checkpoint as ckpt
+from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.train import faults, goodput, resume, straggler
-from jdist.train.config import TrainConfig
 from jdist.train.loop import train
 
 TINY = dict(model="tiny", batch_size=8, seq_len=32, warmup=2, log_every=100)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jdist.config import TrainConfig
 from jdist.equivalence import config, train_steps
 from jdist.hf import load_params, model_config
 from jdist.loss import cross_entropy
 from jdist.packing import document_layout
 from jdist.parallel.pipeline import PipelineConfig
-from jdist.train.config import TrainConfig
 from jdist.train.setup import plan_for
 
 HF = "tests/fixtures/hf/llama-untied"

@@ -30,7 +30,7 @@ from jdist.hf.peft import (
     read_peft,
     write_peft,
 )
-from jdist.train.state import build_model
+from jdist.step.state import build_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 TIED, PEFT = FIXTURES / "llama-tied", FIXTURES / "peft-tied"
@@ -262,7 +262,7 @@ def test_export_merges_into_the_nf4_base(tmp_path, capsys, save_base):
     the checkpoint's own NF4 fields (--save-base); norms and the embedding are kept."""
     pytest.importorskip("jdist.nf4")
     from jdist.export import nf4_round_trip
-    from jdist.train import trainable
+    from jdist.step import trainable
     from models.lora import LoraConfig
 
     # head_dim 64: NF4 blocks of 64 run along the last dimension of every projection.

@@ -22,16 +22,16 @@ from jdist.parallel import layer_shuffle
 from jdist.parallel import schedule as sched
 from jdist.parallel.pipeline import PipelineConfig, check_pipeline
 from jdist.rules import DEFAULT_RULES
-from jdist.train.layer_order import (
+from jdist.step.build import make_eval_step, make_train_step
+from jdist.step.layer_order import (
     layer_order,
     order_of,
     permute,
     restore_order,
     to_model_order,
 )
-from jdist.train.optim import make_optimizer
-from jdist.train.state import init_state, make_plan, with_pipeline
-from jdist.train.step import make_eval_step, make_train_step
+from jdist.step.optim import make_optimizer
+from jdist.step.state import init_state, make_plan, with_pipeline
 from models import get_preset
 
 LOSS_RTOL = 1e-5
@@ -108,7 +108,7 @@ def test_activations_move_with_collective_permutes_only(corpus, mesh, schedule):
     assert counts["collective-permute"] == 2
     # Outside it, only the sums of the loss and of the embedding/head gradients over stage:
     # block parameters and their gradients never leave their stage (interleaved included,
-    # whose stack is stored in chunk order, see jdist.train.layer_order).
+    # whose stack is stored in chunk order, see jdist.step.layer_order).
     assert counts["all-gather"] == counts["all-to-all"] == counts["reduce-scatter"] == 0
     shared = sum(4 * math.prod(shape) for shape in SHARED_SHAPES)
     assert shared <= executed_collective_bytes(hlo)["all-reduce"] <= shared + 1024

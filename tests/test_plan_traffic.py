@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import pytest
 
 from jdist import comm, hlo
+from jdist.config import TrainConfig
 from jdist.memory import compile_step
 from jdist.plan import traffic
-from jdist.train.config import TrainConfig
+from jdist.step.build import make_train_step
 from jdist.train.setup import plan_for
-from jdist.train.step import make_train_step
 
 TOLERANCE = 0.05  # relative, per collective kind and in total
 

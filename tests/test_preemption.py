@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from jdist import checkpoint as ckpt
-from jdist.train.config import TrainConfig
+from jdist.config import TrainConfig
 from jdist.train.loop import train
 
 ARGS = ["--model", "tiny", "--mesh", "dp=2,fsdp=2,tp=2", "--batch-size", "8", "--seq-len", "32",

@@ -32,9 +32,9 @@ def test_parse_steps_rejects(text):
 def tiny_trace(tmp_path_factory):
     """Steps 2-3 of the tiny model's real train step on dp=2,fsdp=2,tp=2, dispatched as the
     loop does (asynchronously; step 4's entry stops the trace): (records, trace path)."""
-    from jdist.train.config import TrainConfig
+    from jdist.config import TrainConfig
+    from jdist.step.state import init_state
     from jdist.train.loop import compile_step, prepare
-    from jdist.train.state import init_state
 
     run_dir = tmp_path_factory.mktemp("run")
     config = TrainConfig.of(model="tiny", mesh="dp=2,fsdp=2,tp=2", steps=4, batch_size=8,

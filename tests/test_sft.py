@@ -193,7 +193,7 @@ def test_too_few_rows_says_how_many_records(tmp_path, tok):
 
 
 def sft_config(**flags):
-    from jdist.train.config import TrainConfig
+    from jdist.config import TrainConfig
 
     return TrainConfig.of(**{"model": "tiny", "mesh": "dp=1", "vocab_size": 384, "seq_len": 64,
                              "batch_size": 4, "data_format": "sft", **flags})

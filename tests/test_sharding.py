@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 from jdist.mesh import build_mesh
 from jdist.rules import DEFAULT_RULES
 from jdist.sharding import per_device_bytes
-from jdist.train import init_state, make_optimizer, make_plan
+from jdist.step import init_state, make_optimizer, make_plan
 from models import get_preset
 
 

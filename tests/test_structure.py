@@ -11,7 +11,7 @@ PACKAGES = ("jdist", "models")
 
 def test_models_import_nothing_from_the_parallel_or_training_code():
     code = ("import sys, models; print(sorted(m for m in sys.modules "
-            "if m.startswith(('jdist.parallel', 'jdist.train'))))")
+            "if m.startswith(('jdist.parallel', 'jdist.train', 'jdist.step'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT, timeout=120).stdout.strip()
     assert out == "[]", out
@@ -67,3 +67,18 @@ def test_no_import_cycles():
         if node not in state:
             visit(node, [node])
     assert not cycles, cycles
+
+
+def test_parameter_tree_names_are_the_models():
+    """`models.names` spells the top-level parameter names everyone imports; they must be
+    the attributes `models.Llama` actually has (tied: no head)."""
+    from flax import nnx
+
+    from models import Llama, get_preset
+    from models.names import BLOCKS, EMBED, FINAL_NORM, HEAD
+
+    for tied in (False, True):
+        cfg = get_preset("tiny", tie_embeddings=tied)
+        state = nnx.state(nnx.eval_shape(lambda c=cfg: Llama(c, rngs=nnx.Rngs(0))))
+        expected = {EMBED, BLOCKS, FINAL_NORM} | (set() if tied else {HEAD})
+        assert set(nnx.to_pure_dict(state)) == expected

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jdist.train.config import TrainConfig
+from jdist.config import TrainConfig
 from jdist.train.loop import train
 from jdist.train.throughput import flops_per_token, peak_tflops, utilisation
 from models import get_preset

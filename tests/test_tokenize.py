@@ -165,7 +165,7 @@ def test_training_takes_the_dtype_from_the_sidecar(tmp_path):
 
 
 def test_prepare_refuses_a_tokenizer_larger_than_the_model(tok_dir):
-    from jdist.train.config import TrainConfig
+    from jdist.config import TrainConfig
     from jdist.train.setup import prepare
 
     with pytest.raises(ConfigError, match="has 300 tokens .* pass --vocab-size 300 or larger"):

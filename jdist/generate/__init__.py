@@ -34,6 +34,7 @@ from jdist.parallel import embedding
 from jdist.rules import DEFAULT_RULES, Rules, constrainer, mesh_axes_of, resolve
 from models import Llama, ModelConfig
 from models.context import ModelContext
+from models.names import EMBED
 
 __all__ = ["KVCache", "Sampling", "cache_bytes", "forward", "generate", "init_cache",
            "left_pad", "stream"]
@@ -90,8 +91,8 @@ def compiled_step(cfg: ModelConfig, mesh, rules: Rules, dtype, sampling: Samplin
     vocab_axes = mesh_axes_of(resolve((ax.VOCAB, ax.EMBED), rules, mesh)[0])
 
     def step(params, cache, tokens, key, i):
-        table = embedding.Table(mesh, params["embed"].shape, vocab_axes)
-        lookup = lambda t: table.take(params["embed"], t).astype(dtype)
+        table = embedding.Table(mesh, params[EMBED].shape, vocab_axes)
+        lookup = lambda t: table.take(params[EMBED], t).astype(dtype)
         model = nnx.merge(graphdef, params)
         logits, cache = forward(model, tokens, cache,
                                 dataclasses.replace(ctx, embed_lookup=lookup))

@@ -126,8 +126,8 @@ def run(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         args = make_parser().parse_args(argv)
+        from jdist.distributed import configure_devices
         from jdist.mesh import parse_mesh
-        from jdist.train.__main__ import configure_devices
 
         spec = parse_mesh(args.mesh)
         extra = [a for a, s in spec.sizes.items() if a not in SUPPORTED_AXES and s != 1]

@@ -10,7 +10,6 @@ computes what its prompt computes alone.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -20,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from jdist import axes as ax
 from jdist.errors import require
-from jdist.rules import DEFAULT_RULES, Rules, mesh_axes_of, resolve
+from jdist.rules import DEFAULT_RULES, Rules, batch_split, resolve
 from jdist.sharding import check_divisible
 from models import ModelConfig
 from models.llama import KV_CACHE
@@ -60,8 +59,7 @@ def init_cache(cfg: ModelConfig, start: np.ndarray, max_len: int, dtype, mesh,
     """An empty cache for rows whose first real slots are `start` [batch], allocated directly
     in its shardings (no device holds more than its shard)."""
     shape = cache_shape(cfg, len(start), max_len)
-    batch_axes = mesh_axes_of(resolve((ax.BATCH,), rules, mesh)[0])
-    ways = math.prod(mesh.shape[a] for a in batch_axes)
+    batch_axes, ways = batch_split(mesh.shape, rules)
     require(len(start) % ways == 0,
             f"{len(start)} prompts cannot be split over {'x'.join(batch_axes)}={ways} devices; "
             f"give a multiple of {ways} prompts or drop those axes from --mesh")

@@ -15,8 +15,8 @@ from jdist import checkpoint as ckpt
 from jdist.config.groups import MemoryFlags
 from jdist.errors import ConfigError, require
 from jdist.rules import DEFAULT_RULES, Rules
-from jdist.train.layer_order import CHECKPOINT_KEY, permute
-from jdist.train.state import Plan, make_plan
+from jdist.step.layer_order import CHECKPOINT_KEY, permute
+from jdist.step.state import Plan, make_plan
 from models import ModelConfig
 from models.config import config_from_dict
 

@@ -22,6 +22,7 @@ from jdist.hf import layout
 from jdist.hf.config import CONFIG, hf_config
 from jdist.hf.load import INDEX
 from models.config import ModelConfig
+from models.names import BLOCKS, HEAD
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30  # as transformers' save_pretrained
@@ -30,14 +31,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def leaf_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
     """The parameters of `cfg` in the order they are written."""
-    skip = {("head",)} if cfg.tie_embeddings else set()
+    skip = {(HEAD,)} if cfg.tie_embeddings else set()
     return [p for p in layout.TENSORS if p not in skip]
 
 
 def hf_tensors(path: tuple[str, ...], value: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, HF array) of one jdist parameter in model layer order."""
     _, kind = layout.TENSORS[path]
-    if path[0] != "blocks":
+    if path[0] != BLOCKS:
         yield layout.hf_name(path), layout.write(kind, value)
         return
     for i, layer in enumerate(value):

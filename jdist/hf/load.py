@@ -21,7 +21,8 @@ from jdist import nf4
 from jdist.errors import require
 from jdist.hf import layout
 from jdist.hf.config import model_config
-from jdist.train.layer_order import BLOCKS, order_of
+from jdist.step.layer_order import order_of
+from models.names import BLOCKS
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -113,7 +114,7 @@ def _quantized_leaf(source: Source, path: tuple[str, ...], stack: nf4.Nf4,
                     sharding: nf4.Nf4, order, double_quant: bool) -> nf4.Nf4:
     """An NF4-stored stack of weights (QLoRA), quantized on the devices one layer at a time:
     each device reads and holds only its shard of one float32 layer (blocks never straddle
-    shards: `jdist.train.state.check_quantizable`), written in place into the stack."""
+    shards: `jdist.step.state.check_quantizable`), written in place into the stack."""
     codes = stack.codes
     shape = (*codes.shape[1:-1], codes.shape[-1] * 2)
     mesh, spec = sharding.codes.mesh, sharding.codes.spec
@@ -137,8 +138,8 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None, seed: in
     `plan.shardings.params` (in the plan's stored layer order), in their storage dtypes
     (NF4 where the plan quantizes the base). LoRA adapters, which a Hugging Face model does
     not have, are initialised from `seed`."""
-    from jdist.train.state import init_adapters
-    from jdist.train.trainable import quantized
+    from jdist.step.state import init_adapters
+    from jdist.step.trainable import quantized
 
     cfg = model_config(hf_dir)
     require(cfg == dataclasses.replace(plan.model, lora=None),

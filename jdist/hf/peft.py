@@ -30,10 +30,10 @@ from jdist.hf import layout
 from jdist.hf.export import staged
 from models.config import ModelConfig
 from models.lora import SUFFIX, TARGETS, LoraConfig
+from models.names import BLOCKS
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> LlamaForCausalLM
-BLOCKS = "blocks"
 # jdist target -> the HF module it adapts (the last part of its name).
 MODULES = {t: layout.hf_name((BLOCKS, *TARGETS[t]), 0).split(".")[-2] for t in TARGETS}
 # Fields of the LoRA variants jdist's adapters cannot represent, with their plain values

@@ -27,7 +27,7 @@ from jdist.loss import CHUNKED
 from jdist.parallel.blockwise import KEY_TILE, Q_TILE
 from jdist.parallel.vocab import chunk_size
 from jdist.sharding import per_device_bytes
-from jdist.train import trainable
+from jdist.step import trainable
 
 COMPONENTS = ("params", "grads", "optimizer", "activations")
 
@@ -85,7 +85,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
             # (small pp=2,sp=4 1f1b, jax 0.10.2: one stage's gradients; interleaved holds
             # one such copy in all, not two)
             accumulator = _grad_bytes(plan, blocks_only=True)
-    elif plan.grad_accum > 1:  # jdist.train.grads.step_grads: the scan's float32
+    elif plan.grad_accum > 1:  # jdist.step.grads.step_grads: the scan's float32
         accumulator = _grad_bytes(plan)  # accumulator beside each micro-batch's gradient
     a = _activations(plan, micro_batch, seq_len, compute_bytes)
     # What each layer's checkpoint keeps (jdist.remat), stacked over the layer scan by the
@@ -124,7 +124,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
 def _grad_bytes(plan, blocks_only: bool = False) -> int:
     """Per device, the float32 gradients of the trained parameters (of the stacked blocks
     only) in their gradient layout."""
-    from jdist.train.layer_order import BLOCKS
+    from models.names import BLOCKS
 
     grads = trainable.select(plan.model, plan.abstract.params)
     shardings = plan.grad_shardings
@@ -160,11 +160,11 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
 
     from jdist import axes as ax
     from jdist.parallel.context import RING, ULYSSES
-    from jdist.rules import mesh_axes_of, resolve
+    from jdist.rules import batch_split, mesh_axes_of, resolve
 
     m, cfg = plan.mesh.shape, plan.model
     tp, cp = m[ax.TENSOR], m[ax.SEQUENCE]
-    b = max(1, micro_batch // (m[ax.DATA] * m[ax.FSDP] * m[ax.EXPERT]))  # batch's axes
+    b = max(1, micro_batch // batch_split(m, plan.rules)[1])
     s = seq_len // cp
     # The residual stream as the rules lay it out: its length split over `sequence`
     # (context parallel) and, under Megatron SP, `tensor` too.
@@ -210,7 +210,7 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
 
 
 def _attention(plan, seq_len: int) -> str:
-    from jdist.train.context import attention_of
+    from jdist.step.context import attention_of
     return attention_of(plan, seq_len)
 
 
@@ -255,7 +255,7 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     backward produces it: the largest counts), and the shared parameters the step gathers
     whole (none with an untied table and the chunked loss) with their full float32
     gradients."""
-    from jdist.train.layer_order import BLOCKS, EMBED, HEAD
+    from models.names import BLOCKS, EMBED, HEAD
 
     params, grad = _gathered_layer(plan, compute_bytes)
     # An untied table is looked up where it lies (jdist.parallel.embedding), never gathered;
@@ -277,7 +277,7 @@ def _table_scatter(plan) -> int:
     A tied table's sits beside the loss's gradient of the same weight (that one counted in
     the gradients); an untied one's is its gradient, bigger only where ZeRO-2 reduces it
     to a smaller block."""
-    from jdist.train.layer_order import EMBED
+    from models.names import EMBED
 
     if trainable.select(plan.model, plan.abstract.params).get(EMBED) is None:
         return 0  # frozen: no gradient
@@ -332,7 +332,7 @@ def _layer_parts(plan, compute_bytes: int):
     import jax
 
     from jdist import nf4
-    from jdist.train.layer_order import BLOCKS
+    from models.names import BLOCKS
 
     blocks, shardings = plan.abstract.params[BLOCKS], plan.shardings.params[BLOCKS]
     is_nf4 = lambda x: isinstance(x, nf4.Nf4)
@@ -367,8 +367,8 @@ def compile_step(plan, batch_size: int, seq_len: int, breakdown: list | None = N
     import jax
     import jax.numpy as jnp
 
+    from jdist.step.build import make_train_step
     from jdist.target import compiler_options
-    from jdist.train.step import make_train_step
 
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     step = make_train_step(plan)
@@ -390,8 +390,8 @@ def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
     import jax
     import jax.numpy as jnp
 
+    from jdist.step.build import gradients
     from jdist.target import compiler_options
-    from jdist.train.step import gradients
 
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}

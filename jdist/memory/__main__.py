@@ -13,10 +13,10 @@ from jdist.memory import compile_step, gib, measure, peak, predict, table
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jdist.config import make_parser
+    from jdist.distributed import configure_devices
     from jdist.errors import ConfigError, require
     from jdist.target import prepare_target
-    from jdist.train.__main__ import configure_devices
-    from jdist.train.config import make_parser
 
     parser = make_parser("python -m jdist.memory",
                          "Per-device memory plan of a training configuration.")
@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
         do_measure, as_json = args.pop("measure"), args.pop("json")
         want_breakdown = args.pop("peak_breakdown")
+        from jdist.config import TrainConfig
         from jdist.mesh import parse_mesh
-        from jdist.train.config import TrainConfig
 
         config = TrainConfig.of(**args)
         target = config.devices.target

@@ -34,7 +34,7 @@ from jdist.errors import require
 from jdist.remat import GATHERED
 from jdist.rules import as_candidate, mesh_axes_of
 
-# `check_vma` of the replica shard_map (jdist.train.grads, jdist.train.pipelined). Off, for
+# `check_vma` of the replica shard_map (jdist.step.grads, jdist.step.pipelined). Off, for
 # a jax limitation (0.10.2): with it on, autodiff's partial evaluation of a kernel shard_map
 # nested inside (ring/ulysses/all-gather attention) gives the kernel's residuals out_specs
 # that list the outer manual axes before its own, and Shardy rejects the program ("manual

@@ -3,8 +3,8 @@
 A static schedule table (`jdist.parallel.schedule`) is executed tick by tick inside the
 step's shard_map by `jdist.parallel.stage_program`; the training side that hands it a chunk
 function (embedding on the first chunk, the loss on the last, the per-layer gradient
-reductions) is `jdist.train.pipelined`. With V virtual stages (interleaved) the stack is
-*stored* permuted (`jdist.train.layer_order`) so that stage s's shard is chunks s, s+P, ...
+reductions) is `jdist.step.pipelined`. With V virtual stages (interleaved) the stack is
+*stored* permuted (`jdist.step.layer_order`) so that stage s's shard is chunks s, s+P, ...
 A backward recomputes its chunk from the stashed chunk input (`jax.vjp` per micro-batch, as
 GPipe does), so a stage holds only the inputs of its in-flight micro-batches: all M of them
 under gpipe, about P under 1f1b. Evaluation runs the forwards of the same schedule.
@@ -17,6 +17,7 @@ import dataclasses
 from jdist import axes as ax
 from jdist.errors import require
 from jdist.parallel import schedule as sched
+from jdist.rules import DEFAULT_RULES, Rules, batch_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,20 +32,21 @@ class PipelineConfig:
 
 
 def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
-                   grad_accum: int = 1) -> None:
+                   grad_accum: int = 1, rules: Rules = DEFAULT_RULES) -> None:
     """User errors of a pipelined run, one line each, before anything compiles."""
     stages = mesh.shape[ax.STAGE]
     micro = config.microbatches or stages
     sched.check(config.schedule, stages, micro, config.virtual, model.n_layers)
     require(grad_accum == 1, f"--grad-accum {grad_accum} with pp={stages}: the pipeline "
                              "already accumulates over --microbatches; use that instead")
-    ways = mesh.shape[ax.DATA] * mesh.shape[ax.FSDP] * mesh.shape[ax.EXPERT]
+    axes, ways = batch_split(mesh.shape, rules)
     require(batch_size % (ways * micro) == 0,
             f"--batch-size {batch_size} cannot be split into {micro} micro-batches on each of "
-            f"data x fsdp x expert = {ways} batch shards; use a multiple of {ways * micro}")
+            f"{'x'.join(axes) or 'one device'} = {ways} batch shards; use a multiple of "
+            f"{ways * micro}")
 
 
-def pipeline_for(flags, model, mesh) -> PipelineConfig | None:
+def pipeline_for(flags, model, mesh, rules: Rules = DEFAULT_RULES) -> PipelineConfig | None:
     """The pipeline a run's flags ask for (`--microbatches`, `--pp-schedule`,
     `--pp-virtual-stages`), checked; None when the mesh has one stage."""
     parallel = flags.parallel
@@ -55,7 +57,8 @@ def pipeline_for(flags, model, mesh) -> PipelineConfig | None:
                 "--microbatches, --pp-virtual-stages and --pp-show-schedule pipeline the "
                 "model over stages; add pp=P to --mesh")
         return None
-    check_pipeline(config, model, mesh, flags.data.batch_size, flags.memory.grad_accum)
+    check_pipeline(config, model, mesh, flags.data.batch_size, flags.memory.grad_accum,
+                   rules)
     return config
 
 

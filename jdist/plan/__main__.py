@@ -51,7 +51,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def base_config(args):
     """The TrainConfig every layout shares: model, batch, sequence, dtype, fine-tuning."""
-    from jdist.train.config import TrainConfig
+    from jdist.config import TrainConfig
 
     dtype = args.compute_dtype
     if dtype == "auto":
@@ -105,7 +105,7 @@ def simulate_devices(n: int) -> None:
     the caller configured a count already (the tests' processes keep their 8)."""
     import jax
 
-    from jdist.train.__main__ import configure_devices
+    from jdist.distributed import configure_devices
     if jax.config.jax_num_cpu_devices == -1:
         configure_devices(n)
 

@@ -130,11 +130,11 @@ def measure_step(n_devices: int, batch_size: int = 8, seq_len: int = 256,
     import jax
     import jax.numpy as jnp
 
+    from jdist.config import TrainConfig
     from jdist.memory import compile_step
     from jdist.plan.cost import executed_flops
-    from jdist.train import init_state
-    from jdist.train.config import TrainConfig
-    from jdist.train.context import attention_of
+    from jdist.step import init_state
+    from jdist.step.context import attention_of
     from jdist.train.setup import plan_for
 
     config = TrainConfig.of(model="small", mesh=f"dp={n_devices}", batch_size=batch_size,
@@ -501,23 +501,14 @@ def main(argv: list[str] | None = None) -> int:
         from jdist.plan.profiles import calibration_path
 
         require(args.devices >= 2, f"--devices {args.devices}: collectives need at least 2")
+        from jdist.distributed import configure_devices
+
         configure_devices(args.devices)
         result = calibrate(args.devices)
         path = write_calibration(result, args.out or calibration_path())
         print(summary(result, path))
         return 0
     return run_cli(body)
-
-
-def configure_devices(n: int) -> None:
-    """Simulate `n` CPU devices; must run before jax initialises its backends (a process
-    that already did keeps what it has, and `calibrate` checks the count)."""
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass
 
 
 if __name__ == "__main__":

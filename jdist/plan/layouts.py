@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from jdist import axes as ax
 from jdist.parallel import schedule as sched
+from jdist.rules import batch_split
 
 ALIASES = {ax.DATA: "dp", ax.STAGE: "pp", ax.FSDP: "fsdp", ax.SEQUENCE: "sp", ax.EXPERT: "ep",
            ax.TENSOR: "tp"}
@@ -141,7 +142,7 @@ def mesh_variants(shape: dict[str, int], batch_size: int, n_layers: int) -> Iter
     """Every layout on one mesh shape with remat none, attention auto and no accumulation:
     the search varies those on each one's plan (`jdist.plan.search`)."""
     sizes = tuple((a, shape[a]) for a in ax.MESH_AXES)
-    replicas = shape[ax.DATA] * shape[ax.FSDP] * shape[ax.EXPERT]
+    replicas = batch_split(shape)[1]
     if batch_size % replicas:
         return
     zeros = (0, 1, 2) if shape[ax.DATA] > 1 else (0,)

@@ -20,6 +20,7 @@ from jdist.mesh import dcn_sizes
 from jdist.plan import cost
 from jdist.plan.layouts import REMATS, Layout, divisors, mesh_variants, meshes
 from jdist.plan.traffic import step_traffic
+from jdist.rules import batch_split
 
 # A layout fits when its predicted total is within this share of what a process may allocate
 # on a device: the rest is left to the allocator's fragmentation and the runtime's buffers.
@@ -49,7 +50,7 @@ def state_lower_bound(model, shape: dict[str, int], zero: int) -> float:
 def attentions(plan, seq_len: int) -> list[str]:
     """`auto`, and the kernel it does not pick here (dense `xla` or blockwise `flash`) when
     the trainer accepts it for this layout."""
-    from jdist.train.context import attention_of
+    from jdist.step.context import attention_of
 
     other = "xla" if attention_of(plan, seq_len) != "xla" else "flash"
     try:
@@ -138,7 +139,7 @@ def _best_variant(base, layout: Layout, plan, state, profile, dcn_axes, budget: 
                   result: Result) -> cost.Estimate | None:
     """The fastest fitting (remat, attention, accumulation) of one planned layout."""
     shape = layout.shape
-    replicas = shape[ax.DATA] * shape[ax.FSDP] * shape[ax.EXPERT]
+    replicas = batch_split(shape, plan.rules)[1]
     best = None
     for remat in REMATS:
         for attention in attentions(plan, base.data.seq_len):
@@ -161,7 +162,7 @@ def _best_variant(base, layout: Layout, plan, state, profile, dcn_axes, budget: 
 
 def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base,
               exposure: dict | None = None) -> cost.Estimate:
-    from jdist.train.context import attention_of
+    from jdist.step.context import attention_of
 
     offload = 0
     if layout.offload:

@@ -7,30 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from jdist.errors import require, run_cli
-
-
-def configure_devices(n_local: int) -> None:
-    """Simulate `n_local` CPU devices. Only the CPU platform reads this, so it is harmless
-    on accelerators (whose devices are counted as they are, see `check_process_split`); it
-    must happen before JAX initialises its backends."""
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", n_local)
-    except RuntimeError:  # backends already up (e.g. called from a test): keep what exists
-        pass
-
-
-def check_process_split(cpu_devices: int, n_proc: int) -> None:
-    """Every process must hold the same number of devices: on CPU, of the `cpu_devices`
-    simulated in all (each process was given its share by `configure_devices`); on
-    accelerators, of the devices that exist. Call once the process group is joined."""
-    import jax
-
-    n = cpu_devices if jax.default_backend() == "cpu" else jax.device_count()
-    require(n % n_proc == 0, f"{n} devices cannot be split evenly over {n_proc} processes; "
-            "change the mesh or the process count")
+from jdist.errors import run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,9 +36,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_from_flags(argv: list[str] | None) -> None:
     """Parse the flags, size the simulated CPU platform, join the process group, train."""
-    from jdist.distributed import initialize, process_settings
+    from jdist.config import parse_args
+    from jdist.distributed import (
+        check_process_split,
+        configure_devices,
+        initialize,
+        process_settings,
+    )
     from jdist.mesh import parse_mesh
-    from jdist.train.config import parse_args
 
     config = parse_args(argv)
     spec = parse_mesh(config.parallel.mesh)

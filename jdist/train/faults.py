@@ -86,7 +86,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 def advance(state, plan):
     """Skip a batch on the host (after a rollback): count the step, change nothing else. Like
     a step under `skip_nonfinite`, the optimizer's own count (so the learning-rate schedule,
-    see `jdist.train.optim.updates_applied`) does not advance."""
+    see `jdist.step.optim.updates_applied`) does not advance."""
     bump = jax.jit(lambda s: s + 1, out_shardings=plan.shardings.step)
     return state._replace(step=bump(state.step))
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from jdist import data
 from jdist.distributed import is_main_process
 from jdist.parallel.pipeline import show_schedule
+from jdist.step.build import make_eval_step, make_train_step
+from jdist.step.state import TrainState
 from jdist.train import fit, report, resume
 from jdist.train.goodput import Goodput
 from jdist.train.run import Run
 from jdist.train.setup import Setup, plan_for, prepare
-from jdist.train.state import TrainState
-from jdist.train.step import make_eval_step, make_train_step
 from jdist.train.tensorboard import TensorBoardLog
 
 

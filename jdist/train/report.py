@@ -13,8 +13,8 @@ import jax
 
 from jdist import sharding as sh
 from jdist.mesh import describe
-from jdist.train.context import attention_of
-from jdist.train.state import Plan
+from jdist.step.context import attention_of
+from jdist.step.state import Plan
 from jdist.train.throughput import flops_per_token, peak_tflops, utilisation
 
 

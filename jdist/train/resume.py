@@ -12,9 +12,9 @@ import jax
 from jdist import checkpoint as ckpt
 from jdist.config import result_flags
 from jdist.errors import require
-from jdist.train import trainable
-from jdist.train.layer_order import CHECKPOINT_KEY, restore_order
-from jdist.train.state import Plan, TrainState, init_state, state_from_params
+from jdist.step import trainable
+from jdist.step.layer_order import CHECKPOINT_KEY, restore_order
+from jdist.step.state import Plan, TrainState, init_state, state_from_params
 
 # Flags that decide *what* is computed (their fields' "result" metadata). A resumed run must
 # keep them; everything else (mesh, ZeRO stage, process count, remat, ...) only decides *how*
@@ -42,7 +42,7 @@ def run_meta(config, model, mesh, step: int, data_fingerprint: str = "",
              layer_order=None) -> dict:
     """Saved with every checkpoint. Batches are a pure function of (seed, step), so the data
     position is the step and the only RNG state is the seed. `layer_order` is how the
-    stacked blocks are stored (`jdist.train.layer_order`)."""
+    stacked blocks are stored (`jdist.step.layer_order`)."""
     order = list(range(model.n_layers)) if layer_order is None else \
         [int(i) for i in layer_order]
     return {CHECKPOINT_KEY: order, "step": step, "data_position": step,

@@ -16,12 +16,12 @@ import jax
 
 from jdist import checkpoint as ckpt
 from jdist import data, profile
+from jdist.step.layer_order import order_of
+from jdist.step.state import TrainState
 from jdist.train import faults, goodput, health, resume, straggler
 from jdist.train.goodput import Goodput
-from jdist.train.layer_order import order_of
 from jdist.train.report import StepRecords
 from jdist.train.setup import Setup
-from jdist.train.state import TrainState
 
 PASSED_OVER = {"loss": float("nan"), "grad_norm": float("nan")}
 

@@ -4,7 +4,6 @@ rules, optimizer and layout planned, the data loaded. Nothing here compiles."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -15,23 +14,23 @@ from jdist.config import TrainConfig
 from jdist.config.groups import compute_dtype_name
 from jdist.data import sft
 from jdist.data.tokenizer import load_tokenizer
+from jdist.distributed import mesh_devices
 from jdist.errors import require
-from jdist.mesh import MeshSpec, build_mesh, parse_mesh
+from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel.context import check_context_parallel
 from jdist.parallel.pipeline import pipeline_for
 from jdist.rules import (
     DEFAULT_RULES,
     Rules,
+    batch_split,
     load_rules,
-    mesh_axes_of,
-    resolve,
     with_sequence_parallel,
 )
 from jdist.sharding import check_divisible, check_model_fits
+from jdist.step.context import attention_of
+from jdist.step.optim import make_optimizer
+from jdist.step.state import Plan, make_plan, with_pipeline
 from jdist.train import faults
-from jdist.train.context import attention_of
-from jdist.train.optim import make_optimizer
-from jdist.train.state import Plan, make_plan, with_pipeline
 from models import ModelConfig, get_preset
 from models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
 
@@ -61,21 +60,6 @@ class Setup:
                                  self.plan.batch_sharding, stream)
 
 
-def mesh_devices(spec: MeshSpec, cpu_fill: int, target: str = "", hosts: int = 1) -> list:
-    """The devices a mesh runs on: a deviceless GPU `target`'s (`jdist.target`; a -1 axis
-    fills its hosts' 8 devices each), else jax's. Simulated CPU devices beyond what the mesh
-    needs are left idle."""
-    if target:
-        from jdist import target as gpu_target
-
-        require(hosts >= 1, f"--hosts {hosts} must be at least 1")
-        return list(gpu_target.devices(target, spec.n_devices(8 * hosts), hosts))
-    devices = jax.devices()
-    if devices[0].platform == "cpu" and jax.process_count() == 1:
-        return devices[: min(len(devices), spec.n_devices(cpu_fill))]
-    return devices
-
-
 def compute_dtype_of(config: TrainConfig):
     """`--compute-dtype`, with `auto` resolved (`jdist.config.groups.compute_dtype_name`)."""
     return DTYPES[compute_dtype_name(config.memory, config.finetune)]
@@ -88,8 +72,7 @@ def rules_for(config: TrainConfig) -> Rules:
 
 def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
     """Each micro-batch must still split evenly over the batch-sharding axes."""
-    batch_axes = mesh_axes_of(resolve((ax.BATCH,), rules, mesh)[0])
-    ways = math.prod(mesh.shape[a] for a in batch_axes)
+    batch_axes, ways = batch_split(mesh.shape, rules)
     accum, batch_size = config.memory.grad_accum, config.data.batch_size
     require(batch_size % (accum * ways) == 0,
             f"--batch-size {batch_size} cannot be split into {accum} micro-batches over "
@@ -160,7 +143,7 @@ def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
     parallelism planner varies these on one plan.)"""
     check_context_parallel(plan.model.n_heads, config.data.seq_len, plan.mesh, plan.rules,
                            config.parallel.cp_strategy)
-    pipeline = pipeline_for(config, plan.model, plan.mesh)
+    pipeline = pipeline_for(config, plan.model, plan.mesh, plan.rules)
     plan = dataclasses.replace(plan, cp_strategy=config.parallel.cp_strategy,
                                remat=config.memory.remat, grad_accum=config.memory.grad_accum,
                                attention=config.memory.attention)

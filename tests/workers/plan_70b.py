@@ -16,8 +16,8 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 64)
 
+from jdist.config import parse_args  # noqa: E402
 from jdist.plan.__main__ import main as plan  # noqa: E402
-from jdist.train.config import parse_args  # noqa: E402
 from jdist.train.fit import check_fits, plan_breakdown  # noqa: E402
 from jdist.train.setup import plan_for  # noqa: E402
 

@@ -17,7 +17,7 @@ Two kinds of knowledge, kept apart:
   the context-parallel kernels (`ring_attention`, `all_gather_attention`,
   `ulysses_attention`), the MoE dispatch (`jdist.parallel.moe`), the loss's psums, the
   pipeline's per-tick permutes and end-of-step sums (`jdist.parallel.stage_program`,
-  `jdist.train.pipelined`).
+  `jdist.step.pipelined`).
 - `partitioner.py`: what compiling adds, fitted to jax 0.10.2 on CPU by compiling steps
   and reading `jdist.comm.report`: GSPMD's Megatron tensor-parallel all-reduces, sequence
   parallelism's all-gathers, whole weights gathered over automatic axes before a manual
@@ -76,7 +76,7 @@ def group_size(plan, axes: Iterable[str]) -> int:
 
 
 def step_traffic(plan, batch_size: int, seq_len: int) -> list[Row]:
-    """Collectives of one training step of `plan` (a jdist.train.state.Plan, as
+    """Collectives of one training step of `plan` (a jdist.step.state.Plan, as
     jdist.train.setup.plan_for builds it; pipelined plans have plan.pipeline set) on a global
     batch of batch_size x seq_len tokens: one Row(kind, axes, count, bytes) per collective
     kind and tuple of mesh axes (mesh order, as jdist.comm.axes_of names them), bytes per

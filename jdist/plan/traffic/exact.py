@@ -1,8 +1,8 @@
 """The collectives jdist's own code writes, derived from it: `jdist.parallel.grad_sync`'s
 per-layer parameter gathers and gradient reductions, the embedding lookup
 (`jdist.parallel.embedding`), the chunked loss (`jdist.parallel.vocab`), the loss's
-psums (`jdist.loss`, `jdist.train.grads`), and the pipeline's permutes and stage sums
-(`jdist.parallel.stage_program`, `jdist.train.pipelined`). The context-parallel and MoE
+psums (`jdist.loss`, `jdist.step.grads`), and the pipeline's permutes and stage sums
+(`jdist.parallel.stage_program`, `jdist.step.pipelined`). The context-parallel and MoE
 kernels' are in `kernels.py`.
 
 Where automatic axes also split an operand, the partitioner changes what a collective
@@ -21,10 +21,7 @@ from jdist.plan.traffic.layout import (
     A2A,
     AG,
     AR,
-    BLOCKS,
-    EMBED,
     F32,
-    FINAL_NORM,
     PERMUTE,
     PIPE_MANUAL,
     RS,
@@ -38,8 +35,9 @@ from jdist.plan.traffic.layout import (
     vocab_axes,
 )
 from jdist.rules import mesh_axes_of, resolve
-from jdist.train.context import inner_rules
-from jdist.train.grads import MANUAL
+from jdist.step.context import inner_rules
+from jdist.step.grads import MANUAL
+from models.names import BLOCKS, EMBED, FINAL_NORM
 
 # ---------------------------------------------------------------------------------------
 # Parameters: gathered just in time, gradients reduced as produced (grad_sync)
@@ -159,7 +157,7 @@ def embedding_backward(st: Step, defer: bool) -> list[Collective]:
 
 @dataclasses.dataclass(frozen=True)
 class LossShape:
-    """How jdist.train.context.token_losses runs vocab_parallel_cross_entropy."""
+    """How jdist.step.context.token_losses runs vocab_parallel_cross_entropy."""
 
     leaf: Leaf               # the head, or the tied table
     vocab: tuple[str, ...]   # axes the vocabulary is split over in the kernel
@@ -248,7 +246,7 @@ def balance_totals(st: Step) -> list[Collective]:
 
 def loss_scalars(st: Step, manual: tuple[str, ...]) -> list[Collective]:
     """The counted targets (int32) summed over the replica axes, and the loss terms over
-    the step's manual axes (`jdist.train.grads`, `jdist.train.pipelined`)."""
+    the step's manual axes (`jdist.step.grads`, `jdist.step.pipelined`)."""
     mesh = st.plan.mesh
     return [Collective(AR, mesh_axes(MANUAL, mesh), 1, 1, S32, "loss: token count"),
             Collective(AR, mesh_axes(manual, mesh), 1, len(objective.term_names(st.model)), F32,

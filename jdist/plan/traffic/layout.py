@@ -16,18 +16,17 @@ from jdist import sharding as sh
 from jdist.hlo import COLLECTIVES
 from jdist.parallel.grad_sync import Sync
 from jdist.rules import mesh_axes_of, resolve
-from jdist.train import trainable
-from jdist.train.context import context_parallel_of, inner_rules
-from jdist.train.grads import MANUAL, syncs
-from jdist.train.layer_order import BLOCKS, EMBED, HEAD
+from jdist.step import trainable
+from jdist.step.context import context_parallel_of, inner_rules
+from jdist.step.grads import MANUAL, syncs
 from jdist.zero import zero_dim
+from models.names import BLOCKS, EMBED, HEAD
 
 AR, AG, RS, PERMUTE, A2A = COLLECTIVES
 F32, S32 = "f32", "s32"
 ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u8": 1, "s8": 1}
 HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "uint8": "u8", "int8": "s8",
              "int32": "s32"}
-FINAL_NORM = "final_norm"
 PIPE_MANUAL = (ax.STAGE, *MANUAL)
 
 

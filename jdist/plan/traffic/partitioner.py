@@ -20,7 +20,6 @@ from jdist.parallel.context import RING
 from jdist.plan.traffic.layout import (
     AG,
     AR,
-    EMBED,
     F32,
     S32,
     Collective,
@@ -29,6 +28,7 @@ from jdist.plan.traffic.layout import (
     embed_split,
     vocab_axes,
 )
+from models.names import EMBED
 
 # ---------------------------------------------------------------------------------------
 # GSPMD inside the layers

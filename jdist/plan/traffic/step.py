@@ -1,6 +1,6 @@
 """The whole step: jdist's own collectives (`exact.py`, `kernels.py`) and what the compile
 adds (`partitioner.py`), counted as often as the training step runs them, plain
-(`jdist.train.grads`) or pipelined (`jdist.train.pipelined`)."""
+(`jdist.step.grads`) or pipelined (`jdist.step.pipelined`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from jdist.plan.traffic.kernels import (
     moe_backward,
     moe_forward,
 )
-from jdist.plan.traffic.layout import FINAL_NORM, PIPE_MANUAL, Collective, Leaf, Step, step_of
-from jdist.train.grads import MANUAL
+from jdist.plan.traffic.layout import PIPE_MANUAL, Collective, Leaf, Step, step_of
+from jdist.step.grads import MANUAL
+from models.names import FINAL_NORM
 
 
 def collectives(plan, batch_size: int, seq_len: int, executed: bool = True) -> list[Collective]:
@@ -56,7 +57,7 @@ def layer_backward(st: Step, defer: bool, merged: Callable[[Leaf], bool] = lambd
 
 
 def plain_step(st: Step) -> list[Collective]:
-    """jdist.train.grads: the replica shard_map, `grad_accum` micro-batches scanned."""
+    """jdist.step.grads: the replica shard_map, `grad_accum` micro-batches scanned."""
     defer, layers = st.micro > 1, st.model.n_layers
     per_micro = [c.times(layers) for c in layer_forward(st) + layer_backward(st, defer)]
     per_micro += exact.embedding_forward(st) + exact.embedding_backward(st, defer)
@@ -92,7 +93,7 @@ def chunk_recompute(st: Step, k: int) -> list[Collective]:
 
 
 def pipelined_step(st: Step, executed: bool) -> list[Collective]:
-    """jdist.train.pipelined + stage_program: per tick a forward or backward of one chunk
+    """jdist.step.pipelined + stage_program: per tick a forward or backward of one chunk
     of k = L / (P V) layers inside a `lax.switch`, then two permutes; a backward redoes
     its chunk's forward (jax.vjp) before pulling the cotangent back. The embedding runs in
     the first chunk, the final norm and loss in the last; gradients accumulate (defer),

@@ -1,10 +1,10 @@
 """Loss and gradients of one global batch when the mesh has pipeline stages: the same
-gradient path as `jdist.train.grads` (replica shard_map, per-layer float32 gather and
+gradient path as `jdist.step.grads` (replica shard_map, per-layer float32 gather and
 reduction by `jdist.parallel.grad_sync`, one objective from `jdist.loss`), with the
 micro-batches run by the stage schedule (`jdist.parallel.stage_program`).
 
 The shard_map is manual over `stage` too. A stage holds its contiguous shard of the stored
-layer stack (its chunks; `jdist.train.layer_order`), and the embedding, final norm and
+layer stack (its chunks; `jdist.step.layer_order`), and the embedding, final norm and
 head replicated over stages: the first chunk embeds, the last computes the cross-entropy.
 Their gradients (zero on the stages that do not use them) are summed over `stage` once per
 step; block gradients never leave their stage. Under ZeRO-0/1 the micro-batches accumulate
@@ -21,9 +21,9 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program
-from jdist.train import trainable
-from jdist.train.forward import Forward, Params, chunk
-from jdist.train.grads import (
+from jdist.step import trainable
+from jdist.step.forward import Forward, Params, chunk
+from jdist.step.grads import (
     MANUAL,
     manual_specs,
     micro_batches,
@@ -33,7 +33,7 @@ from jdist.train.grads import (
     syncs,
     trained_primal,
 )
-from jdist.train.layer_order import BLOCKS
+from models.names import BLOCKS
 
 PIPE_MANUAL = (ax.STAGE, *MANUAL)
 
@@ -55,13 +55,13 @@ def _run(plan, params: dict, batch: dict, train: bool):
         if segments is not None:  # packed documents: per-row layouts, per micro-batch
             segments, positions = micro_batches((segments, positions), table.micro)
         primal = trained_primal(plan, stored, stacked_syncs) if train else stored
-        stored = jax.lax.stop_gradient(stored)  # read only (see jdist.train.grads)
+        stored = jax.lax.stop_gradient(stored)  # read only (see jdist.step.grads)
         shared = Params(primal, stored, sync).shared()
         stored_chunks = jax.tree.map(
             lambda b: b.reshape(table.virtual, -1, *b.shape[1:]), stored[BLOCKS])
 
         def chunk_fn(v, block, shared_primal, x_in, m, first, last):
-            """Chunk v of micro-batch m (`jdist.train.forward.chunk`)."""
+            """Chunk v of micro-batch m (`jdist.step.forward.chunk`)."""
             at = (lambda a: a) if segments is None else (lambda a: a[m])
             blocks = Params(block, jax.tree.map(lambda b: b[v], stored_chunks),
                             sync[BLOCKS])
@@ -92,7 +92,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
 
 def pipeline_grads(plan, params: dict, batch: dict):
     """(objective, metrics, gradients laid out as `plan.grad_shardings`), like
-    `jdist.train.grads.step_grads`, computed by the pipeline schedule."""
+    `jdist.step.grads.step_grads`, computed by the pipeline schedule."""
     terms, grads = _run(plan, params, batch, train=True)
     grads = jax.lax.with_sharding_constraint(grads, plan.grad_shardings)
     loss, metrics = objective.report(plan.model, terms)

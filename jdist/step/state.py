@@ -21,8 +21,8 @@ from jdist.errors import require
 from jdist.loss import CHUNKED
 from jdist.parallel.grad_sync import manual_part
 from jdist.rules import Rules, mesh_axes_of, resolve
-from jdist.train import trainable
-from jdist.train.layer_order import in_model_order, store
+from jdist.step import trainable
+from jdist.step.layer_order import in_model_order, store
 from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, zero_shardings
 from models import Llama, ModelConfig
 
@@ -51,7 +51,7 @@ class Plan:
     opt_device_shardings: Any = None  # optimizer state while it is being updated
     cp_strategy: str = "ring"      # attention over a sharded sequence (see jdist.parallel)
     pipeline: Any = None  # PipelineConfig when the mesh has stages (jdist.parallel.pipeline)
-    # How the step computes (jdist.train.step): matmul/activation dtype (master weights,
+    # How the step computes (jdist.step.build): matmul/activation dtype (master weights,
     # gradients and their reductions stay float32), activation checkpointing, micro-batches.
     compute_dtype: Any = jnp.float32
     remat: str = "none"
@@ -59,7 +59,7 @@ class Plan:
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
     loss: str = CHUNKED            # jdist.loss.LOSSES
     eod_id: int | None = None      # packed documents split at this id (jdist.packing)
-    quantize: str = "none"         # frozen base storage (QLoRA: "nf4"; jdist.train.trainable)
+    quantize: str = "none"         # frozen base storage (QLoRA: "nf4"; jdist.step.trainable)
     double_quant: bool = False
 
     @property
@@ -192,7 +192,7 @@ def state_from_params(plan: Plan, params: dict) -> TrainState:
 
 def init_state(plan: Plan, seed: int) -> TrainState:
     """Initialise inside `jit` with output shardings: each device computes only its shards;
-    then layers move into the plan's stored order (`jdist.train.layer_order`)."""
+    then layers move into the plan's stored order (`jdist.step.layer_order`)."""
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
         params = trainable.to_storage(plan.model, params, plan.compute_dtype, plan.quantize,

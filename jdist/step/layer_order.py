@@ -23,10 +23,8 @@ import numpy as np
 from jdist import axes as ax
 from jdist.errors import require
 from jdist.parallel.layer_shuffle import shuffle
+from models.names import BLOCKS
 
-BLOCKS = "blocks"  # the stacked-layer subtree of the parameters (models.Llama.blocks)
-EMBED = "embed"    # the token embedding table (models.Llama.embed)
-HEAD = "head"      # the untied output head (models.Llama.head)
 CHECKPOINT_KEY = "layer_order"  # in checkpoint metadata: stored position -> model layer
 
 

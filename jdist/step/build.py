@@ -1,5 +1,5 @@
 """The jitted training and evaluation steps: gradients of the objective (`jdist.loss`) by
-the one gradient path (`jdist.train.grads`, or the pipeline schedule when the mesh has
+the one gradient path (`jdist.step.grads`, or the pipeline schedule when the mesh has
 stages), then the AdamW update on the sharded state."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import optax
 
 from jdist.sharding import replicated
-from jdist.train import trainable
-from jdist.train.grads import step_eval, step_grads
-from jdist.train.optim import updates_applied
-from jdist.train.pipelined import pipeline_eval, pipeline_grads
-from jdist.train.state import Plan, TrainState
+from jdist.step import trainable
+from jdist.step.grads import step_eval, step_grads
+from jdist.step.optim import updates_applied
+from jdist.step.pipelined import pipeline_eval, pipeline_grads
+from jdist.step.state import Plan, TrainState
 
 
 class Batch(TypedDict):

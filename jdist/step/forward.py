@@ -1,7 +1,7 @@
 """The step's forward on one replica, composed once: embed -> blocks -> cross-entropy.
 
-The dense gradient path (`jdist.train.grads`) runs the whole model as one chunk that is
-both first and last; a pipeline stage (`jdist.train.pipelined`) runs its chunk of layers,
+The dense gradient path (`jdist.step.grads`) runs the whole model as one chunk that is
+both first and last; a pipeline stage (`jdist.step.pipelined`) runs its chunk of layers,
 embedding only if its chunk is the first and adding the loss only if it is the last. Both
 call `chunk`, so a change to the forward (prefetching, a new shared parameter) is made here
 once.
@@ -26,7 +26,7 @@ from jdist import loss as objective
 from jdist import packing
 from jdist.parallel import grad_sync as gs
 from jdist.parallel.context import ContextParallel
-from jdist.train.context import (
+from jdist.step.context import (
     context_parallel_of,
     embed_lookup,
     head_of,
@@ -35,7 +35,7 @@ from jdist.train.context import (
     token_losses,
     unmaterialized,
 )
-from jdist.train.layer_order import BLOCKS, EMBED
+from models.names import BLOCKS, EMBED
 
 
 class Params(NamedTuple):

@@ -2,7 +2,7 @@
 
 Everything runs inside one `jax.shard_map` that is manual over the replica axes (`data`,
 `fsdp`; `jdist.axes.REPLICA_AXES`) and leaves the others (`sequence`, `expert`, `tensor`)
-to the partitioner and to the kernels the model is handed (`jdist.train.context`). Each
+to the partitioner and to the kernels the model is handed (`jdist.step.context`). Each
 replica differentiates its own tokens with respect to its block of the *gradient layout*
 (`jdist.parallel.grad_sync`): parameters are gathered just in time per layer, and each
 layer's gradient is reduced over the replicas, in float32, as the backward produces it (an
@@ -24,9 +24,9 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
-from jdist.train import trainable
-from jdist.train.forward import Forward, Params, chunk
-from jdist.train.layer_order import BLOCKS, EMBED
+from jdist.step import trainable
+from jdist.step.forward import Forward, Params, chunk
+from models.names import BLOCKS, EMBED
 
 MANUAL = ax.REPLICA_AXES
 
@@ -95,7 +95,7 @@ def trained_primal(plan, stored: dict, stacked_syncs: dict) -> dict:
 def replica_terms(fw: Forward, params: Params, tokens, targets, scale) -> jax.Array:
     """This replica's `jdist.loss.loss_terms` for its tokens (the cross-entropy summed over
     counted targets times `scale`, `jdist.loss.piece_cross_entropy`): the whole model as
-    one chunk (`jdist.train.forward.chunk`)."""
+    one chunk (`jdist.step.forward.chunk`)."""
     tokens, targets, segments, positions = fw.in_kernel_order(tokens, targets)
     blocks = Params(*(t[BLOCKS] for t in params))
     return chunk(fw, params.shared(), blocks, None, tokens, targets, positions, segments,

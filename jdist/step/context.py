@@ -23,10 +23,10 @@ from jdist.parallel.moe import expert_dispatch
 from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
 from jdist.rules import Rules, as_candidate, constrainer, mesh_axes_of, resolve, without_axis
-from jdist.train import trainable
-from jdist.train.layer_order import EMBED, HEAD
+from jdist.step import trainable
 from models.context import ModelContext
 from models.layers import weight
+from models.names import EMBED, HEAD
 
 
 def inner_rules(rules: Rules, manual: tuple[str, ...]) -> Rules:
