@@ -59,7 +59,7 @@ from jdist.memory import compile_step
 from jdist.mesh import build_mesh
 from jdist.rules import DEFAULT_RULES, resolve
 from jdist.step import trainable
-from jdist.step.context import attention_of
+from jdist.step.forward import attention_of
 from jdist.train.setup import plan_for
 from models import get_preset
 

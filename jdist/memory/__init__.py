@@ -210,7 +210,7 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
 
 
 def _attention(plan, seq_len: int) -> str:
-    from jdist.step.context import attention_of
+    from jdist.step.forward import attention_of
     return attention_of(plan, seq_len)
 
 

@@ -134,7 +134,7 @@ def measure_step(n_devices: int, batch_size: int = 8, seq_len: int = 256,
     from jdist.memory import compile_step
     from jdist.plan.cost import executed_flops
     from jdist.step import init_state
-    from jdist.step.context import attention_of
+    from jdist.step.forward import attention_of
     from jdist.train.setup import plan_for
 
     config = TrainConfig.of(model="small", mesh=f"dp={n_devices}", batch_size=batch_size,

@@ -50,7 +50,7 @@ def state_lower_bound(model, shape: dict[str, int], zero: int) -> float:
 def attentions(plan, seq_len: int) -> list[str]:
     """`auto`, and the kernel it does not pick here (dense `xla` or blockwise `flash`) when
     the trainer accepts it for this layout."""
-    from jdist.step.context import attention_of
+    from jdist.step.forward import attention_of
 
     other = "xla" if attention_of(plan, seq_len) != "xla" else "flash"
     try:
@@ -162,7 +162,7 @@ def _best_variant(base, layout: Layout, plan, state, profile, dcn_axes, budget: 
 
 def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base,
               exposure: dict | None = None) -> cost.Estimate:
-    from jdist.step.context import attention_of
+    from jdist.step.forward import attention_of
 
     offload = 0
     if layout.offload:

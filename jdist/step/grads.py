@@ -2,7 +2,7 @@
 
 Everything runs inside one `jax.shard_map` that is manual over the replica axes (`data`,
 `fsdp`; `jdist.axes.REPLICA_AXES`) and leaves the others (`sequence`, `expert`, `tensor`)
-to the partitioner and to the kernels the model is handed (`jdist.step.context`). Each
+to the partitioner and to the kernels the model is handed (`jdist.step.forward`). Each
 replica differentiates its own tokens with respect to its block of the *gradient layout*
 (`jdist.parallel.grad_sync`): parameters are gathered just in time per layer, and each
 layer's gradient is reduced over the replicas, in float32, as the backward produces it (an

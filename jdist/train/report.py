@@ -13,7 +13,7 @@ import jax
 
 from jdist import sharding as sh
 from jdist.mesh import describe
-from jdist.step.context import attention_of
+from jdist.step.forward import attention_of
 from jdist.step.state import Plan
 from jdist.train.throughput import flops_per_token, peak_tflops, utilisation
 

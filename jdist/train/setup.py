@@ -27,7 +27,7 @@ from jdist.rules import (
     with_sequence_parallel,
 )
 from jdist.sharding import check_divisible, check_model_fits
-from jdist.step.context import attention_of
+from jdist.step.forward import attention_of
 from jdist.step.optim import make_optimizer
 from jdist.step.state import Plan, make_plan, with_pipeline
 from jdist.train import faults

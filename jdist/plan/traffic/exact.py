@@ -35,7 +35,7 @@ from jdist.plan.traffic.layout import (
     vocab_axes,
 )
 from jdist.rules import mesh_axes_of, resolve
-from jdist.step.context import inner_rules
+from jdist.step.forward import inner_rules
 from jdist.step.grads import MANUAL
 from models.names import BLOCKS, EMBED, FINAL_NORM
 
@@ -157,7 +157,7 @@ def embedding_backward(st: Step, defer: bool) -> list[Collective]:
 
 @dataclasses.dataclass(frozen=True)
 class LossShape:
-    """How jdist.step.context.token_losses runs vocab_parallel_cross_entropy."""
+    """How jdist.step.forward.token_losses runs vocab_parallel_cross_entropy."""
 
     leaf: Leaf               # the head, or the tied table
     vocab: tuple[str, ...]   # axes the vocabulary is split over in the kernel

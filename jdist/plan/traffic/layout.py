@@ -17,7 +17,7 @@ from jdist.hlo import COLLECTIVES
 from jdist.parallel.grad_sync import Sync
 from jdist.rules import mesh_axes_of, resolve
 from jdist.step import trainable
-from jdist.step.context import context_parallel_of, inner_rules
+from jdist.step.forward import context_parallel_of, inner_rules
 from jdist.step.grads import MANUAL, syncs
 from jdist.zero import zero_dim
 from models.names import BLOCKS, EMBED, HEAD
