@@ -16,18 +16,19 @@ state must still fit in memory twice over, as an async save copies it to host bu
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import common
+from common import Column, MiB
+
+common.setup_devices(8)
+
 import jax
 import jax.numpy as jnp
-
-jax.config.update("jax_num_cpu_devices", 8)
 
 from jdist import checkpoint as ckpt
 from jdist import data
@@ -37,6 +38,15 @@ from jdist.step.state import TrainState, init_state
 from jdist.train.faults import tree_bytes
 from jdist.train.loop import prepare
 from jdist.train.setup import plan_for
+
+COLUMNS = (Column("model", "6"), Column("mesh", "8"), Column("step", "{:6.3f}s", "step_s", width=7),
+           Column("async blocked", "{:13.3f}s", "async_blocked_s", width=14),
+           Column("sync blocked", "{:12.3f}s", "sync_blocked_s", width=13),
+           Column("sync/async", "10.1f", "sync_over_async"),
+           Column("restore same", "{:12.3f}s", "restore_same_mesh_s", width=13),
+           Column("restore other", "{:13.3f}s", "restore_other_mesh_s", width=14),
+           Column("ckpt MiB", "9.2f", "checkpoint_bytes", MiB),
+           Column("state MiB", "10.2f", "state_bytes", MiB))
 
 
 def drop_page_cache() -> bool:
@@ -98,7 +108,7 @@ def integrity(saver: ckpt.Checkpointer, state, first_step: int, repeats: int) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--model", default="small")
     parser.add_argument("--n-layers", type=int, default=None,
                         help="override the preset's layer count (to fit a host)")
@@ -107,7 +117,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--integrity-only", action="store_true",
                         help="only the save-to-manifest and validation times (no training step)")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     config = TrainConfig.of(model=args.model, mesh=args.mesh, steps=100, eval_every=0,
                             n_layers=args.n_layers)
@@ -127,7 +136,7 @@ def main() -> None:
                    "first_save_to_manifest_s": time.perf_counter() - t,
                    **integrity(saver, state, 1, args.repeats)}
             saver.close()
-        print(json.dumps(out) if args.json else "\n".join(f"{k:26} {v}" for k, v in out.items()))
+        common.emit(out, args.json, lambda: [f"{k:26} {v}" for k, v in out.items()])
         return
     setup = prepare(config)
     plan = setup.plan
@@ -193,24 +202,15 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
             out[f"restore_{name}_mesh_s"] = statistics.median(times)
         out["other_mesh"] = args.other_mesh
-    if args.json:
-        print(json.dumps(out))
-        return
-    mib = 2**20
-    print(f"{'model':6} {'mesh':8} {'step':>7} {'async blocked':>14} {'sync blocked':>13} "
-          f"{'sync/async':>10} {'restore same':>13} {'restore other':>14} {'ckpt MiB':>9} "
-          f"{'state MiB':>10}")
-    print(f"{args.model:6} {args.mesh:8} {step_s:6.3f}s {out['async_blocked_s']:13.3f}s "
-          f"{out['sync_blocked_s']:12.3f}s {out['sync_over_async']:10.1f} "
-          f"{out['restore_same_mesh_s']:12.3f}s {out['restore_other_mesh_s']:13.3f}s "
-          f"{out['checkpoint_bytes'] / mib:9.2f} {out['state_bytes'] / mib:10.2f}")
-    print(f"(async save finishes in the background in {out['async_total_s']:.3f}s; the first "
-          f"save of a process blocked {out['first_save_blocked_s']:.3f}s; other mesh: "
-          f"{args.other_mesh})")
-    print(f"integrity: good (manifest written) {out['save_to_manifest_s']:.3f}s after save() "
-          f"(Orbax commit {out['commit_s']:.3f}s + manifest {out['manifest_s']:.3f}s); "
-          f"validate on resume {out['validate_s']:.3f}s, full re-hash "
-          f"{out['validate_full_s']:.3f}s")
+    common.emit(out, args.json, lambda: [
+        *common.table([out], COLUMNS),
+        f"(async save finishes in the background in {out['async_total_s']:.3f}s; the first "
+        f"save of a process blocked {out['first_save_blocked_s']:.3f}s; other mesh: "
+        f"{args.other_mesh})",
+        f"integrity: good (manifest written) {out['save_to_manifest_s']:.3f}s after save() "
+        f"(Orbax commit {out['commit_s']:.3f}s + manifest {out['manifest_s']:.3f}s); "
+        f"validate on resume {out['validate_s']:.3f}s, full re-hash "
+        f"{out['validate_full_s']:.3f}s"])
 
 
 if __name__ == "__main__":

@@ -21,33 +21,27 @@ Each target is checked on each compiler's numbers.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
+import common
+from common import Column
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+common.setup_devices(8, cpu_only=True)  # AOT on CPU devices, on any host
 
-import jax  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
-jax.config.update("jax_platforms", "cpu")  # AOT on CPU devices, on any host
-jax.config.update("jax_num_cpu_devices", 8)
-
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from jax.sharding import SingleDeviceSharding  # noqa: E402
-
-from jdist import target as gpu_target  # noqa: E402
-from jdist.config import TrainConfig  # noqa: E402
-from jdist.loss import cross_entropy  # noqa: E402
-from jdist.memory import compile_step, peak, predict  # noqa: E402
-from jdist.mesh import build_mesh  # noqa: E402
-from jdist.parallel.attention import cudnn_attention  # noqa: E402
-from jdist.parallel.flash import flash_attention  # noqa: E402
-from jdist.parallel.vocab import vocab_parallel_cross_entropy  # noqa: E402
-from jdist.train.setup import plan_for  # noqa: E402
-from models import get_preset  # noqa: E402
-from models.layers import dot_product_attention  # noqa: E402
+from jdist import target as gpu_target
+from jdist.config import TrainConfig
+from jdist.loss import cross_entropy
+from jdist.memory import compile_step, peak, predict
+from jdist.mesh import build_mesh
+from jdist.parallel.attention import cudnn_attention
+from jdist.parallel.flash import flash_attention
+from jdist.parallel.vocab import vocab_parallel_cross_entropy
+from jdist.train.setup import plan_for
+from models import get_preset
+from models.layers import dot_product_attention
 
 MODEL = "llama3-8b"
 BF16 = jnp.bfloat16
@@ -62,7 +56,7 @@ def temp_bytes(fn, *shapes) -> int:
     """Temporaries of `fn` compiled for the device the shapes are placed on."""
     device = next(iter(shapes[0].sharding.device_set))
     options = gpu_target.COMPILER_OPTIONS if gpu_target.is_compile_only(device) else None
-    return jax.jit(fn).lower(*shapes).compile(options).memory_analysis().temp_size_in_bytes
+    return common.temp_bytes(jax.jit(fn).lower(*shapes).compile(options))
 
 
 def attention_rows(target: str = "") -> list[dict]:
@@ -145,7 +139,7 @@ def step_rows(target: str = "") -> list[dict]:
             _, plan, _ = plan_for(config)
             compiled = compile_step(plan, config.data.batch_size, seq)
             numbers = {"peak_bytes": peak(compiled),
-                       "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+                       "temp_bytes": common.temp_bytes(compiled)}
             row["predicted_bytes"] = predict(plan, config.data.batch_size, seq).total
             if where:
                 row["gpu"] = {"target": where, **numbers}
@@ -179,36 +173,34 @@ def checks(rows: list[dict]) -> list[str]:
     return out
 
 
+def columns(target: str) -> list[Column]:
+    def gib(get):
+        return lambda r: f"{get(r) / 2**30:9.3f}G" if get(r) is not None else "-"
+
+    gpu = [Column("GPU temps", ">10", gib(lambda r: r.get("gpu", {}).get("temp_bytes"))),
+           Column("GPU peak", ">10", gib(lambda r: r.get("gpu", {}).get("peak_bytes")))]
+    return [Column("what", "10"), Column("impl", "14"), Column("tokens", ">7", "seq_len"),
+            Column("CPU temps", ">10", gib(lambda r: r["temp_bytes"])),
+            Column("CPU peak", ">10", gib(lambda r: r.get("peak_bytes"))),
+            Column("predicted", ">10", gib(lambda r: r.get("predicted_bytes"))),
+            *(gpu if target else [])]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
+    parser = common.make_parser(__doc__)
     parser.add_argument("--skip-steps", action="store_true",
                         help="only attention and loss (the whole-step compiles take minutes)")
-    parser.add_argument("--target", default=None,
-                        help="also compile for this GPU (jdist.target: h100-80gb, h200-141gb, "
-                             "a100-80gb; default h100-80gb where jax's CUDA plugin is "
-                             "installed); none: the CPU only")
+    common.add_target(parser, "also compile for this GPU")
     args = parser.parse_args()
-    target = gpu_target.requested(args.target, "compute_path.py")
+    target = common.requested_target(parser, args)
     rows = attention_rows(target) + loss_rows(target) + \
         ([] if args.skip_steps else step_rows(target))
     result = {"target": target or None, "rows": rows, "checks": checks(rows)}
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
-    g = lambda n: f"{n / 2**30:9.3f}G" if n is not None else f"{'-':>10}"
-    print(f"{'what':10} {'impl':14} {'tokens':>7} {'CPU temps':>10} {'CPU peak':>10} "
-          f"{'predicted':>10}" + (f" {'GPU temps':>10} {'GPU peak':>10}" if target else "")
-          + "   (per device)")
-    for r in rows:
-        gpu = r.get("gpu", {})
-        print(f"{r['what']:10} {r['impl']:14} {r['seq_len']:>7} {g(r['temp_bytes'])} "
-              f"{g(r.get('peak_bytes'))} {g(r.get('predicted_bytes'))}"
-              + (f" {g(gpu.get('temp_bytes'))} {g(gpu.get('peak_bytes'))}" if target else ""))
-    if target:
-        print(f"CPU: XLA's CPU compiler; GPU: XLA's GPU compiler for {target}; predicted: "
-              "jdist.memory.predict (steps)")
-    print("\n".join(result["checks"]))
+    head, *lines = common.table(rows, columns(target))
+    note = [f"CPU: XLA's CPU compiler; GPU: XLA's GPU compiler for {target}; predicted: "
+            "jdist.memory.predict (steps)"] * bool(target)
+    common.emit(result, args.json, lambda: [head + "   (per device)", *lines, *note,
+                                            *result["checks"]], indent=2)
 
 
 if __name__ == "__main__":

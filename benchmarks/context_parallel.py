@@ -15,13 +15,12 @@ Targets: ring memory ~1/N at fixed S; balanced max/min work <= 1.1.
 
 from __future__ import annotations
 
-import argparse
-import json
+import common
+from common import Column, MiB
+
+common.setup_devices(8)
 
 import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
@@ -33,7 +32,6 @@ from jdist.rules import DEFAULT_RULES
 from models.layers import dot_product_attention
 
 NO_CP = "no_cp"
-MiB = 2 ** 20
 
 
 def attention_fn(strategy: str, n: int):
@@ -61,7 +59,7 @@ def measure(strategy: str, n: int, seq_len: int, heads: int, kv_heads: int, head
     kv = jax.ShapeDtypeStruct((1, seq_len, kv_heads, head_dim), jnp.float32, sharding=kv_sh)
     compiled = fn.lower(q, kv, kv, q).compile()
     comm = executed_collective_bytes(compiled.as_text())
-    return {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+    return {"temp_bytes": common.temp_bytes(compiled),
             "collective_bytes": {op: b for op, b in comm.items() if b}}
 
 
@@ -70,12 +68,11 @@ def imbalance(work: list[int]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--seq-lens", default="1024,2048,4096,8192,16384")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     shape = (args.heads, args.kv_heads, args.head_dim)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
@@ -93,34 +90,27 @@ def main() -> None:
                         "head_dim": args.head_dim, "dtype": "float32", "causal": True},
               "by_seq_len_8_devices": by_length, "by_devices": by_devices,
               "ring_work_tiles": work, "targets": {"balanced_imbalance_max": 1.1}}
-    if args.json:
-        print(json.dumps(result))
-        return
-    print_tables(by_length, by_devices, work, strategies, longest)
+    common.emit(result, args.json, lambda: tables(by_length, by_devices, work, strategies,
+                                                  longest))
 
 
-def print_tables(by_length, by_devices, work, strategies, longest) -> None:
-    def comm(m) -> str:
-        return f"{sum(m['collective_bytes'].values()) / MiB:8.1f}"
-
-    print("attention fwd+bwd per device, 8 devices: compiled temp MiB | collective MiB/layer")
-    print(f"{'seq':>6} " + " ".join(f"{s:>10}" for s in strategies) + " | "
-          + " ".join(f"{s:>10}" for s in strategies[1:]))
-    for row in by_length:
-        temps = " ".join(f"{row[s]['temp_bytes'] / MiB:10.1f}" for s in strategies)
-        comms = " ".join(f"{comm(row[s]):>10}" for s in strategies[1:])
-        print(f"{row['seq_len']:>6} {temps} | {comms}")
-    print(f"\nscaling with devices at seq {longest}: temp MiB per device")
-    print(f"{'N':>3} {'all_gather':>11} {'ring':>9} {'ring x N':>9}")
-    for row in by_devices:
-        ring = row[RING]["temp_bytes"] / MiB
-        print(f"{row['devices']:>3} {row[ALL_GATHER]['temp_bytes'] / MiB:11.1f} {ring:9.1f} "
-              f"{ring * row['devices']:9.1f}")
-    print("\nring causal work per device (score tiles), max/min")
-    for row in work:
-        print(f"N={row['devices']}: contiguous {row['contiguous']} -> "
+def tables(by_length, by_devices, work, strategies, longest) -> list[str]:
+    temps = [Column(s, "10.1f", lambda r, s=s: r[s]["temp_bytes"], MiB) for s in strategies]
+    comms = [Column(s, "10.1f", lambda r, s=s: sum(r[s]["collective_bytes"].values()), MiB)
+             for s in strategies[1:]]
+    ring = [Column("N", ">3", "devices"),
+            Column("all_gather", "11.1f", lambda r: r[ALL_GATHER]["temp_bytes"], MiB),
+            Column("ring", "9.1f", lambda r: r[RING]["temp_bytes"], MiB),
+            Column("ring x N", "9.1f", lambda r: r[RING]["temp_bytes"] * r["devices"], MiB)]
+    return ["attention fwd+bwd per device, 8 devices: compiled temp MiB | collective MiB/layer",
+            *common.table(by_length, [Column("seq", ">6", "seq_len"), *temps,
+                                      Column("|", "", lambda r: "|"), *comms]),
+            f"\nscaling with devices at seq {longest}: temp MiB per device",
+            *common.table(by_devices, ring),
+            "\nring causal work per device (score tiles), max/min",
+            *(f"N={row['devices']}: contiguous {row['contiguous']} -> "
               f"{row['imbalance']['contiguous']:.2f}; balanced {row['balanced']} -> "
-              f"{row['imbalance']['balanced']:.2f}")
+              f"{row['imbalance']['balanced']:.2f}" for row in work)]
 
 
 if __name__ == "__main__":

@@ -27,19 +27,18 @@ compute capability 8.0+).
 
 from __future__ import annotations
 
-import argparse
-import json
+import common
+from common import Column, GiB
 
-from jdist import target as gpu_target
 from jdist.config import TrainConfig
 from jdist.memory import compile_step, measure, peak, predict
-from jdist.step.context import attention_of
+from jdist.step.forward import attention_of
 from jdist.train.setup import plan_for
 
 VARIANTS = {"full": {}, "lora": {"lora_rank": True},
             "qlora": {"lora_rank": True, "quantize_base": "nf4"},
             "qlora+dq": {"lora_rank": True, "quantize_base": "nf4", "double_quant": True}}
-GIB = 2**30
+KEYS = ("params", "grads", "optimizer", "activations", "total")
 
 
 def compiled_numbers(plan, seq_len: int) -> dict:
@@ -47,8 +46,8 @@ def compiled_numbers(plan, seq_len: int) -> dict:
     compiled = compile_step(plan, 1, seq_len)
     breakdown = measure(plan, 1, seq_len, compiled)
     return {"attention": attention_of(plan, seq_len),
-            "measured": {k: v / GIB for k, v in breakdown.as_dict().items()},
-            "peak": peak(compiled) / GIB}
+            "measured": {k: v / GiB for k, v in breakdown.as_dict().items()},
+            "peak": peak(compiled) / GiB}
 
 
 def row(model: str, variant: str, rank: int, seq_len: int, do_measure: bool,
@@ -58,7 +57,7 @@ def row(model: str, variant: str, rank: int, seq_len: int, do_measure: bool,
                             remat="full", compute_dtype="bfloat16", **flags)
     _, plan, _ = plan_for(config)
     out = {"model": model, "variant": variant,
-           "predicted": {k: v / GIB for k, v in predict(plan, 1, seq_len).as_dict().items()}}
+           "predicted": {k: v / GiB for k, v in predict(plan, 1, seq_len).as_dict().items()}}
     if do_measure:
         numbers = compiled_numbers(plan, seq_len)
         out["measured"], out["measured_peak"] = numbers["measured"], numbers["peak"]
@@ -67,53 +66,48 @@ def row(model: str, variant: str, rank: int, seq_len: int, do_measure: bool,
         config = config.replace(target=target)
         _, plan, _ = plan_for(config)
         out["gpu"] = {"target": target, **compiled_numbers(plan, seq_len),
-                      "predicted": {k: v / GIB for k, v in
+                      "predicted": {k: v / GiB for k, v in
                                     predict(plan, 1, seq_len).as_dict().items()}}
     return out
 
 
+def columns(measured: bool, target: str) -> list[Column]:
+    cpu = [Column("CPU act", "9.3f", lambda r: r["measured"]["activations"]),
+           Column("CPU peak", "9.3f", "measured_peak")]
+    gpu = [Column("GPU pred", "9.3f", lambda r: r["gpu"]["predicted"]["total"]),
+           Column("GPU act", "9.3f", lambda r: r["gpu"]["measured"]["activations"]),
+           Column("GPU peak", "9.3f", lambda r: r["gpu"]["peak"])]
+    return [Column("model", "14"), Column("variant", "9"),
+            *(Column(k, "11.3f", lambda r, k=k: r["predicted"][k]) for k in KEYS),
+            *(cpu if measured else []), *(gpu if target else [])]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--models", default="llama3.2-1b,llama3.1-8b,llama3.1-70b")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--measure", action="store_true",
                         help="also compile each step (AOT) on the CPU and for --target")
-    parser.add_argument("--target", default=None,
-                        help="compile each step for this GPU (jdist.target: h100-80gb, "
-                             "h200-141gb, a100-80gb); default with --measure: h100-80gb where "
-                             "jax's CUDA plugin is installed; none: no GPU compile")
-    parser.add_argument("--json", action="store_true")
+    common.add_target(parser, "compile each step for this GPU",
+                      "default with --measure: h100-80gb where jax's CUDA plugin is installed",
+                      "no GPU compile")
     args = parser.parse_args()
-    target = gpu_target.requested(args.target, "finetune_memory.py", args.measure)
+    target = common.requested_target(parser, args, args.measure)
     rows = [row(m, v, args.rank, args.seq_len, args.measure, target)
             for m in args.models.split(",") for v in VARIANTS]
-    if args.json:
-        print(json.dumps({"rank": args.rank, "seq_len": args.seq_len, "target": target or None,
-                          "rows": rows}))
-        return
-    keys = ("params", "grads", "optimizer", "activations", "total")
-    print(f"{'model':14} {'variant':9} " + " ".join(f"{k:>11}" for k in keys)
-          + (f" {'CPU act':>9} {'CPU peak':>9}" if args.measure else "")
-          + (f" {'GPU pred':>9} {'GPU act':>9} {'GPU peak':>9}" if target else "")
-          + "   (GiB per device)")
-    for r in rows:
-        p = r["predicted"]
-        line = f"{r['model']:14} {r['variant']:9} " + " ".join(f"{p[k]:11.3f}" for k in keys)
-        if "measured" in r:
-            line += f" {r['measured']['activations']:9.3f} {r['measured_peak']:9.3f}"
-        if "gpu" in r:
-            g = r["gpu"]
-            line += (f" {g['predicted']['total']:9.3f} {g['measured']['activations']:9.3f} "
-                     f"{g['peak']:9.3f}")
-        print(line)
-    if args.measure or target:
-        used = [f"CPU: XLA's CPU compiler, {rows[0]['attention']} attention"] \
-            if args.measure else []
-        used += [f"GPU: XLA's GPU compiler for {target}, {rows[0]['gpu']['attention']} "
-                 "attention"] if target else []
-        print("predicted: jdist.memory.predict of the CPU plan (GPU pred: of the target's "
-              "plan, cuDNN attention); " + "; ".join(used))
+    common.emit({"rank": args.rank, "seq_len": args.seq_len, "target": target or None,
+                 "rows": rows}, args.json, lambda: text(rows, args.measure, target))
+
+
+def text(rows: list[dict], measured: bool, target: str) -> list[str]:
+    head, *lines = common.table(rows, columns(measured, target))
+    used = [f"CPU: XLA's CPU compiler, {rows[0]['attention']} attention"] if measured else []
+    used += [f"GPU: XLA's GPU compiler for {target}, {rows[0]['gpu']['attention']} "
+             "attention"] if target else []
+    return [head + "   (GiB per device)", *lines] + [
+        "predicted: jdist.memory.predict of the CPU plan (GPU pred: of the target's "
+        "plan, cuDNN attention); " + "; ".join(used)] * bool(used)
 
 
 if __name__ == "__main__":

@@ -14,31 +14,35 @@ being started once `--budget-s` has passed, so the whole run stays inside its ti
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common
+import jax
+import jax.numpy as jnp
+from common import Column, GiB
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jdist import data  # noqa: E402
-from jdist.config.groups import MemoryFlags  # noqa: E402
-from jdist.mesh import build_mesh  # noqa: E402
-from jdist.parallel.attention import CUDNN, FLASH, XLA, accelerator, cudnn_refusal  # noqa: E402
-from jdist.rules import DEFAULT_RULES  # noqa: E402
-from jdist.step import init_state, make_optimizer, make_plan  # noqa: E402
-from jdist.step.build import make_train_step  # noqa: E402
-from jdist.train.throughput import PEAK_TFLOPS, flops_per_token, peak_tflops  # noqa: E402
-from models import get_preset  # noqa: E402
+from jdist import data
+from jdist.config.groups import MemoryFlags
+from jdist.memory import peak as peak_bytes
+from jdist.mesh import build_mesh
+from jdist.parallel.attention import CUDNN, FLASH, XLA, accelerator, cudnn_refusal
+from jdist.rules import DEFAULT_RULES
+from jdist.step import init_state, make_optimizer, make_plan
+from jdist.step.build import make_train_step
+from jdist.train.throughput import PEAK_TFLOPS, flops_per_token, peak_tflops
+from models import get_preset
 
 GPU_RUNS = {"llama3.2-1b": (8, 4096), "llama3-8b": (1, 4096)}  # batch, sequence length
 TINY_RUNS = {"tiny": (4, 64)}
+COLUMNS = (Column("model", "14"),
+           Column("layers", ">7", lambda r: f"{r['layers']:>3}/{r['of_layers']:<3}"),
+           Column("attention", "9"), Column("tokens/s", "10,.0f", "tokens_per_s"),
+           Column("TFLOP/s", "8.2f", "tflops_per_device"),
+           Column("MFU", "6.1%", "mfu_measured_peak"),
+           Column("peak GiB", "9.2f", "compiled_peak_bytes", GiB),
+           Column("compile s", "9.1f", "compile_s"))
 
 
 def measured_peak_tflops(dtype, n: int, repeats: int) -> float:
@@ -95,12 +99,6 @@ def compiled_step(model, batch: int, seq: int, attention: str, dtype):
     return plan, compiled, time.perf_counter() - start
 
 
-def peak_bytes(compiled) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes \
-        + m.temp_size_in_bytes
-
-
 def device_memory() -> int:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("bytes_limit", 0)
@@ -125,13 +123,8 @@ def run_one(name: str, batch: int, seq: int, attention: str, dtype, steps: int) 
     corpus = data.load_corpus(None, seq)
     batches = [data.global_batch(corpus.train, 0, i, batch, seq, plan.batch_sharding)
                for i in range(2)]
-    state, metrics = compiled(state, batches[0])  # warm-up
-    jax.block_until_ready(metrics)
-    start = time.perf_counter()
-    for i in range(steps):
-        state, metrics = compiled(state, batches[i % 2])
+    state, metrics, elapsed = common.time_steps(compiled, state, batches, steps)
     loss = float(metrics["loss"])
-    elapsed = time.perf_counter() - start
     tokens_per_s = batch * seq * steps / elapsed
     tflops = tokens_per_s * flops_per_token(model, seq) / 1e12
     used = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
@@ -151,12 +144,11 @@ def attentions(dtype, head_dim: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--tiny", action="store_true", help="CPU: the tiny model, few steps")
     parser.add_argument("--models", default="", help="comma-separated presets")
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--budget-s", type=float, default=420.0)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     runs = TINY_RUNS if args.tiny or jax.default_backend() == "cpu" else GPU_RUNS
     if args.models:
@@ -182,22 +174,13 @@ def main() -> None:
               "measured_matmul_tflops": measured, "datasheet_tflops": datasheet or None,
               "known_peaks": PEAK_TFLOPS, "attention_max_rel_error_vs_f32_dense": errors,
               "rows": rows, "skipped_for_time": skipped}
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
-    print(f"{kind} ({jax.default_backend()}, {result['dtype']}): measured matmul peak "
-          f"{measured:,.1f} TFLOP/s" + (f", datasheet {datasheet:,.0f}" if datasheet else ""))
-    print(f"{'model':14} {'layers':>7} {'attention':9} {'tokens/s':>10} {'TFLOP/s':>8} "
-          f"{'MFU':>6} {'peak GiB':>9} {'compile s':>9}")
-    for r in rows:
-        print(f"{r['model']:14} {r['layers']:>3}/{r['of_layers']:<3} {r['attention']:9} "
-              f"{r['tokens_per_s']:10,.0f} {r['tflops_per_device']:8.2f} "
-              f"{r['mfu_measured_peak']:6.1%} {r['compiled_peak_bytes'] / 2**30:9.2f} "
-              f"{r['compile_s']:9.1f}")
-    print("attention vs float32 dense (output, dq, dk, dv; max relative error): " +
-          ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-    if skipped:
-        print(f"not run (time budget): {', '.join(skipped)}")
+    common.emit(result, args.json, lambda: [
+        f"{kind} ({jax.default_backend()}, {result['dtype']}): measured matmul peak "
+        f"{measured:,.1f} TFLOP/s" + (f", datasheet {datasheet:,.0f}" if datasheet else ""),
+        *common.table(rows, COLUMNS),
+        "attention vs float32 dense (output, dq, dk, dv; max relative error): "
+        + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
+        *([f"not run (time budget): {', '.join(skipped)}"] if skipped else [])], indent=2)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common
+from common import Column, GiB
 
-GIB = 1 << 30
+COLUMNS = (Column("variant", "8"), Column("seconds", "8.1f"),
+           Column("read", "6.2f", "bytes_read", GiB),
+           Column("params", "7.2f", "param_bytes_f32", GiB),
+           Column("peak anon", "10.2f", "peak_anon_bytes", GiB),
+           Column("anon - params", "14.2f",
+                  lambda r: r["peak_anon_bytes"] - r["param_bytes_f32"], GiB),
+           Column("peak file", "10.2f", "peak_file_bytes", GiB),
+           Column("peak RSS", "9.2f", "peak_rss_bytes", GiB))
 
 
 def write_checkpoint(model: str, out: Path) -> None:
@@ -79,10 +87,9 @@ class PeakMemory:
 
 def load(variant: str, hf_dir: str) -> dict:
     """Runs in a fresh process: load `hf_dir` onto fsdp=8 one way; time and peak memory."""
+    common.setup_devices(8, cpu_only=True)
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
     from jdist.config import TrainConfig
     from jdist.train.setup import plan_for
 
@@ -139,8 +146,7 @@ def _whole(kind, x, shape):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
+    parser = common.make_parser(__doc__)
     parser.add_argument("--model", default="llama3.2-1b")
     parser.add_argument("--dir", default="/tmp/jdist-hf-1b")
     parser.add_argument("--run", choices=["jdist", "naive"], help=argparse.SUPPRESS)
@@ -157,20 +163,11 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--run", variant, "--dir", args.dir],
                              capture_output=True, text=True, check=True)
         rows.append({"model": args.model, **json.loads(out.stdout.strip().splitlines()[-1])})
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    print("GiB; 'anon - params': what the loader holds besides the float32 parameters (which "
-          "on CPU devices are host memory too); 'file': page cache of the mapped checkpoint")
-    print(f"{'variant':8} {'seconds':>8} {'read':>6} {'params':>7} {'peak anon':>10} "
-          f"{'anon - params':>14} {'peak file':>10} {'peak RSS':>9}")
-    for r in rows:
-        g = {k: v / GIB for k, v in r.items() if isinstance(v, int)}
-        print(f"{r['variant']:8} {r['seconds']:8.1f} {g['bytes_read']:6.2f} "
-              f"{g['param_bytes_f32']:7.2f} {g['peak_anon_bytes']:10.2f} "
-              f"{g['peak_anon_bytes'] - g['param_bytes_f32']:14.2f} {g['peak_file_bytes']:10.2f} "
-              f"{g['peak_rss_bytes']:9.2f}")
-    print(f"time ratio naive/jdist: {rows[1]['seconds'] / rows[0]['seconds']:.2f}")
+    common.emit(rows, args.json, lambda: [
+        "GiB; 'anon - params': what the loader holds besides the float32 parameters (which "
+        "on CPU devices are host memory too); 'file': page cache of the mapped checkpoint",
+        *common.table(rows, COLUMNS),
+        f"time ratio naive/jdist: {rows[1]['seconds'] / rows[0]['seconds']:.2f}"], indent=2)
 
 
 if __name__ == "__main__":

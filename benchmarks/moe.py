@@ -13,31 +13,33 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import time
+
+import common
+from common import Column, MiB
+
+common.setup_devices(8)
 
 import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
 import jax.numpy as jnp
 
 from jdist import data
 from jdist.hlo import collective_bytes, loop_bodies
 from jdist.mesh import build_mesh
-from jdist.rules import DEFAULT_RULES
-from jdist.step import init_state, make_optimizer, make_plan, make_train_step
+from jdist.step import init_state, make_train_step
 from jdist.step.build import gradients, make_eval_step
 from models import get_preset
 
 N = 8
+VOLUME = (Column("routing", "10"), Column("factor", "6.2f", "capacity_factor"),
+          Column("a2a MiB/layer fwd", "18.3f", "measured_bytes", MiB),
+          Column("analytical", "11.3f", "analytical_bytes", MiB), Column("ratio", "6.2f"))
+DROPS = (Column("capacity factor", "15.2f", "capacity_factor"),
+         Column("dropped", "8.3f", "dropped_fraction"))
 
 
 def plan_for(model, mesh: str):
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    return make_plan(model, build_mesh(mesh), DEFAULT_RULES, tx)
+    return common.simple_plan(model, build_mesh(mesh))
 
 
 def all_to_all_volume(model, batch_size: int, seq_len: int) -> dict:
@@ -60,13 +62,7 @@ def steps_per_sec(model, mesh: str, batch, steps: int = 4) -> float:
     state = init_state(plan, 0)
     step = make_train_step(plan)
     b = {k: jax.device_put(v, plan.batch_sharding) for k, v in batch.items()}
-    state, m = step(state, b)  # compile + warm up
-    jax.block_until_ready(m)
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, m = step(state, b)
-    jax.block_until_ready(m)
-    return steps / (time.perf_counter() - start)
+    return steps / common.time_steps(step, state, [b], steps)[2]  # warm-up compiles
 
 
 def dropped_fraction(model, batch) -> float:
@@ -78,10 +74,9 @@ def dropped_fraction(model, batch) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     base = get_preset("moe-small")
     corpus = data.load_corpus(None, args.seq_len)
@@ -95,22 +90,11 @@ def main() -> None:
         for c in (0.5, 1.0, 1.25, 1.5, 2.0)]
     result = {"all_to_all": volume, "ep_steps_per_sec": ep, "replicated_steps_per_sec": replicated,
               "ep_vs_replicated": ep / replicated, "dropped": drops}
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"moe-small: E={base.n_experts}, k={base.top_k}, {N} devices, batch "
-          f"{args.batch_size} x {args.seq_len}")
-    print(f"\n{'routing':10} {'factor':>6} {'a2a MiB/layer fwd':>18} {'analytical':>11} "
-          f"{'ratio':>6}")
-    for v in volume:
-        print(f"{v['routing']:10} {v['capacity_factor']:6.2f} "
-              f"{v['measured_bytes'] / 2**20:18.3f} {v['analytical_bytes'] / 2**20:11.3f} "
-              f"{v['ratio']:6.2f}")
-    print(f"\nsteps/s: expert-parallel ep={N} {ep:.3f}, experts replicated dp={N} "
-          f"{replicated:.3f}, ratio {ep / replicated:.2f}")
-    print(f"\n{'capacity factor':>15} {'dropped':>8}")
-    for d in drops:
-        print(f"{d['capacity_factor']:15.2f} {d['dropped_fraction']:8.3f}")
+    common.emit(result, args.json, lambda: [
+        f"moe-small: E={base.n_experts}, k={base.top_k}, {N} devices, batch "
+        f"{args.batch_size} x {args.seq_len}", "", *common.table(volume, VOLUME),
+        f"\nsteps/s: expert-parallel ep={N} {ep:.3f}, experts replicated dp={N} "
+        f"{replicated:.3f}, ratio {ep / replicated:.2f}", "", *common.table(drops, DROPS)])
 
 
 if __name__ == "__main__":

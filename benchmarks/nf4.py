@@ -13,22 +13,22 @@ max error is higher on normal weights: NF4's widest gap, 0.72 to 1, is wider tha
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
+import common
+from common import Column
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+common.setup_devices(1, cpu_only=True)
 
 import jax
-
-jax.config.update("jax_platforms", "cpu")
-
 import jax.numpy as jnp
 
 from jdist import nf4
 
 STD = 0.02
+COLUMNS = (Column("tensor", "12"), Column("shape", ">12", lambda r: "x".join(map(str, r["shape"]))),
+           Column("method", "7"), Column("rms err", "10.3e", "rms_error"),
+           Column("max abs", "10.3e", "max_abs_error"),
+           Column("rel frob", "9.4f", "rel_frobenius"), Column("rel |err|", "9.4f", "rel_mean_abs"),
+           Column("B/param", "8.4f", "bytes_per_param"))
 
 
 def weights(kind: str, shape: tuple[int, int], seed: int) -> jax.Array:
@@ -85,8 +85,7 @@ def checks(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
+    parser = common.make_parser(__doc__)
     parser.add_argument("--small", action="store_true", help="256-row tensors (seconds)")
     args = parser.parse_args()
     rows_n = 256 if args.small else 4096
@@ -96,17 +95,8 @@ def main() -> None:
     for seed, (name, kind, shape) in enumerate(tensors):
         rows += rows_for(name, weights(kind, shape, seed))
     result = {"rows": rows, "checks": checks(rows)}
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
-    print(f"{'tensor':12} {'shape':>12} {'method':7} {'rms err':>10} {'max abs':>10} "
-          f"{'rel frob':>9} {'rel |err|':>9} {'B/param':>8}")
-    for r in rows:
-        shape = "x".join(map(str, r["shape"]))
-        print(f"{r['tensor']:12} {shape:>12} {r['method']:7} {r['rms_error']:10.3e} "
-              f"{r['max_abs_error']:10.3e} {r['rel_frobenius']:9.4f} {r['rel_mean_abs']:9.4f} "
-              f"{r['bytes_per_param']:8.4f}")
-    print("\n".join(result["checks"]))
+    common.emit(result, args.json, lambda: common.table(rows, COLUMNS) + result["checks"],
+                indent=2)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,17 @@ default interval.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import tempfile
 import time
 
-import jax
+import common
+from common import Column
 
-jax.config.update("jax_num_cpu_devices", 8)
+common.setup_devices(8)
+
+import jax
 
 from jdist import data
 from jdist.config import TrainConfig
@@ -31,6 +32,10 @@ from jdist.step.build import make_train_step
 from jdist.step.state import init_state
 from jdist.train import health
 from jdist.train.loop import prepare, train
+
+COLUMNS = (Column("model", "8"), Column("mesh", "12"),
+           Column("bare steps/s", "13.3f", "bare_steps_per_sec"),
+           Column("full steps/s", "13.3f", "full_steps_per_sec"), Column("ratio", "7.3f"))
 
 
 def bare_steps_per_sec(config: TrainConfig, steps: int, warmup: int) -> float:
@@ -104,7 +109,7 @@ def soak(model: str, mesh: str, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--model", default="small")
     parser.add_argument("--mesh", default="dp=2,fsdp=4")
     parser.add_argument("--steps", type=int, default=210)
@@ -113,7 +118,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as run_dir:
         config = TrainConfig.of(model=args.model, mesh=args.mesh, steps=args.steps,
@@ -136,23 +140,21 @@ def main() -> None:
               "bare_steps_per_sec": bare, "full_steps_per_sec": full, "ratio": full / bare,
               "target": 0.95, "check_costs": costs, "check_share_at_default": share,
               "soak": soaks}
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{'model':8} {'mesh':12} {'bare steps/s':>13} {'full steps/s':>13} {'ratio':>7}")
-    print(f"{args.model:8} {args.mesh:12} {bare:13.3f} {full:13.3f} {full / bare:7.3f}"
-          f"   (target >= 0.95; bare runs {bare1:.3f}, {bare2:.3f})")
-    print(f"one step {costs['step_s'] * 1e3:.1f} ms; replica check "
-          f"{costs['replica_check_s'] * 1e3:.1f} ms (every "
-          f"{defaults.observe.check_replicas_every}: "
-          f"{share['replica_check']:.2%} of step time); recompute check +"
-          f"{costs['recompute_extra_s'] * 1e3:.1f} ms (every "
-          f"{defaults.observe.recompute_check_every}: "
-          f"{share['recompute_check']:.2%})")
-    for r in soaks:
-        print(f"soak: tiny on {r['mesh']}: both checks at every step for {r['steps']} steps: "
-              f"{r['false_positives']} false positives" + (f" ({r['error']})" if
-                                                           r.get("error") else ""))
+    common.emit(result, args.json, lambda: text(result, bare1, bare2, defaults.observe))
+
+
+def text(result: dict, bare1: float, bare2: float, observe) -> list[str]:
+    head, row = common.table([result], COLUMNS)
+    costs, share = result["check_costs"], result["check_share_at_default"]
+    return [head, f"{row}   (target >= 0.95; bare runs {bare1:.3f}, {bare2:.3f})",
+            f"one step {costs['step_s'] * 1e3:.1f} ms; replica check "
+            f"{costs['replica_check_s'] * 1e3:.1f} ms (every {observe.check_replicas_every}: "
+            f"{share['replica_check']:.2%} of step time); recompute check +"
+            f"{costs['recompute_extra_s'] * 1e3:.1f} ms (every "
+            f"{observe.recompute_check_every}: {share['recompute_check']:.2%})",
+            *(f"soak: tiny on {r['mesh']}: both checks at every step for {r['steps']} steps: "
+              f"{r['false_positives']} false positives"
+              + (f" ({r['error']})" if r.get("error") else "") for r in result["soak"])]
 
 
 if __name__ == "__main__":

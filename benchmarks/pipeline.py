@@ -15,32 +15,38 @@ block parameters and gradients never leave their stage, interleaved included).
 
 from __future__ import annotations
 
-import argparse
-import json
+import common
+from common import Column, MiB
+
+common.setup_devices(8)
 
 import jax
 import jax.numpy as jnp
 
-jax.config.update("jax_num_cpu_devices", 8)
-
 from jdist.hlo import executed_collective_bytes
 from jdist.mesh import build_mesh
 from jdist.parallel.pipeline import PipelineConfig
-from jdist.rules import DEFAULT_RULES
-from jdist.step import make_optimizer, make_plan, make_train_step
+from jdist.step import make_train_step
 from jdist.step.state import with_pipeline
 from models import get_preset
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+COLUMNS = (Column("P", ">2", "stages"), Column("M", ">3", "micro"),
+           Column("schedule", "14", lambda r: r["schedule"] + (f" V={r['virtual']}"
+                                                               if r["virtual"] > 1 else "")),
+           Column("ticks", ">5"), Column("bubble", "7.4f"),
+           Column("formula", "7.4f", "bubble_formula"), Column("stashed", ">7"),
+           Column("temp MiB", "9.2f", "temp_bytes", MiB),
+           Column("permute MiB", "11.2f", "permute_bytes", MiB),
+           Column("other MiB", "9.2f", "other_collective_bytes", MiB))
 
 
 def measure(model, stages: int, micro: int, schedule: str, virtual: int, micro_batch: int,
             seq_len: int) -> dict:
     """Compile one pipelined step ahead of time (nothing is allocated) and read its table."""
-    tx, _ = make_optimizer(1e-3, 10, 1)
     mesh = build_mesh(f"pp={stages}", jax.devices()[:stages])
     config = PipelineConfig(schedule, micro, virtual)
-    plan = with_pipeline(make_plan(model, mesh, DEFAULT_RULES, tx), config)
+    plan = with_pipeline(common.simple_plan(model, mesh), config)
     tokens = jax.ShapeDtypeStruct((micro * micro_batch, seq_len), jnp.int32)
     compiled = make_train_step(plan).lower(
         plan.abstract, {"inputs": tokens, "targets": tokens}).compile()
@@ -50,36 +56,28 @@ def measure(model, stages: int, micro: int, schedule: str, virtual: int, micro_b
     return {"schedule": schedule, "stages": stages, "micro": micro, "virtual": virtual,
             "ticks": table.ticks, "bubble": table.bubble_fraction(),
             "bubble_formula": table.expected_bubble(), "stashed": table.n_slots,
-            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "temp_bytes": common.temp_bytes(compiled),
             "permute_bytes": permute, "other_collective_bytes": sum(moved.values())}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8],
                         help="micro-batch counts as multiples of the stage count")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=8)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     model = get_preset("tiny", n_layers=args.n_layers)
     rows = [measure(model, p, f * p, name, v, args.micro_batch, args.seq_len)
             for p in args.stages for f in args.factors for name, v in SCHEDULES]
-    if args.json:
-        print(json.dumps({"micro_batch": args.micro_batch, "seq_len": args.seq_len,
-                          "n_layers": args.n_layers, "rows": rows}))
-        return
-    print(f"tiny ({args.n_layers} layers), micro-batch {args.micro_batch} x {args.seq_len} "
-          "tokens, float32; temp = compiled peak per-device temporaries")
-    print(f"{'P':>2} {'M':>3} {'schedule':14} {'ticks':>5} {'bubble':>7} {'formula':>7} "
-          f"{'stashed':>7} {'temp MiB':>9} {'permute MiB':>11} {'other MiB':>9}")
-    for r in rows:
-        name = r["schedule"] + (f" V={r['virtual']}" if r["virtual"] > 1 else "")
-        print(f"{r['stages']:>2} {r['micro']:>3} {name:14} {r['ticks']:>5} {r['bubble']:7.4f} "
-              f"{r['bubble_formula']:7.4f} {r['stashed']:>7} {r['temp_bytes'] / 2**20:9.2f} "
-              f"{r['permute_bytes'] / 2**20:11.2f} {r['other_collective_bytes'] / 2**20:9.2f}")
+    result = {"micro_batch": args.micro_batch, "seq_len": args.seq_len,
+              "n_layers": args.n_layers, "rows": rows}
+    common.emit(result, args.json, lambda: [
+        f"tiny ({args.n_layers} layers), micro-batch {args.micro_batch} x {args.seq_len} "
+        "tokens, float32; temp = compiled peak per-device temporaries",
+        *common.table(rows, COLUMNS)])
 
 
 if __name__ == "__main__":

@@ -19,26 +19,27 @@ it), with each step's exposed share of collective bytes.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
 import time
 
+import common
+from common import Column, MiB
+
+common.setup_devices(8)
+
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-from jdist import axes as ax  # noqa: E402
-from jdist import data  # noqa: E402
-from jdist.comm import report  # noqa: E402
-from jdist.config import TrainConfig  # noqa: E402
-from jdist.memory import compile_step, measure  # noqa: E402
-from jdist.plan.profiles import load_profile  # noqa: E402
-from jdist.plan.search import search  # noqa: E402
-from jdist.plan.traffic import reported_traffic, step_traffic  # noqa: E402
-from jdist.step import init_state  # noqa: E402
-from jdist.train.setup import plan_for  # noqa: E402
+from jdist import axes as ax
+from jdist import data
+from jdist.comm import report
+from jdist.config import TrainConfig
+from jdist.memory import compile_step, measure
+from jdist.plan.profiles import load_profile
+from jdist.plan.search import search
+from jdist.plan.traffic import reported_traffic, step_traffic
+from jdist.step import init_state
+from jdist.train.setup import plan_for
 
 FAMILIES = {  # a layout belongs to each family whose test it passes
     "dp": lambda s, lay: s[ax.DATA] == 8,
@@ -53,6 +54,14 @@ FAMILIES = {  # a layout belongs to each family whose test it passes
     "hsdp": lambda s, lay: s[ax.DATA] >= 2 and s[ax.FSDP] >= 2,
     "dp-tp": lambda s, lay: s[ax.DATA] >= 2 and s[ax.TENSOR] >= 2,
 }
+COLUMNS = (Column("layout", "44"), Column("pred s", "8.3f", "predicted_s"),
+           Column("meas s", "8.3f", "measured_s"), Column("error", "+7.1%"),
+           Column("mem pred", "{:8.1f}M", "predicted_memory", MiB, width=9),
+           Column("mem comp", "{:8.1f}M", "compiled_memory", MiB, width=9),
+           Column("ratio", "6.3f", "memory_ratio"),
+           Column("comm pred", "{:9.2f}M", "predicted_comm_bytes", MiB, width=10),
+           Column("comm HLO", "{:9.2f}M", "hlo_comm_bytes", MiB, width=10),
+           Column("ratio", "6.3f", "comm_ratio"))
 
 
 def pick(ranked: list, top: int, bottom: int) -> list:
@@ -162,23 +171,20 @@ def gpu_main(args) -> None:
                       flush=True)
     worst = max(abs(r["ratio"] - 1) for r in out)
     over = sum(not r["fits"] for r in out)
-    if args.json:
-        print(json.dumps({"target": args.target, "budget_bytes": budget, "rows": out,
-                          "max_memory_deviation": worst, "over_budget": over}))
-        return
-    print(f"\n{len(out)} layouts compiled for {args.target}: memory within {worst:.1%} of the "
-          f"GPU-compiled peak (target 5%); {over} above the {budget / 1e9:.1f} GB budget the "
-          "planner claims (target 0)")
+    common.emit({"target": args.target, "budget_bytes": budget, "rows": out,
+                 "max_memory_deviation": worst, "over_budget": over}, args.json, lambda: [
+        f"\n{len(out)} layouts compiled for {args.target}: memory within {worst:.1%} of the "
+        f"GPU-compiled peak (target 5%); {over} above the {budget / 1e9:.1f} GB budget the "
+        "planner claims (target 0)"])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=0, help="default 4 (5 with --target)")
     parser.add_argument("--bottom", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
     parser.add_argument("--target", default="", help="hold the memory model to this GPU's "
                         "compiler (h100-80gb, ...) instead of running on cpu-sim")
     parser.add_argument("--cases", default=",".join(GPU_CASES),
@@ -210,22 +216,13 @@ def main() -> None:
         "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
         "max_memory_deviation": max(abs(r["memory_ratio"] - 1) for r in rows),
         "max_comm_deviation": max(abs(r["comm_ratio"] - 1) for r in rows)}
-    if args.json:
-        print(json.dumps({"rows": rows, **summary}, default=str))
-        return
-    print(f"\n{'layout':44} {'pred s':>8} {'meas s':>8} {'error':>7} {'mem pred':>9} "
-          f"{'mem comp':>9} {'ratio':>6} {'comm pred':>10} {'comm HLO':>10} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['layout']:44} {r['predicted_s']:8.3f} {r['measured_s']:8.3f} "
-              f"{r['error']:+7.1%} {r['predicted_memory'] / 2**20:8.1f}M "
-              f"{r['compiled_memory'] / 2**20:8.1f}M {r['memory_ratio']:6.3f} "
-              f"{r['predicted_comm_bytes'] / 2**20:9.2f}M {r['hlo_comm_bytes'] / 2**20:9.2f}M "
-              f"{r['comm_ratio']:6.3f}")
-    print(f"\n{len(rows)} layouts run (of {len(result.ranked)} ranked): median |error| "
-          f"{summary['median_abs_error']:.1%} (target <= 25%), Spearman "
-          f"{summary['spearman']:.3f} (target >= 0.8); memory within "
-          f"{summary['max_memory_deviation']:.1%} (target 10%), communication within "
-          f"{summary['max_comm_deviation']:.1%} (target 5%)")
+    common.emit({"rows": rows, **summary}, args.json, lambda: [
+        "", *common.table(rows, COLUMNS),
+        f"\n{len(rows)} layouts run (of {len(result.ranked)} ranked): median |error| "
+        f"{summary['median_abs_error']:.1%} (target <= 25%), Spearman "
+        f"{summary['spearman']:.3f} (target >= 0.8); memory within "
+        f"{summary['max_memory_deviation']:.1%} (target 10%), communication within "
+        f"{summary['max_comm_deviation']:.1%} (target 5%)"], default=str)
 
 
 if __name__ == "__main__":

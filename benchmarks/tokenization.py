@@ -8,18 +8,22 @@ Without --tokenizer, a byte-level BPE of --vocab ids is trained on the same text
 (not timed). Documents are the text split at blank-line pairs, about 3 KB each.
 """
 
-import argparse
 import json
 import os
 import tempfile
 import time
 from pathlib import Path
 
+import common
 import numpy as np
+from common import Column
 
 from jdist import data
 from jdist.data.tokenize import tokenize
 from jdist.data.tokenizer import id_dtype, load_tokenizer, train_bpe
+
+COLUMNS = (Column("path", "32"), Column("seconds", "8.2f"), Column("MB/s", "7.2f", "mb_per_s"),
+           Column("tokens/s", "11,.0f", "tokens_per_s"))
 
 
 def timed(fn) -> tuple[float, object]:
@@ -29,11 +33,10 @@ def timed(fn) -> tuple[float, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--max-mb", type=float, default=8.0)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--tokenizer", default="", help="tokenizer to time (default: train one)")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     text = data.builtin_text(int(args.max_mb * 1e6)).decode("utf-8", errors="replace")
     docs = [d for d in text.split("\n\n\n") if d]
@@ -64,14 +67,9 @@ def main() -> None:
     result = {"tokenizer": tok.name if args.tokenizer else f"trained BPE, {tok.vocab_size} ids",
               "mb": mb, "documents": len(docs), "cpus": os.cpu_count(), "rows": rows,
               "identical_ids": identical}
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{mb:.1f} MB, {len(docs)} documents, {result['tokenizer']}, {os.cpu_count()} CPUs")
-    print(f"{'path':32} {'seconds':>8} {'MB/s':>7} {'tokens/s':>11}")
-    for r in rows:
-        print(f"{r['path']:32} {r['seconds']:8.2f} {r['mb_per_s']:7.2f} {r['tokens_per_s']:11,.0f}")
-    print(f"identical ids on every path: {identical}")
+    common.emit(result, args.json, lambda: [
+        f"{mb:.1f} MB, {len(docs)} documents, {result['tokenizer']}, {os.cpu_count()} CPUs",
+        *common.table(rows, COLUMNS), f"identical ids on every path: {identical}"])
 
 
 if __name__ == "__main__":

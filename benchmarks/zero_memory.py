@@ -28,23 +28,22 @@ collectives over another axis). The checks are printed for each compiler's peaks
 
 from __future__ import annotations
 
-import argparse
-import json
+import common
+from common import Column, MiB
+
+common.setup_devices(8)
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-from jdist import data, gpu_report  # noqa: E402
-from jdist import target as gpu_target  # noqa: E402
-from jdist.config.groups import MemoryFlags  # noqa: E402
-from jdist.hlo import collective_bytes, collective_counts  # noqa: E402
-from jdist.memory import compile_step, measure, peak, predict  # noqa: E402
-from jdist.mesh import build_mesh  # noqa: E402
-from jdist.rules import DEFAULT_RULES  # noqa: E402
-from jdist.step import init_state, make_optimizer, make_plan  # noqa: E402
-from jdist.step.context import attention_of  # noqa: E402
-from models import get_preset  # noqa: E402
+from jdist import data, gpu_report
+from jdist import target as gpu_target
+from jdist.config.groups import MemoryFlags
+from jdist.hlo import collective_bytes, collective_counts
+from jdist.memory import compile_step, measure, peak, predict
+from jdist.mesh import build_mesh
+from jdist.step import init_state
+from jdist.step.forward import attention_of
+from models import get_preset
 
 SHAPES = {"small": (16, 128), "1b": (8, 1024)}  # global batch, sequence length
 LAYOUTS = [("dp=8", 0), ("dp=8", 1), ("dp=8", 2), ("dp=8", 3), ("fsdp=8", 0)]
@@ -69,9 +68,8 @@ def on_gpu(model: str, mesh: str, zero: int, target: str) -> dict:
     """The same step compiled for 8 compile-only GPUs of `target`: peak, breakdown and the
     GPU program's communication."""
     batch_size, seq_len = SHAPES[model]
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    plan = make_plan(get_preset(model), build_mesh(mesh, gpu_target.devices(target, 8)),
-                     DEFAULT_RULES, tx, MemoryFlags(zero=zero))
+    plan = common.simple_plan(get_preset(model), build_mesh(mesh, gpu_target.devices(target, 8)),
+                              MemoryFlags(zero=zero))
     compiled = compile_step(plan, batch_size, seq_len)
     measured = measure(plan, batch_size, seq_len, compiled=compiled)
     return {"target": target, "attention": attention_of(plan, seq_len),
@@ -84,9 +82,7 @@ def run(model: str, target: str = "") -> list[dict]:
     rows = []
     batch_size, seq_len = SHAPES[model]
     for mesh, zero in LAYOUTS:
-        tx, _ = make_optimizer(1e-3, 10, 1)
-        plan = make_plan(get_preset(model), build_mesh(mesh), DEFAULT_RULES, tx,
-                         MemoryFlags(zero=zero))
+        plan = common.simple_plan(get_preset(model), build_mesh(mesh), MemoryFlags(zero=zero))
         compiled = compile_step(plan, batch_size, seq_len)
         predicted = predict(plan, batch_size, seq_len)
         measured = measure(plan, batch_size, seq_len, compiled=compiled)
@@ -114,6 +110,26 @@ def size(n: float) -> str:
     return f"{n / 2**30:8.2f}Gi" if n >= 2**30 else f"{n / 2**20:8.1f}Mi"
 
 
+def columns(target: str) -> list[Column]:
+    def coll(r: dict) -> str:
+        return " " + "  ".join(f"{op} {r['collectives'][op]}/{r['collective_bytes'][op] / MiB:.1f}"
+                               for op in ("all-reduce", "reduce-scatter", "all-gather")
+                               if r["collectives"][op])
+
+    gpu = [Column("GPU P+G+O", "{:10.2f}Mi", lambda r: r["gpu"]["measured_state"], MiB, 12),
+           Column("GPU peak", ">10", lambda r: size(r["gpu"]["peak"])),
+           Column("GPU exp", "7.1%", lambda r: r["gpu"]["comm"]["total"]["exposed"])]
+    return [Column("model", "6"), Column("mesh", ">7"), Column("zero", ">4"),
+            Column("by", ">8", "measured_by"),
+            Column("pred P+G+O", "{:10.2f}Mi", "predicted_state", MiB, 12),
+            Column("meas P+G+O", "{:10.2f}Mi", "measured_state", MiB, 12),
+            Column("ratio", "6.3f", lambda r: r["measured_state"] / r["predicted_state"]),
+            Column("vs z0", "6.3f", "state_vs_zero0"),
+            Column("pred total", ">10", lambda r: size(r["predicted"]["total"])),
+            Column("peak", ">10", lambda r: size(r["peak"])), *(gpu if target else []),
+            Column(" CPU collectives per step (count / MiB)", "", coll)]
+
+
 def checks(rows: list[dict]) -> list[str]:
     """The issue's two memory targets, from the compiled peaks: the CPU's, then the GPU's."""
     out = []
@@ -136,38 +152,16 @@ def checks(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.make_parser(__doc__)
     parser.add_argument("--models", default="small,1b")
-    parser.add_argument("--target", default=None,
-                        help="also compile each step for this GPU (jdist.target: h100-80gb, "
-                             "h200-141gb, a100-80gb; default h100-80gb where jax's CUDA "
-                             "plugin is installed); none: the CPU only")
-    parser.add_argument("--json", action="store_true")
+    common.add_target(parser)
     args = parser.parse_args()
-    target = gpu_target.requested(args.target, "zero_memory.py")
+    target = common.requested_target(parser, args)
     rows = [r for m in args.models.split(",") for r in run(m, target)]
-    if args.json:
-        print(json.dumps({"target": target or None, "rows": rows, "checks": checks(rows)}))
-        return
-    gpu = f"{'GPU P+G+O':>12} {'GPU peak':>10} {'GPU exp':>7} " if target else ""
-    print(f"{'model':6} {'mesh':>7} {'zero':>4} {'by':>8} {'pred P+G+O':>12} {'meas P+G+O':>12} "
-          f"{'ratio':>6} {'vs z0':>6} {'pred total':>10} {'peak':>10} {gpu} CPU collectives "
-          "per step (count / MiB)")
-    for r in rows:
-        coll = "  ".join(f"{op} {r['collectives'][op]}/{r['collective_bytes'][op] / 2**20:.1f}"
-                         for op in ("all-reduce", "reduce-scatter", "all-gather")
-                         if r["collectives"][op])
-        g = r.get("gpu")
-        gpu = (f"{g['measured_state'] / 2**20:10.2f}Mi {size(g['peak'])} "
-               f"{g['comm']['total']['exposed']:7.1%} ") if g else ""
-        print(f"{r['model']:6} {r['mesh']:>7} {r['zero']:>4} {r['measured_by']:>8} "
-              f"{r['predicted_state'] / 2**20:10.2f}Mi {r['measured_state'] / 2**20:10.2f}Mi "
-              f"{r['measured_state'] / r['predicted_state']:6.3f} {r['state_vs_zero0']:6.3f} "
-              f"{size(r['predicted']['total'])} {size(r['peak'])} {gpu} {coll}")
-    if target:
-        print(f"meas P+G+O, peak, collectives: XLA's CPU compiler; GPU columns: XLA's GPU "
-              f"compiler for {target} (GPU exp: exposed share of its collective bytes)")
-    print("\n".join(checks(rows)))
+    notes = [f"meas P+G+O, peak, collectives: XLA's CPU compiler; GPU columns: XLA's GPU "
+             f"compiler for {target} (GPU exp: exposed share of its collective bytes)"]
+    common.emit({"target": target or None, "rows": rows, "checks": checks(rows)}, args.json,
+                lambda: common.table(rows, columns(target)) + notes * bool(target) + checks(rows))
 
 
 if __name__ == "__main__":
