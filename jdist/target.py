@@ -28,6 +28,28 @@ from jdist.errors import ConfigError, require
 # What `jit(...).lower(...).compile(compiler_options=...)` needs for a compile-only GPU: the
 # autotuner would time candidate kernels on a device (XLA picks by its cost model instead).
 COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+# XLA's GPU scheduling flags that could hide more of a step's communication, by the jaxlib
+# that spells them so (newer XLA's `xla_gpu_pipeline_*` is "No such compile option" on
+# 0.10.2). jdist sets one only when the GPU-compiled step shows it hides more
+# (`benchmarks/gpu_flags.py`); measured on jax 0.10.2 for H100 none does, so none is set:
+# the pipelined all-gather raises the exposed share (8B fsdp=8: 10.4% -> 41.1%), the others
+# leave it (README, "GPU scheduling flags").
+CANDIDATE_FLAGS = {
+    (0, 10): {"xla_gpu_enable_pipelined_all_gather": True,
+              "xla_gpu_enable_pipelined_reduce_scatter": True,
+              "xla_gpu_enable_pipelined_all_reduce": True,
+              "xla_gpu_enable_while_loop_double_buffering": True},
+}
+
+
+def candidate_flags() -> dict:
+    """The scheduling flags the installed jaxlib spells (empty for a version not yet
+    measured: a flag is never passed to a jaxlib it was not checked on)."""
+    import jaxlib
+
+    version = tuple(int(x) for x in jaxlib.__version__.split(".")[:2])
+    return dict(CANDIDATE_FLAGS.get(version, {}))
 CUDA_EXTRA = 'pip install -e ".[cuda12]"'  # the extra that brings jax's CUDA plugin
 CUDA_VERSION = (12, 9)  # CUDA runtime of jax[cuda12] 0.10.x wheels
 CUDNN_VERSION = (9, 8)  # the cuDNN those wheels require at least

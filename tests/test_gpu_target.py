@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jdist import axes as ax
 from jdist import hlo, target
@@ -411,6 +412,21 @@ def test_cuda_plugin_is_installed():
     assert target.plugin_installed(), "jax's CUDA plugin is missing: " + target.CUDA_EXTRA
     # jax[cuda12] pins the plugin to jax's own version; a mismatch would not load.
     assert importlib.metadata.version("jax-cuda12-plugin") == jax.__version__
+
+
+def test_scheduling_flags_are_spelled_as_the_installed_jaxlib_spells_them():
+    """Each candidate scheduling flag (`jdist.target.candidate_flags`) is a compile option
+    the installed jaxlib's GPU compiler accepts (newer XLA's spellings are refused by older
+    ones), and this jaxlib has candidates at all (else nobody measured it)."""
+    flags = target.candidate_flags()
+    assert flags, f"no scheduling flags listed for jaxlib {jax.__version__}; measure them"
+    mesh = build_mesh("fsdp=2", list(target.devices(TARGET, 2)))
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P(ax.FSDP)))
+    lowered = jax.jit(lambda a: a @ a.T).lower(x)
+    for flag, value in flags.items():
+        lowered.compile({**target.compiler_options(mesh), flag: value})
+    with pytest.raises(Exception, match="No such compile option"):
+        lowered.compile({**target.compiler_options(mesh), "xla_gpu_no_such_flag": True})
 
 
 def test_jax_stays_on_the_cpu():
