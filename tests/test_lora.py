@@ -196,7 +196,7 @@ def test_qlora_quantizes_while_loading_shard_by_shard(tmp_path):
         return leaf
     write_hf(tmp_path / "hf", base_cfg, at)
     plan = make_plan(QLORA, build_mesh("fsdp=2,tp=2", jax.devices()[:4]), DEFAULT_RULES,
-                     make_optimizer()[0],
+                     make_optimizer()[0], MemoryFlags(compute_dtype="float32"),
                      finetune=FinetuneFlags(quantize_base="nf4", double_quant=True))
     params = load_params(tmp_path / "hf", plan, seed=0)
     for module, name in (("attn", "wo"), ("mlp", "w_gate"), ("mlp", "w_down")):
