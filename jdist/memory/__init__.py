@@ -361,18 +361,24 @@ def _prefix(part, full):
     return leaves
 
 
-def compile_step(plan, batch_size: int, seq_len: int, breakdown: list | None = None):
-    """The training step compiled ahead of time on abstract inputs (nothing allocated).
-    A `breakdown` list receives the compiler's account of the peak (`jdist.memory.breakdown`)."""
+def lower_step(plan, batch_size: int, seq_len: int):
+    """The training step lowered on abstract inputs (nothing allocated), ready to compile
+    (with the target's options: `jdist.target.compiler_options`)."""
     import jax
     import jax.numpy as jnp
 
     from jdist.step.build import make_train_step
-    from jdist.target import compiler_options
 
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    step = make_train_step(plan)
-    lowered = step.lower(plan.abstract, {"inputs": tokens, "targets": tokens})
+    return make_train_step(plan).lower(plan.abstract, {"inputs": tokens, "targets": tokens})
+
+
+def compile_step(plan, batch_size: int, seq_len: int, breakdown: list | None = None):
+    """The training step compiled ahead of time on abstract inputs (nothing allocated).
+    A `breakdown` list receives the compiler's account of the peak (`jdist.memory.breakdown`)."""
+    from jdist.target import compiler_options
+
+    lowered = lower_step(plan, batch_size, seq_len)
     if breakdown is None:
         return lowered.compile(compiler_options(plan.mesh) or None)
     from jdist.memory.breakdown import compile_with_breakdown
