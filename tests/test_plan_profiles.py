@@ -119,7 +119,11 @@ def test_quick_calibration_has_positive_finite_fits(tmp_path, monkeypatch):
                            groups=(2, 8), repeats=2, target_s=0.002, step_model=False)
     assert len(result["raw"]["collectives"]) == len(RING) * 2 * 2
     profile = result["profile"]
-    assert all(math.isfinite(v) and v > 0 for v in profile.values())
+    # A latency of 0 is the documented fallback when noise makes the joint fit's
+    # latency negative (fit_ring's "bandwidth-only"); on a loaded 2-core CI machine it
+    # happens, so only the latency may be 0.
+    assert all(math.isfinite(v) and v >= 0 for v in profile.values())
+    assert all(v > 0 for k, v in profile.items() if k != "ici_latency_us")
     assert profile["matmul_efficiency"] <= 1
     for fit in result["ici_by_kind"].values():
         assert math.isfinite(fit["gbps"]) and fit["gbps"] > 0
