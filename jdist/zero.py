@@ -41,8 +41,14 @@ def zero_dim(shape: tuple[int, ...], spec: PartitionSpec, names: tuple, mesh) ->
         # must be the major part of a dimension's sharding (jdist.parallel.grad_sync).
         return all(a in ax.REPLICA_AXES for a in mesh_axes_of(spec[i]))
 
-    preferred = [i for i, name in enumerate(names) if name in (ax.EMBED, ax.NORM)]
-    by_size = sorted(range(len(shape)), key=lambda i: -shape[i])
+    # Never the stacked `layers` dimension: the layer loop slices one layer off each block
+    # leaf and reduce-scatters that layer's gradient, so `data` must split a dimension
+    # inside a layer. (A LoRA A of 4 layers and rank 4 tied on size, and the layer axis
+    # won: the gradient came back with twice the layers.)
+    named = dict(enumerate(names))
+    candidates = [i for i in range(len(shape)) if named.get(i) != ax.LAYERS]
+    preferred = [i for i in candidates if named.get(i) in (ax.EMBED, ax.NORM)]
+    by_size = sorted(candidates, key=lambda i: -shape[i])
     return next((i for i in preferred + by_size if replica_only(i) and splits(i)), None)
 
 
