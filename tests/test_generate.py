@@ -188,3 +188,36 @@ def test_bad_input_exits_2_from_the_command_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"jdist: error: --checkpoint {tmp_path / 'missing'}: no such checkpoint; pass an "
         "existing checkpoint directory"]
+
+
+@pytest.mark.parametrize("adds_bos", [True, False], ids=["template-adds-bos",
+                                                         "bos-named-not-added"])
+def test_prompts_are_encoded_as_transformers_does(tmp_path, adds_bos):
+    """A prompt gets the special tokens the tokenizer's post-processor adds, as
+    `transformers`' `tokenizer(text)` does (`reference.json`'s `ids_with_special_tokens`
+    were written by it): bos where the template prepends it; nothing where the tokenizer
+    names a bos token (tokenizer_config.json) but its post-processor does not add it."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    from jdist.data.tokenizer import load_tokenizer
+    from jdist.generate.text import encode_prompts
+
+    src = FIXTURES / "tokenizer"
+    ref = json.loads((src / "reference.json").read_text())
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    bos = ref["bos_token"]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, ref["bos_token_id"])]) if adds_bos \
+        else processors.ByteLevel(trim_offsets=False)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    shutil.copy(src / "tokenizer_config.json", tmp_path)  # names bos_token in both cases
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.bos_id == ref["bos_token_id"]
+    texts = [s["text"] for s in ref["samples"] if s["text"]]
+    got = encode_prompts(loaded, texts, ref["vocab_size"], 4096, 1)
+    key = "ids_with_special_tokens" if adds_bos else "ids"
+    want = [s[key] for s in ref["samples"] if s["text"]]
+    assert [g.tolist() for g in got] == want

@@ -45,6 +45,11 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A prompt as `transformers` encodes it (`tokenizer(text)`, add_special_tokens=True):
+        with the special tokens the tokenizer's own post-processor adds, if any."""
+        return self.encode(text)
+
     def separator(self) -> np.ndarray:
         """The ids that follow every document: the eod id, or a newline for bytes."""
         return encode(b"\n") if self.eod_id is None else np.array([self.eod_id], np.uint32)
@@ -98,6 +103,11 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> np.ndarray:
         return np.array(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        # The post-processor decides (Llama 3's prepends <|begin_of_text|>; one without a
+        # template adds nothing even when a bos token is named), as in transformers.
+        return np.array(self._tok.encode(text, add_special_tokens=True).ids, np.uint32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # Multithreaded in Rust (RAYON_NUM_THREADS / TOKENIZERS_PARALLELISM); order is kept.

@@ -25,12 +25,10 @@ def read_prompts(args) -> list[str]:
 
 def encode_prompts(tok, texts: list[str], vocab_size: int, context: int,
                    new_tokens: int) -> list[np.ndarray]:
-    """Token ids of each prompt (after the tokenizer's bos token, if it has one), checked
-    against the model's vocabulary and against a `context` that must also hold
-    `new_tokens`."""
-    bos = [] if tok.bos_id is None else [tok.bos_id]
-    prompts = [np.concatenate([np.array(bos, np.int64), tok.encode(t)]).astype(np.int32)
-               for t in texts]
+    """Token ids of each prompt, encoded as `transformers` encodes a prompt (the special
+    tokens the tokenizer's post-processor adds, `Tokenizer.encode_prompt`), checked against
+    the model's vocabulary and against a `context` that must also hold `new_tokens`."""
+    prompts = [tok.encode_prompt(t).astype(np.int32) for t in texts]
     for i, ids in enumerate(prompts):
         require(len(ids) > 0, f"prompt {i} is empty; give some text to continue")
         require(len(ids) + new_tokens <= context,
