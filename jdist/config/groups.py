@@ -232,8 +232,11 @@ class CheckpointFlags:
     """the run directory, checkpoints and fault tolerance"""
 
     run_dir: str = flag("", "where config.json and metrics.jsonl go (default: runs/<time>)")
-    checkpoint_every: int = flag(0, "save an async sharded checkpoint to RUN_DIR/checkpoints "
-                                 "every N steps (0: only on preemption)")
+    checkpoint_every: int = flag(0, "also save an async sharded checkpoint to "
+                                 "RUN_DIR/checkpoints every N steps (0: only the final one "
+                                 "and on preemption)")
+    no_final_checkpoint: bool = flag(False, "do not save a checkpoint at the end of the run "
+                                     "(by default every run ends with one)")
     keep: int = flag(3, "keep the newest K good checkpoints")
     resume: str = flag("auto", "auto (newest good checkpoint in --run-dir, else start fresh), "
                        "a checkpoint directory, or none")
@@ -249,7 +252,8 @@ class CheckpointFlags:
         require(self.on_nan in ON_NAN,
                 f"--on-nan {self.on_nan!r} is not a policy; use one of {', '.join(ON_NAN)}")
         require(self.checkpoint_every >= 0,
-                f"--checkpoint-every {self.checkpoint_every} must be 0 (never) or positive")
+                f"--checkpoint-every {self.checkpoint_every} must be 0 (only at the end) or "
+                "positive")
         require(self.keep >= 1, f"--keep {self.keep} must be at least 1")
         _require_off_or_positive(self, "inject_nan_at_step")
 
