@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import shutil
 import signal
@@ -152,16 +153,15 @@ def _without_flag(args: list[str], flag: str) -> list[str]:
 class Group:
     """One attempt: N processes started together and stopped together."""
 
-    def __init__(self, nproc: int, train_args: list[str], devices: list[dict[str, str]]):
-        port = free_port()
+    def __init__(self, commands: list[list[str]], envs: list[dict[str, str]]):
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
-        for i in range(nproc):
-            env = {**user_environment(), "PYTHONUNBUFFERED": "1", **devices[i]}
-            cmd = [sys.executable, "-m", "jdist.train", *train_args,
-                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(nproc),
-                   "--process-id", str(i)]
+        # (exit time, index, status) of each process as it exits: the waiters record the
+        # time the moment each one ends, so the first to fail is known even when a survivor
+        # fails too before the launcher looks (one poll would see both).
+        self.exits: queue.Queue[tuple[float, int, int]] = queue.Queue()
+        for i, (cmd, env) in enumerate(zip(commands, envs)):
             # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it.
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, env=env, start_new_session=True)
@@ -169,9 +169,12 @@ class Group:
             t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", self.lock), daemon=True)
             t.start()
             self.pumps.append(t)
+            threading.Thread(target=self._record_exit, args=(i, p), daemon=True).start()
             _say(f"started process {i} (pid {p.pid})")
-            if devices[i]:
-                _say(f"process {i} sees " + " ".join(f"{k}={v}" for k, v in devices[i].items()))
+
+    def _record_exit(self, i: int, p: subprocess.Popen) -> None:
+        code = p.wait()
+        self.exits.put((time.monotonic(), i, code))
 
     def signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -182,12 +185,17 @@ class Group:
                     pass
 
     def wait(self) -> int:
-        """Wait until all exit (0) or one fails: then kill the rest and return its status."""
-        while True:
-            codes = [p.poll() for p in self.procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, EXIT_OK)]
+        """Wait until all exit (0) or one fails: then kill the rest and return the status of
+        the process that failed first."""
+        exited: list[tuple[float, int, int]] = []
+        while len(exited) < len(self.procs):
+            try:  # a timeout keeps the launcher's signal handlers running promptly
+                exited.append(self.exits.get(timeout=POLL_S))
+            except queue.Empty:
+                continue
+            failed = sorted(e for e in exited if e[2] != EXIT_OK)
             if failed:
-                i, code = failed[0]
+                _, i, code = failed[0]
                 if code != EXIT_PREEMPTED:
                     _say(f"process {i} exited with status {code}; stopping the group")
                     self.signal_all(signal.SIGKILL)
@@ -196,16 +204,29 @@ class Group:
                         p.wait()
                 self._drain()
                 return code
-            if all(c == EXIT_OK for c in codes):
-                self._drain()
-                return EXIT_OK
-            time.sleep(POLL_S)
+        self._drain()
+        return EXIT_OK
 
     def _drain(self) -> None:
         for p in self.procs:
             p.wait()
         for t in self.pumps:
             t.join(timeout=5)
+
+
+def start_group(nproc: int, train_args: list[str], devices: list[dict[str, str]]) -> Group:
+    """`nproc` training processes joined by a coordinator on a free local port, each with its
+    own devices."""
+    port = free_port()
+    commands = [[sys.executable, "-m", "jdist.train", *train_args,
+                 "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(nproc),
+                 "--process-id", str(i)] for i in range(nproc)]
+    envs = [{**user_environment(), "PYTHONUNBUFFERED": "1", **devices[i]} for i in range(nproc)]
+    group = Group(commands, envs)
+    for i, share in enumerate(devices):
+        if share:
+            _say(f"process {i} sees " + " ".join(f"{k}={v}" for k, v in share.items()))
+    return group
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
     attempt = 0
     while True:
-        group = Group(args.nproc, train_args, devices)
+        group = start_group(args.nproc, train_args, devices)
         code = group.wait()
         if code == EXIT_OK:
             _say("all processes finished")

@@ -14,7 +14,7 @@ import pytest
 
 from jdist import checkpoint as ckpt
 from jdist.config import TrainConfig
-from jdist.launch import device_env, split_devices, visible_devices
+from jdist.launch import Group, device_env, split_devices, visible_devices
 from jdist.train.loop import train
 
 ARGS = ["--model", "tiny", "--mesh", "dp=2,fsdp=4", "--steps", "8", "--batch-size", "16",
@@ -69,7 +69,22 @@ def test_killed_process_stops_the_group(tmp_path):
         proc.kill()
     assert proc.returncode != 0, "".join(lines)
     assert time.monotonic() - start < 60
-    assert any("process 1 exited with status -9; stopping the group" in x for x in lines)
+    # Process 0 fails too once its peer is gone, often before the launcher looks; the one
+    # named is the one that failed first (test_first_failure_is_named_by_exit_time).
+    stops = [x for x in lines if "; stopping the group" in x]
+    assert stops == ["[launch] process 1 exited with status -9; stopping the group\n"], stops
+
+
+def test_first_failure_is_named_by_exit_time(capsys):
+    """Process 1 fails, then process 0, both before the launcher first looks: the launcher
+    names process 1 and returns its status, not the lower-numbered one's."""
+    group = Group([["sh", "-c", "sleep 0.5; exit 1"], ["sh", "-c", "exit 9"]],
+                  [dict(os.environ)] * 2)
+    time.sleep(1.5)  # both have exited
+    assert group.wait() == 9
+    out = capsys.readouterr().out
+    assert "process 1 exited with status 9; stopping the group" in out, out
+    assert "process 0 exited" not in out, out
 
 
 def test_restart_resumes_two_process_checkpoint_and_it_moves_to_one(tmp_path, single):
