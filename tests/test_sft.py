@@ -246,3 +246,20 @@ def test_cli_trains_on_sft_records(tmp_path):
     losses = [json.loads(line)["loss"] for line in
               (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and np.isfinite(losses).all()
+
+
+def test_resume_fingerprint_covers_the_loss_masks(tmp_path, tok):
+    """Two files of the same tokens that count different ones are different data: a run
+    resumed on the other would train on other targets, so its fingerprint differs."""
+    prompts = [(f"What is {i} + {i}?", f"{2 * i}.") for i in range(40)]
+    # The space after "?" ends the prompt (not counted) in one file, opens the answer in
+    # the other; either way it is the same token.
+    uncounted = write_jsonl(tmp_path / "a.jsonl", [{"prompt": q + " ", "completion": a}
+                                                   for q, a in prompts])
+    counted = write_jsonl(tmp_path / "b.jsonl", [{"prompt": q, "completion": " " + a}
+                                                 for q, a in prompts])
+    a, b = (sft.load_sft(path, tok, 32).corpus() for path in (uncounted, counted))
+    np.testing.assert_array_equal(a.train, b.train)
+    np.testing.assert_array_equal(a.val, b.val)
+    assert data.fingerprint(a) != data.fingerprint(b)
+    assert data.fingerprint(a) == data.fingerprint(sft.load_sft(uncounted, tok, 32).corpus())

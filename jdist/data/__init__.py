@@ -37,6 +37,9 @@ class Corpus:
     vocab_size: int  # smallest vocabulary that covers the ids
     source: str
     eod_id: int | None = None  # end-of-document id; None: byte-level (newline-separated)
+    # (train, val) targets when the loss does not count every next token (sft rows: IGNORE
+    # where not counted); None: every next token counts.
+    targets: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def encode(text: str | bytes) -> np.ndarray:
@@ -239,11 +242,13 @@ def global_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_
 
 
 def fingerprint(corpus: Corpus, full_limit: int = 1 << 28) -> str:
-    """A digest of the token stream, so a resumed run can tell it is training on the same
-    data (the builtin corpus is whatever stdlib this Python has). Streams larger than
-    `full_limit` bytes are sampled: length, both ends, and an even stride through them."""
+    """A digest of the token stream, and of the loss's targets when they are not the next
+    tokens (sft: two files of the same tokens may count different ones), so a resumed run can
+    tell it is training on the same data (the builtin corpus is whatever stdlib this Python
+    has). Streams larger than `full_limit` bytes are sampled: length, both ends, and an even
+    stride through them."""
     h = hashlib.sha256()
-    for part in (corpus.train, corpus.val):
+    for part in (corpus.train, corpus.val, *(corpus.targets or ())):
         h.update(f"{part.dtype}:{len(part)};".encode())
         if part.nbytes <= full_limit:
             h.update(np.ascontiguousarray(part).tobytes())

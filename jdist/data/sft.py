@@ -48,10 +48,11 @@ class SftData:
 
     def corpus(self) -> Corpus:
         """What the rest of training reads of its data (the source and token counts it
-        reports, the fingerprint a resumed run compares): the rows' tokens."""
+        reports, the fingerprint a resumed run compares): the rows' tokens and targets."""
         train, val = self.train.tokens.reshape(-1), self.val.tokens.reshape(-1)
         vocab = int(max(train.max(), val.max())) + 1
-        return Corpus(train, val, vocab, self.source, self.eod_id)
+        return Corpus(train, val, vocab, self.source, self.eod_id,
+                      (self.train.targets.reshape(-1), self.val.targets.reshape(-1)))
 
     def summary(self) -> str:
         return (f"sft data {self.source}: {self.records:,} records in {len(self.train.tokens):,}"
