@@ -45,3 +45,7 @@ LAYERS = "layers"          # the stacked-layer dimension of the transformer bloc
 EXPERTS = "experts"
 LORA_RANK = "lora_rank"    # the low-rank dimension of LoRA adapters: never sharded
 NF4_BLOCKS = "nf4_blocks"  # second-level (double quantization) scales of an NF4 weight
+
+# Every logical name a rule may name (a rules file naming another is a typo, refused).
+LOGICAL_AXES = (BATCH, LENGTH, KV_LENGTH, ACT_EMBED, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP,
+                VOCAB, NORM, LAYERS, EXPERTS, LORA_RANK, NF4_BLOCKS)

@@ -11,6 +11,7 @@ attention keeps heads on `tensor` while the residual stream may put length there
 
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -157,6 +158,12 @@ def load_rules(path: str | Path, base: Rules = DEFAULT_RULES) -> Rules:
             f"rules file {str(path)!r} has no [rules] table; add one, e.g. "
             '[rules] embed = ["fsdp"]')
     for logical, candidates in rules.items():
+        # A rule for a name no tensor carries would silently change nothing.
+        near = difflib.get_close_matches(logical, ax.LOGICAL_AXES, n=1)
+        require(logical in ax.LOGICAL_AXES,
+                f"rules file {str(path)!r} names unknown logical axis {logical!r}; "
+                + (f"did you mean {near[0]!r}? " if near else "")
+                + f"use one of {', '.join(ax.LOGICAL_AXES)}")
         require(isinstance(candidates, list),
                 f"rule {logical!r} in {str(path)!r} must be a list of mesh axes, e.g. [\"tensor\"]")
     return override(base, rules)

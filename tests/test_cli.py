@@ -1,8 +1,10 @@
 """`python -m jdist.train` end to end: a real run, and every user mistake the issue lists."""
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +75,38 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert lines[0].startswith("jdist: error: ") and message in lines[0], lines[0]
     assert "Traceback" not in result.stderr + result.stdout
     assert not run_dir.exists()  # nothing written for a run that never started
+
+
+# Mistakes that trained anyway (exit 0). OTHER_RUN: a real run's records without its
+# checkpoints (tests/fixtures/checkpoint_v1, a model with d_model=32).
+ACCEPTED = [
+    (["--rules", "TYPO_RULES"], "names unknown logical axis 'embd'; did you mean 'embed'?"),
+    (["--profile-steps", "5-6"], "--profile-steps 5-6 goes past --steps 4"),
+    (["--data", "RECORDS"], "which --data-format text would train on as raw JSON text; pass "
+                            "--data-format sft"),
+    (["--run-dir", "OTHER_RUN"], "holds the records of another run (a model with d_model=32, "
+                                 "this run's has d_model=64) and no checkpoint"),
+]
+
+
+@pytest.mark.parametrize("args, message", ACCEPTED, ids=["rules", "profile", "jsonl", "run-dir"])
+def test_mistakes_once_accepted_are_one_line_and_exit_2(tmp_path, args, message):
+    other = tmp_path / "other"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "checkpoint_v1", other,
+                    ignore=shutil.ignore_patterns("checkpoints"))
+    records = {p.name: p.read_bytes() for p in other.iterdir()}
+    (tmp_path / "rules.toml").write_text('[rules]\nembd = ["tensor"]\n')
+    (tmp_path / "records.jsonl").write_text('{"prompt": "1 + 1 = ", "completion": "2"}\n' * 99)
+    given = {"TYPO_RULES": tmp_path / "rules.toml", "RECORDS": tmp_path / "records.jsonl",
+             "OTHER_RUN": other}
+    run_dir = tmp_path / "run"
+    result = run_cli(*TINY, "--run-dir", str(run_dir), *(str(given.get(a, a)) for a in args))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not run_dir.exists()
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == records  # nothing overwritten
 
 
 def test_process_split_counts_accelerators_as_they_are(monkeypatch):

@@ -225,6 +225,12 @@ class DataFlags:
     def validate(self) -> None:
         require(self.batch_size >= 1, f"--batch-size {self.batch_size} must be at least 1")
         require(self.seq_len >= 2, f"--seq-len {self.seq_len} must be at least 2")
+        # Read as text, records would train on their JSON syntax, quotes and keys included.
+        require(not (self.path.endswith(".jsonl") and self.data_format == "text"),
+                f"--data {self.path} is JSON lines, which --data-format text would train on "
+                "as raw JSON text; pass --data-format sft for prompt/completion or chat "
+                "records, or for {\"text\": ...} records run python -m jdist.data tokenize "
+                f"{self.path} --out FILE.bin and pass --data FILE.bin")
 
 
 @dataclasses.dataclass

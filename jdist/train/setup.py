@@ -4,6 +4,8 @@ rules, optimizer and layout planned, the data loaded. Nothing here compiles."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +82,19 @@ def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
             "change --grad-accum")
 
 
+def check_profile_steps(config: TrainConfig) -> None:
+    """`--profile-steps` must name steps the run takes: a trace of steps past the end would
+    never start, and the run would say nothing."""
+    if not config.observe.profile_steps:
+        return
+    from jdist.profile import parse_steps
+
+    last, steps = parse_steps(config.observe.profile_steps)[1], config.optim.steps
+    require(last <= steps, f"--profile-steps {config.observe.profile_steps} goes past --steps "
+            f"{steps}; profile steps between 1 and {steps} (e.g. --profile-steps "
+            f"{min(2, steps)}-{min(3, steps)})")
+
+
 def model_of(config: TrainConfig) -> ModelConfig:
     """The preset with its shape flags, or the model a Hugging Face `--init-from` describes;
     with its LoRA adapters when `--lora-rank` is given."""
@@ -108,6 +123,7 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     """Model, mesh, rules, optimizer and layout from the flags: everything except data.
     All shape checks happen here, before anything is compiled (also used by jdist.memory)."""
     config.validate()  # each group's own checks; those across groups follow
+    check_profile_steps(config)
     model = model_of(config)
     require(not (config.devices.target and config.memory.offload == "optimizer"),
             f"--offload optimizer cannot be compiled for --target {config.devices.target}: "
@@ -151,10 +167,49 @@ def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
     return with_pipeline(plan, pipeline)
 
 
+def check_run_dir(config: TrainConfig, model: ModelConfig) -> None:
+    """Refuse a --run-dir holding another run's records (config.json, metrics.jsonl) and no
+    checkpoint, which starting there would overwrite. The same computation may start over
+    (say, after a crash before its first save): it recomputes the records it replaces. With
+    a checkpoint, resuming decides (`jdist.train.resume.find`)."""
+    from jdist import checkpoint as ckpt
+    from jdist.config import result_flags
+    from jdist.train.resume import checkpoint_root
+
+    run_dir = Path(config.checkpoint.run_dir)
+    record = run_dir / "config.json"
+    if not config.checkpoint.run_dir or not record.is_file() or \
+            ckpt.step_dirs(checkpoint_root(run_dir)):
+        return
+    fix = f"choose a new --run-dir, or delete {run_dir} to reuse its name"
+    try:
+        saved = json.loads(record.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        saved = None
+    require(isinstance(saved, dict) and isinstance(saved.get("train"), dict)
+            and isinstance(saved.get("model"), dict),
+            f"--run-dir {run_dir} holds a config.json that is not a jdist run's, which this "
+            f"run would overwrite; {fix}")
+    plain = lambda x: json.loads(json.dumps(x))
+    for key, value in plain(dataclasses.asdict(model)).items():
+        require(saved["model"].get(key) == value,
+                f"--run-dir {run_dir} holds the records of another run (a model with "
+                f"{key}={saved['model'].get(key)}, this run's has {key}={value}) and no "
+                f"checkpoint; starting here would overwrite them; {fix}")
+    defaults, current = plain(TrainConfig().flat()), plain(config.flat())
+    for key in result_flags():
+        was, flag = saved["train"].get(key, defaults[key]), "--" + key.replace("_", "-")
+        require(was == current[key],
+                f"--run-dir {run_dir} holds the records of another run ({flag} {was}, this "
+                f"run has {flag} {current[key]}) and no checkpoint; starting here would "
+                f"overwrite them; {fix}")
+
+
 def prepare(config: TrainConfig) -> Setup:
     """Every check a user's input can fail happens here (`plan_for` validates the flags
     first), before anything is compiled."""
     model, plan, schedule = plan_for(config)
+    check_run_dir(config, model)
     require(not (model.shape_only and jax.default_backend() == "cpu"),
             f"model preset {config.model.preset!r} is shape-only on CPU (too large to "
             "allocate); "
