@@ -199,12 +199,21 @@ def resolve_explicit(text: str, flag: str = "--resume", full: bool = False) -> F
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         steps = step_dirs(root)
         if not steps:
-            raise ConfigError(f"{flag} {text}: no checkpoints found there; pass a checkpoint "
-                              "directory such as RUN_DIR/checkpoints/100")
+            # Name what is there, never a directory that does not exist.
+            if (path / "config.json").is_file() or (path / "metrics.jsonl").is_file():
+                raise ConfigError(
+                    f"{flag} {text}: that run saved no checkpoint (it ran with "
+                    "--no-final-checkpoint or stopped before a save); train it again, which "
+                    "ends with a checkpoint in RUN_DIR/checkpoints/<step>")
+            raise ConfigError(f"{flag} {text}: no checkpoints found there (neither a run "
+                              "directory with checkpoints/<step> nor a checkpoint); pass the "
+                              "--run-dir of a python -m jdist.train run or one of its steps")
         path = steps[-1][1]
     if not path.exists():
-        raise ConfigError(f"{flag} {text}: no such checkpoint; pass an existing checkpoint "
-                          "directory")
+        near = [str(p) for _, p in step_dirs(path.parent)]
+        raise ConfigError(f"{flag} {text}: no such checkpoint; " + (
+            f"the checkpoints there are {', '.join(near)}" if near
+            else "pass an existing checkpoint directory"))
     problem = validate(path, full)
     if problem is not None:
         raise ConfigError(f"{flag} {text}: checkpoint is not usable: {problem}; pass an "

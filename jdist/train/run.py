@@ -81,7 +81,10 @@ class Run:
                         break
                     except faults.Rollback as e:
                         step = self.roll_back(e.step)
-                if self.config.checkpoint.checkpoint_every and self.records.history:
+                # Every run ends with a checkpoint unless told not to (as torchtitan and
+                # MaxText force a save at the last step): generate, export and extending the
+                # run all start from it.
+                if not self.config.checkpoint.no_final_checkpoint and self.records.history:
                     self.check_replicas(self.config.optim.steps)
                     self.save(self.config.optim.steps)  # skipped if just saved
             with self.clock("checkpoint"):
