@@ -7,6 +7,7 @@ import json
 import pytest
 
 from jdist import checkpoint as ckpt
+from jdist.step.optim import lr_schedule
 from jdist.train.__main__ import main as train_main
 
 TINY = ["--model", "tiny", "--mesh", "dp=1", "--batch-size", "2", "--seq-len", "32",
@@ -36,3 +37,28 @@ def test_a_run_ends_with_a_checkpoint_unless_told_not_to(tmp_path, capsys):
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert f"--checkpoint {bare}: that run saved no checkpoint" in err, err
     assert "RUN_DIR/checkpoints/100" not in err
+
+
+def test_a_finished_run_says_so_at_once_and_is_extended_by_more_steps(tmp_path, capsys):
+    finished = tmp_path / "run"
+    assert train_main([*TINY, "--steps", "2", "--run-dir", str(finished)]) == 0
+    capsys.readouterr()
+    # The same command again: one line, before any data is read or step compiled.
+    assert train_main([*TINY, "--steps", "2", "--run-dir", str(finished)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines() == [
+        f"jdist: {finished / 'checkpoints' / '2'} is already at step 2 of --steps 2: nothing "
+        "to train; pass --steps N above 2 to extend the run"]
+    # --steps 4 extends it, and the schedule's total with it.
+    assert train_main([*TINY, "--steps", "4", "--run-dir", str(finished)]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("resume:")]
+    assert "extending the run from --steps 2 to 4 at step 2" in line, line
+    records = metrics(finished)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[2]["lr"] == pytest.approx(float(lr_schedule(1e-2, 4, 1)(2)), rel=1e-6)
+    assert steps_in(finished)[-1] == 4
+    # Fewer steps than the run has done: one line, exit 2.
+    assert train_main([*TINY, "--steps", "3", "--run-dir", str(finished)]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "is at step 4, past --steps 3; pass --steps 4 or more" in err, err

@@ -15,7 +15,7 @@ from jdist.step.state import TrainState
 from jdist.train import fit, report, resume
 from jdist.train.goodput import Goodput
 from jdist.train.run import Run
-from jdist.train.setup import Setup, plan_for, prepare
+from jdist.train.setup import Setup, model_of, plan_for, prepare
 from jdist.train.tensorboard import TensorBoardLog
 
 
@@ -29,15 +29,24 @@ def train(config) -> list[dict]:
         fit.dry_run(config)
         return []
     clock = Goodput()
+    run_dir = Path(config.checkpoint.run_dir or report.default_run_dir())
+    config.validate()
+    done = resume.finished(config, run_dir, model_of)  # before data, plans or compiles
+    if done is not None:
+        if is_main_process():
+            print(f"jdist: {done}", flush=True)
+        return []
     with clock("setup"):
         setup = prepare(config)
         fit.check_fits(config, setup.plan)
-        run_dir = Path(config.checkpoint.run_dir or report.default_run_dir())
         data_id = data.fingerprint(setup.corpus)
         found = resume.find(config, setup.model, run_dir, data_id,  # before anything is written
                             dict(setup.plan.mesh.shape))
         first = found.step if found else 0
         main = is_main_process()
+        change = resume.schedule_change(found, config, setup.schedule)
+        if change is not None and main:
+            print(change, flush=True)
         log = report.open_run_dir(run_dir, setup, first) if main else report.MetricsLog(None)
         clock.lost_before_resume = log.dropped_s
         sinks = [TensorBoardLog(run_dir)] if config.observe.tensorboard and main else []

@@ -20,6 +20,10 @@ from jdist.step.state import Plan, TrainState, init_state, state_from_params
 # keep them; everything else (mesh, ZeRO stage, process count, remat, ...) only decides *how*
 # and may change.
 RESULT_FLAGS = result_flags()
+# Result flags a resumed run may still change: --steps extends (or shortens) the run, and with
+# it the learning-rate schedule's total, as MaxText and torchtitan runs are extended (said in
+# one line, `schedule_change`).
+EXTENDABLE = ("steps",)
 
 
 # Checkpoint metadata: whether the parameters saved include the frozen base (LoRA saves
@@ -71,7 +75,7 @@ def check_compatible(found: ckpt.Found, config, model, data_fingerprint: str = "
     # A flag newer than the checkpoint was at its default when the checkpoint was written.
     defaults = _plain(type(config)().flat())
     saved = {key: saved.get(key, defaults[key]) for key in RESULT_FLAGS}
-    for key in RESULT_FLAGS:
+    for key in (k for k in RESULT_FLAGS if k not in EXTENDABLE):
         flag = "--" + key.replace("_", "-")
         require(saved[key] == current[key],
                 f"--resume: checkpoint {found.path} was written with {flag} {saved[key]} but "
@@ -142,10 +146,50 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "",
                 "choose a new --run-dir or --resume auto")
     if found.step >= 0:
         check_compatible(found, config, model, data_fingerprint)
+        check_not_past(found, config)
         if mesh_shape is not None:
             check_numerics(found, config, model, mesh_shape)
     ckpt.set_aside(found, root)
     return found if found.step >= 0 else None
+
+
+def finished(config, run_dir: Path, model_of) -> str | None:
+    """Before any data is read or anything compiled: the one line that says this run has
+    nothing left to do (its checkpoint is already at --steps), or None. `model_of(config)`
+    gives the model, for the same compatibility checks a resume makes (a checkpoint of
+    another computation is left to `find`'s errors)."""
+    if config.checkpoint.resume == "none":
+        return None
+    if config.checkpoint.resume == "auto":
+        found = ckpt.latest_good(checkpoint_root(run_dir))
+    else:
+        found = ckpt.resolve_explicit(config.checkpoint.resume)
+    if found is None or found.step < config.optim.steps:
+        return None
+    check_compatible(found, config, model_of(config))
+    check_not_past(found, config)
+    return (f"{found.path} is already at step {found.step} of --steps {config.optim.steps}: "
+            f"nothing to train; pass --steps N above {found.step} to extend the run")
+
+
+def check_not_past(found: ckpt.Found, config) -> None:
+    require(found.step <= config.optim.steps,
+            f"--resume: checkpoint {found.path} is at step {found.step}, past --steps "
+            f"{config.optim.steps}; pass --steps {found.step} or more (more extends the run) "
+            "or choose a new --run-dir")
+
+
+def schedule_change(found: ckpt.Found | None, config, schedule) -> str | None:
+    """The line that says a resumed run's --steps (so the learning-rate schedule's total)
+    differs from the checkpoint's, or None."""
+    was = (found.meta.get("config", {}) if found is not None else {}).get("steps")
+    now = config.optim.steps
+    if was is None or was == now:
+        return None
+    verb = "extending" if now > was else "shortening"
+    return (f"resume: {verb} the run from --steps {was} to {now} at step {found.step}: the "
+            f"learning-rate schedule now decays over {now} steps instead of {was} (lr "
+            f"{float(schedule(found.step)):.3g} at step {found.step + 1})")
 
 
 def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
