@@ -21,12 +21,25 @@ def read_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / CONFIG
     require(Path(hf_dir).is_dir(), f"--init-from {hf_dir}: not a directory; pass a Hugging Face "
                                    "model directory (config.json + *.safetensors)")
+    # A jdist run's config.json is its flags, not a model's: say what the directory is.
+    require(not is_jdist_run(hf_dir),
+            f"--init-from {hf_dir}: that is a jdist training run or checkpoint, not a Hugging "
+            f"Face model; continue training it with --resume {hf_dir}, generate from it with "
+            f"--checkpoint {hf_dir}, or convert it with python -m jdist.export {hf_dir} --hf OUT")
     require(path.is_file(), f"--init-from {hf_dir}: no {CONFIG} there; pass the directory "
                             "save_pretrained wrote (config.json + *.safetensors)")
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         require(False, f"{path} is not valid JSON ({e}); re-download or re-export it")
+
+
+def is_jdist_run(path: str | Path) -> bool:
+    """A `python -m jdist.train` run directory or one of its checkpoints (step directories)."""
+    from jdist.checkpoint import MANIFEST, STATE
+
+    return any((Path(path) / name).exists() for name in
+               ("checkpoints", "metrics.jsonl", MANIFEST, STATE))
 
 
 def rope_fields(c: dict) -> tuple[float, dict]:
