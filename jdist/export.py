@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         require(not (args.hf and args.peft and Path(args.hf).resolve() ==
                      Path(args.peft).resolve()),
                 f"--hf and --peft are both {args.hf}; give them different directories")
-        found = resolve_explicit(args.checkpoint, "jdist.export")
+        found = resolve_explicit(args.checkpoint, "checkpoint")
         cfg, read_leaf = checkpoint_reader(found)
         if cfg.lora is None:
             require(not args.merge_lora, f"--merge-lora: {found.path} has no LoRA adapters; "
