@@ -216,8 +216,12 @@ def resolve_explicit(text: str, flag: str = "--resume", full: bool = False) -> F
             else "pass an existing checkpoint directory"))
     problem = validate(path, full)
     if problem is not None:
-        raise ConfigError(f"{flag} {text}: checkpoint is not usable: {problem}; pass an "
-                          "earlier checkpoint (or --resume auto to take the newest good one)")
+        if flag == "--resume":
+            hint = "pass an earlier checkpoint (or --resume auto to take the newest good one)"
+        else:  # only training has --resume auto; generate and export take a step directory
+            others = [str(p) for s, p in step_dirs(path.parent) if str(s) != path.name]
+            hint = "pass another checkpoint" + (f" ({', '.join(others)})" if others else "")
+        raise ConfigError(f"{flag} {text}: checkpoint is not usable: {problem}; {hint}")
     return Found(path, int(read_meta(path)["step"]), read_meta(path))
 
 
