@@ -62,15 +62,11 @@ def _plain(x):
 
 def check_compatible(found: ckpt.Found, config, model, data_fingerprint: str = "") -> None:
     saved_model, saved = found.meta.get("model", {}), found.meta.get("config", {})
-    saved_data = found.meta.get("data_fingerprint", "")
-    require(not (saved_data and data_fingerprint and saved_data != data_fingerprint),
-            f"--resume: checkpoint {found.path} was trained on different data (fingerprint "
-            f"{saved_data}, now {data_fingerprint}: the --data contents or this Python's stdlib "
-            "changed); resume with the same data or start a new --run-dir")
     for key, value in _plain(dataclasses.asdict(model)).items():
         require(saved_model.get(key) == value,
                 f"--resume: checkpoint {found.path} is of a model with {key}={saved_model.get(key)}"
-                f" but this run's model has {key}={value}; pass the same --model and shape flags")
+                f" but this run's model has {key}={value}; pass the same --model and shape flags "
+                "to resume it, or choose a new --run-dir")
     current = _plain(config.flat())
     # A flag newer than the checkpoint was at its default when the checkpoint was written.
     defaults = _plain(type(config)().flat())
@@ -80,7 +76,14 @@ def check_compatible(found: ckpt.Found, config, model, data_fingerprint: str = "
         require(saved[key] == current[key],
                 f"--resume: checkpoint {found.path} was written with {flag} {saved[key]} but "
                 f"this run has {flag} {current[key]}; pass the same value (a resumed run may "
-                "change only the mesh, ZeRO stage, process count and other layout flags)")
+                "change only the mesh, ZeRO stage, process count and other layout flags), or "
+                "choose a new --run-dir")
+    # Last: the flags above name what differs; a fingerprint only says that something did.
+    saved_data = found.meta.get("data_fingerprint", "")
+    require(not (saved_data and data_fingerprint and saved_data != data_fingerprint),
+            f"--resume: checkpoint {found.path} was trained on different data (fingerprint "
+            f"{saved_data}, now {data_fingerprint}: the --data contents or this Python's stdlib "
+            "changed); resume with the same data or start a new --run-dir")
 
 
 def micro_batches(config, mesh_shape: dict) -> int:
