@@ -37,7 +37,7 @@ def run_cli(body: Callable[[], int | None]) -> int:
         return EXIT_CONFIG
     except KeyboardInterrupt:
         print("jdist: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 # Exit statuses of `python -m jdist.train` and `python -m jdist.launch`.
@@ -48,3 +48,4 @@ EXIT_NONFINITE = 3      # non-finite loss/gradient under --on-nan stop (or rollb
 EXIT_CORRUPTION = 4     # silent data corruption: replicas or a recomputed step disagree bitwise
 EXIT_SAVE_FAILED = 5    # a checkpoint save failed and no later save of the run replaced it
 EXIT_PREEMPTED = 75     # SIGTERM/SIGINT: a checkpoint of the current step was saved; rerun
+EXIT_INTERRUPTED = 130  # Ctrl-C before training started, or a second signal while stopping

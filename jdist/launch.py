@@ -19,7 +19,6 @@ preempted; otherwise the failing process's status (1 when it died from a signal)
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import re
@@ -32,7 +31,15 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from jdist.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_NONFINITE, EXIT_OK, EXIT_PREEMPTED
+from jdist.errors import (
+    EXIT_CONFIG,
+    EXIT_CRASH,
+    EXIT_NONFINITE,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    ArgumentParser,
+    ConfigError,
+)
 
 NOT_RETRIED = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED)
 POLL_S = 0.05
@@ -233,12 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
         if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="python -m jdist.launch",
-                                     description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m jdist.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes to start")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the group from its newest checkpoint up to K times")
-    args = parser.parse_args(ours)
+    try:
+        args, unknown = parser.parse_known_args(ours)
+    except ConfigError as e:
+        print(f"jdist.launch: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if unknown:  # most likely training flags given without the `--` that sets them apart
+        print(f"jdist.launch: error: unrecognized arguments: {' '.join(unknown)}; training "
+              "flags go after --, e.g. python -m jdist.launch --nproc 2 -- "
+              f"{' '.join(unknown)}", file=sys.stderr)
+        return EXIT_CONFIG
     if args.nproc < 1 or args.max_restarts < 0:
         print("jdist.launch: error: --nproc must be >= 1 and --max-restarts >= 0",
               file=sys.stderr)

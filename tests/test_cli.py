@@ -1,6 +1,7 @@
 """`python -m jdist.train` end to end: a real run, and every user mistake the issue lists."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -107,6 +108,61 @@ def test_mistakes_once_accepted_are_one_line_and_exit_2(tmp_path, args, message)
     assert "Traceback" not in result.stderr + result.stdout
     assert not run_dir.exists()
     assert {p.name: p.read_bytes() for p in other.iterdir()} == records  # nothing overwritten
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# (command, arguments, what the one line must say, what it must not). RUN: a run directory
+# with a checkpoint of a d_model=32 model; BROKEN: the same with an unfinished save; HF: a
+# sharded Hugging Face model missing a shard; NEW: a run directory nothing may create.
+MISLEADING = [
+    ("jdist.train", [*TINY, "--run-dir", "RUN"],
+     "is of a model with d_model=32 but this run's model has d_model=64", "different data"),
+    ("jdist.train", [*TINY, "--init-from", "RUN", "--run-dir", "NEW"],
+     "that is a jdist training run or checkpoint, not a Hugging Face model; continue training "
+     "it with --resume", "vocab_size"),
+    ("jdist.generate", ["--checkpoint", "BROKEN", "--prompt", "hi"],
+     "checkpoint is not usable", "--resume"),
+    ("jdist.export", ["NEW", "--hf", "NEW"], "jdist.export: error: checkpoint ",
+     "jdist.export: error: jdist.export"),
+    ("jdist.launch", ["--nproc", "2", "--model", "tiny"],
+     "training flags go after --, e.g. python -m jdist.launch --nproc 2 -- --model tiny", None),
+    ("jdist.train", [*TINY, "--lora-rank", "4", "--quantize-base", "nf4", "--run-dir", "NEW"],
+     "not a whole number of NF4 blocks of 64 on any mesh; QLoRA needs a model whose head "
+     "dimension", "no axis"),
+    ("jdist.train", ["--init-from", "HF", "--steps", "1", "--seq-len", "32", "--run-dir", "NEW"],
+     "model-00003-of-00006.safetensors (named in model.safetensors.index.json) is missing",
+     None),
+]
+
+
+@pytest.mark.parametrize("command, args, says, never", MISLEADING,
+                         ids=["resume-model", "init-from-run", "generate", "export", "launch",
+                              "qlora", "hf-shard"])
+def test_messages_name_the_real_problem(tmp_path, command, args, says, never):
+    given = {"RUN": tmp_path / "run", "BROKEN": tmp_path / "broken", "HF": tmp_path / "hf",
+             "NEW": tmp_path / "new"}
+    shutil.copytree(FIXTURES / "checkpoint_v1", given["RUN"])
+    shutil.copytree(FIXTURES / "checkpoint_v1", given["BROKEN"])
+    (given["BROKEN"] / "checkpoints" / "2" / "jdist_manifest.json").unlink()
+    shutil.copytree(FIXTURES / "hf" / "llama-untied", given["HF"])
+    (given["HF"] / "model-00003-of-00006.safetensors").unlink()
+    result = subprocess.run([sys.executable, "-m", command,
+                             *(str(given.get(a, a)) for a in args)],
+                            check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], result.stderr
+    assert never is None or never not in lines[0], lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not given["NEW"].exists()  # nothing written
+
+
+def test_readme_lists_every_exit_status():
+    from jdist import errors
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    listed = {int(m) for m in re.findall(r"^\| (\d+) \|", readme, re.MULTILINE)}
+    assert listed == {v for k, v in vars(errors).items() if k.startswith("EXIT_")}
 
 
 def test_process_split_counts_accelerators_as_they_are(monkeypatch):

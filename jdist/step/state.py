@@ -139,6 +139,11 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
                 double_quant=double_quant)
 
 
+# What sets each quantized weight's last dimension (its logical name), in flags.
+SHAPE_OF = {ax.HEAD_DIM: "head dimension (--d-model / --n-heads)", ax.EMBED: "--d-model",
+            ax.MLP: "--d-ff"}
+
+
 def check_quantizable(abstract: dict, names: dict, mesh, rules: Rules, quantize: str) -> None:
     """NF4 blocks run along a weight's last dimension (`jdist.nf4`): every shard of it, on
     any mesh axis the rules split it over, must hold whole blocks of 64, so no block
@@ -149,12 +154,18 @@ def check_quantizable(abstract: dict, names: dict, mesh, rules: Rules, quantize:
         part = resolve(leaf_names, rules, mesh)[len(leaf_names) - 1] if leaf_names else None
         axes = tuple(a for a in mesh_axes_of(part) if mesh.shape[a] > 1)
         ways = math.prod(mesh.shape[a] for a in axes)
-        n = leaf.shape[-1]
+        n, last = leaf.shape[-1], leaf_names[-1] if leaf_names else None
+        # A dimension that is not whole blocks fails on every mesh: name the model's shape.
+        require(n % nf4.BLOCK == 0,
+                f"--quantize-base nf4: parameter {sh.path_str(path)}'s last dimension "
+                f"({last}) of {n} weights is not a whole number of NF4 blocks of "
+                f"{nf4.BLOCK} on any mesh; QLoRA needs a model whose "
+                f"{SHAPE_OF.get(last, 'dimension')} is a multiple of {nf4.BLOCK}")
         require(n % (ways * nf4.BLOCK) == 0,
                 f"--quantize-base nf4: parameter {sh.path_str(path)}'s last dimension {n} "
-                f"split over {'x'.join(axes) or 'no axis'}={ways} gives shards of "
+                f"split over {'x'.join(axes)}={ways} gives shards of "
                 f"{n / ways:g} weights, not a whole number of NF4 blocks of {nf4.BLOCK}; use a "
-                f"smaller {'/'.join(axes) or 'model'} axis or a model whose dimension is a "
+                f"smaller {'/'.join(axes)} axis or a model whose dimension is a "
                 f"multiple of {ways * nf4.BLOCK}")
     jax.tree_util.tree_map_with_path(one, abstract, names,
                                      is_leaf=lambda x: isinstance(x, tuple))

@@ -167,6 +167,16 @@ def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
     return with_pipeline(plan, pipeline)
 
 
+def check_tensor_files(hf_dir: str) -> None:
+    """Every safetensors file `--init-from` names is there and opens: a missing shard is
+    found before the run directory is written, not when the weights are read."""
+    from jdist.hf import Source
+
+    source = Source(hf_dir)
+    for name in {file: name for name, file in source.weight_map.items()}.values():
+        source.tensor(name)  # opens its file (one tensor per file)
+
+
 def check_run_dir(config: TrainConfig, model: ModelConfig) -> None:
     """Refuse a --run-dir holding another run's records (config.json, metrics.jsonl) and no
     checkpoint, which starting there would overwrite. The same computation may start over
@@ -210,6 +220,8 @@ def prepare(config: TrainConfig) -> Setup:
     first), before anything is compiled."""
     model, plan, schedule = plan_for(config)
     check_run_dir(config, model)
+    if config.model.init_from:
+        check_tensor_files(config.model.init_from)
     require(not (model.shape_only and jax.default_backend() == "cpu"),
             f"model preset {config.model.preset!r} is shape-only on CPU (too large to "
             "allocate); "
