@@ -14,7 +14,8 @@ SIGTERM, so every process saves a checkpoint and exits with status 75 (preempted
 
 Exit status: 0 when every process finished; 2 for a usage error or when a process reports
 one (not retried); 3 for a non-finite loss under --on-nan stop (not retried); 75 when
-preempted; otherwise the failing process's status (1 when it died from a signal).
+preempted; otherwise the status of the process that failed first, by exit time (1 when it
+died from a signal).
 """
 
 from __future__ import annotations
