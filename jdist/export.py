@@ -210,6 +210,42 @@ def lora_base_reader(found, cfg, read_checkpoint):
     return nf4_reader(read, double_quant) if quantize == "nf4" else read
 
 
+def run_tokenizer(found) -> str:
+    """The tokenizer the checkpoint's run trained with (its --tokenizer; bytes by default),
+    which must still be there."""
+    from jdist.hf.export import BYTES
+
+    spec = (found.meta.get("config") or {}).get("tokenizer") or BYTES
+    require(spec == BYTES or Path(spec).exists(),
+            f"{found.path} was trained with --tokenizer {spec}, which is not there; pass "
+            "--tokenizer DIR (that tokenizer's directory) to write it next to the model")
+    return spec
+
+
+def export_source(found, tokenizer: str) -> dict:
+    """What the exported config.json and generation_config.json carry over: the fields the
+    checkpoint recorded of its --init-from model (`jdist.hf.config.source_fields`; read from
+    the directory for checkpoints older than that record), else the tokenizer's bos and eos
+    ids."""
+    from jdist.data.tokenizer import load_tokenizer
+    from jdist.hf.config import CONFIG, source_fields
+
+    source = found.meta.get("hf_source")
+    init_from = (found.meta.get("config") or {}).get("init_from") or ""
+    if source is None and init_from and (Path(init_from) / CONFIG).is_file():
+        source = source_fields(init_from)
+    source = dict(source or {})
+    config = dict(source.get("config") or {})
+    try:
+        tok = load_tokenizer(str(tokenizer))
+    except ConfigError:  # e.g. no eos token: it is copied as it is, and names no ids
+        return {**source, "config": config}
+    for key, value in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eod_id)):
+        if key not in config and value is not None:
+            config[key] = value
+    return {**source, "config": config}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jdist.export", description=__doc__)
     parser.add_argument("checkpoint", help="checkpoint step directory or run directory")
@@ -221,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                         "or empty) for the adapters alone, as PEFT saves them")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file")
-    parser.add_argument("--tokenizer", default="", help="copy tokenizer files from this dir")
+    parser.add_argument("--tokenizer", default="", help="copy tokenizer files from this dir "
+                        "(default: the tokenizer the run trained with; bytes is written as an "
+                        "equivalent Hugging Face tokenizer)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         from jdist.checkpoint import resolve_explicit
@@ -247,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                     "model, or --peft OUT for the adapters")
         require(not args.merge_lora or args.hf, "--merge-lora writes the merged model to --hf "
                                                 "OUT; add --hf OUT")
+        if args.hf and not args.tokenizer:
+            run_tokenizer(found)  # checked before anything is written
         for flag, out in (("--hf", args.hf), ("--peft", args.peft)):
             require(not out or not Path(out).exists() or (Path(out).is_dir() and not any(
                 Path(out).iterdir())), f"{flag} {out}: exists and is not an empty directory; "
@@ -270,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
             done.append(f"{len(names)} LoRA tensors (rank {cfg.lora.rank}, float32) to "
                         f"{args.peft}")
         if args.hf:
+            tokenizer = args.tokenizer or run_tokenizer(found)
             weight_map = write_hf(args.hf, model, read, dtype=args.dtype,
-                                  max_shard_bytes=shard, tokenizer_dir=args.tokenizer or None)
+                                  max_shard_bytes=shard, tokenizer=tokenizer,
+                                  source=export_source(found, tokenizer))
             files = len(set(weight_map.values()))
             merged = ", LoRA merged" if cfg.lora is not None else ""
             done.append(f"{len(weight_map)} tensors in {files} safetensors file(s), "

@@ -221,3 +221,30 @@ def test_prompts_are_encoded_as_transformers_does(tmp_path, adds_bos):
     key = "ids_with_special_tokens" if adds_bos else "ids"
     want = [s[key] for s in ref["samples"] if s["text"]]
     assert [g.tolist() for g in got] == want
+
+
+def test_export_carries_the_tokenizer_and_an_undecodable_id_is_one_line(run_dir, tmp_path,
+                                                                        capsys):
+    """`jdist.export` writes the tokenizer the run trained with (bytes, as an equivalent HF
+    tokenizer that jdist reads back as bytes), so `generate --init-from` the export runs and
+    writes what `--checkpoint` writes. A model whose ids the tokenizer cannot decode (the
+    384-id fixture run with bytes) stops with one line, exit 2."""
+    from jdist.data.tokenizer import ByteTokenizer, load_tokenizer
+    from jdist.export import main as export
+    from jdist.generate.__main__ import main as generate_main
+
+    out = tmp_path / "hf"
+    assert export([str(run_dir), "--hf", str(out)]) == 0
+    assert isinstance(load_tokenizer(str(out)), ByteTokenizer)
+    args = ["--prompt", data.decode(PROMPT), "--max-new-tokens", str(NEW)]
+    capsys.readouterr()
+    assert generate_main(["--checkpoint", str(run_dir), *args]) == 0
+    from_checkpoint = capsys.readouterr().out
+    assert generate_main(["--init-from", str(out), *args]) == 0
+    assert capsys.readouterr().out == from_checkpoint
+    assert generate_main(["--init-from", str(FIXTURES / "llama-tied"), "--tokenizer", "bytes",
+                          "--prompt", "def f(x):", "--max-new-tokens", "32"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    err = lines[-1]
+    assert not any("Traceback" in x for x in lines) and err.startswith("jdist: error: the model generated token id ") and \
+        "which tokenizer bytes cannot decode (its ids are 0-255)" in err, err

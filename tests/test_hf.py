@@ -105,24 +105,39 @@ def test_round_trip_is_bitwise(tmp_path, hf_dir):
 
 def test_train_checkpoint_export_round_trip(tmp_path):
     """HF -> `--init-from` -> an Orbax checkpoint (lr 0: the weights unchanged) ->
-    `python -m jdist.export` -> the same tensors, bitwise."""
-    run = tmp_path / "run"
+    `python -m jdist.export` -> the same tensors, bitwise; config.json keeps the source's
+    bos/eos ids and max_position_embeddings, and generation_config.json is the source's,
+    from the checkpoint's metadata (the source directory is gone by the export); every file
+    has the user's umask (safetensors alone would create 0600)."""
+    import os
+
+    source, run = tmp_path / "source", tmp_path / "run"
+    shutil.copytree(UNTIED, source)
     train = subprocess.run(
-        [sys.executable, "-m", "jdist.train", "--init-from", str(UNTIED), "--mesh", "fsdp=2",
+        [sys.executable, "-m", "jdist.train", "--init-from", str(source), "--mesh", "fsdp=2",
          "--steps", "1", "--lr", "0", "--batch-size", "4", "--seq-len", "16",
-         "--eval-every", "0", "--checkpoint-every", "1", "--run-dir", str(run)],
+         "--eval-every", "0", "--run-dir", str(run)],
         capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr
+    shutil.rmtree(source)
     out = tmp_path / "hf"
     export = subprocess.run(
         [sys.executable, "-m", "jdist.export", str(run), "--hf", str(out),
          "--max-shard-size", "100KB", "--tokenizer", str(UNTIED)],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o027))
     assert export.returncode == 0, export.stderr
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "tokenizer.json").exists()
     original, exported = hf_tensors(UNTIED), hf_tensors(out)
     assert sorted(original) == sorted(exported)
     assert all(exported[k].tobytes() == v.tobytes() for k, v in original.items())
+    was, now = (json.loads((d / "config.json").read_text()) for d in (UNTIED, out))
+    carried = ("bos_token_id", "eos_token_id", "max_position_embeddings")
+    assert {k: now[k] for k in carried} == {k: was[k] for k in carried}
+    assert was["max_position_embeddings"] != 8192  # not the default it used to write
+    assert json.loads((out / "generation_config.json").read_text()) == \
+        json.loads((UNTIED / "generation_config.json").read_text())
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert set(modes.values()) == {0o640}, modes
 
 
 def _free_port() -> int:

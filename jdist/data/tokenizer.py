@@ -135,6 +135,15 @@ def _read_special(config: Path) -> dict:
     return {k: _token_text(raw.get(k)) for k in ("eos_token", "bos_token")}
 
 
+def _names_bytes(config: Path) -> bool:
+    """Whether tokenizer_config.json says the tokenizer is jdist's byte tokenizer (as
+    `jdist.export` writes it next to the model, in the HF form transformers loads)."""
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("jdist_tokenizer") == BYTES
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False  # _read_special reports an unreadable file
+
+
 def load_tokenizer(spec: str | None) -> Tokenizer:
     """"" or "bytes": byte-level; a directory with tokenizer.json (and optionally
     tokenizer_config.json for eos/bos); or a path to a tokenizer.json."""
@@ -146,6 +155,8 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
     if p.is_dir():
         file = p / "tokenizer.json"
         require(file.is_file(), f"tokenizer directory {spec!r} has no tokenizer.json; {fix}")
+        if _names_bytes(p / "tokenizer_config.json"):
+            return ByteTokenizer()
         return HFTokenizer(file, str(p), _read_special(p / "tokenizer_config.json"))
     return HFTokenizer(p, str(p), _read_special(p.parent / "tokenizer_config.json"))
 

@@ -84,7 +84,7 @@ def run(args) -> None:
     from jdist.data.tokenizer import load_tokenizer
     from jdist.generate import cache_bytes, left_pad, stream
     from jdist.generate.sample import Sampling
-    from jdist.generate.text import TextStream, complete, encode_prompts, read_prompts
+    from jdist.generate.text import TextStream, complete, decode, encode_prompts, read_prompts
     from jdist.generate.weights import DEFAULT_CONTEXT, hf_context, inference_plan
     from jdist.mesh import describe
 
@@ -116,7 +116,7 @@ def run(args) -> None:
     if shown:
         shown.close()
     for i, (text, ids) in enumerate(zip(texts, out) if not shown else ()):
-        print(f"=== prompt {i} ===\n{text}{tok.decode(ids)}", flush=True)
+        print(f"=== prompt {i} ===\n{text}{decode(tok, ids)}", flush=True)
     n = max(len(ids) for ids in out)
     rate = (n - 1) * len(prompts) / max(elapsed - first_s, 1e-9)
     print(f"generated {n} tokens x {len(prompts)} prompts in {elapsed:.2f}s (first token, "

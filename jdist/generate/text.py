@@ -40,6 +40,16 @@ def encode_prompts(tok, texts: list[str], vocab_size: int, context: int,
     return prompts
 
 
+def decode(tok, ids) -> str:
+    """The text of generated `ids`; an id outside the tokenizer (a model whose vocabulary is
+    larger than the tokenizer it is run with) is a one-line error, not a traceback."""
+    bad = next((i for i in ids if not 0 <= int(i) < tok.vocab_size), None)
+    require(bad is None, f"the model generated token id {bad}, which tokenizer {tok.name} "
+            f"cannot decode (its ids are 0-{tok.vocab_size - 1}); pass the tokenizer the model "
+            "was trained with (--tokenizer)")
+    return tok.decode(ids)
+
+
 class TextStream:
     """Prints a completion as it grows: only the text added since the last print, holding
     back a trailing incomplete character (a multi-byte character split across tokens)."""
@@ -49,13 +59,13 @@ class TextStream:
 
     def add(self, token: int) -> None:
         self.ids.append(token)
-        text = self.tok.decode(self.ids).rstrip("\ufffd")
+        text = decode(self.tok, self.ids).rstrip("\ufffd")
         if text.startswith(self.shown) and len(text) > len(self.shown):
             print(text[len(self.shown):], end="", flush=True)
             self.shown = text
 
     def close(self) -> None:
-        print(self.tok.decode(self.ids)[len(self.shown):], flush=True)
+        print(decode(self.tok, self.ids)[len(self.shown):], flush=True)
 
 
 def complete(steps, n_prompts: int, eod_id: int | None, on_token=None) -> list[list[int]]:

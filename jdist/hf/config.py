@@ -12,6 +12,12 @@ from jdist.errors import require
 from models.config import ModelConfig, RopeScaling
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+# config.json fields the model's shape does not decide but transformers reads: the special
+# token ids (generation stops at eos) and the context the model was made for. An export
+# carries them over from the directory a run started from (`source_fields`).
+CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+DEFAULT_MAX_POSITION = 8192  # when no source says (a run trained from scratch)
 ARCHITECTURE = "LlamaForCausalLM"
 # HF LlamaConfig's defaults where config.json leaves a field out.
 HF_DEFAULT_EPS, HF_DEFAULT_THETA = 1e-6, 10_000.0
@@ -103,8 +109,32 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
     return cfg
 
 
-def hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict:
-    """config.json for `cfg`, as `LlamaConfig` writes it."""
+def source_fields(hf_dir: str | Path) -> dict:
+    """What an export of a model started from `hf_dir` keeps of it: {"config": its CARRIED
+    fields, "generation_config": its generation_config.json (sampling defaults, eos lists),
+    when it has one}. Recorded in every checkpoint, so an export needs not the directory."""
+    c = read_config(hf_dir)
+    out = {"config": {k: c[k] for k in CARRIED if k in c}}
+    gen = Path(hf_dir) / GENERATION_CONFIG
+    if gen.is_file():
+        try:
+            out["generation_config"] = json.loads(gen.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass  # transformers would refuse it too; the export writes one from config.json
+    return out
+
+
+def generation_config(config: dict) -> dict:
+    """generation_config.json from a config.json, as transformers derives it."""
+    ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if config.get(k) is not None}
+    return {"_from_model_config": True, **ids, "use_cache": True}
+
+
+def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
+              carried: dict | None = None) -> dict:
+    """config.json for `cfg`, as `LlamaConfig` writes it, with the `carried` fields (CARRIED:
+    special token ids, max_position_embeddings) of the model it came from."""
     require(not cfg.n_experts, "export to Hugging Face supports dense Llama models only; this "
                                "model has experts")
     rope = None
@@ -119,9 +149,10 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32") -> dict:
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.dim_per_head, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": rope,
-        "max_position_embeddings": max(8192, rope["original_max_position_embeddings"]
-                                       if rope else 0),
+        "max_position_embeddings": max(DEFAULT_MAX_POSITION,
+                                       rope["original_max_position_embeddings"] if rope else 0),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
         "use_cache": True, "torch_dtype": torch_dtype,
+        **{k: v for k, v in (carried or {}).items() if k in CARRIED},
     }

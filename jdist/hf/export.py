@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,14 +20,16 @@ from safetensors.numpy import save_file
 
 from jdist.errors import require
 from jdist.hf import layout
-from jdist.hf.config import CONFIG, hf_config
+from jdist.hf.config import CONFIG, GENERATION_CONFIG, generation_config, hf_config
 from jdist.hf.load import INDEX
 from models.config import ModelConfig
 from models.names import BLOCKS, HEAD
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30  # as transformers' save_pretrained
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+BYTES = "bytes"  # jdist's byte-level tokenizer (jdist.data.tokenizer), written as an HF one
 
 
 def leaf_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
@@ -47,21 +50,79 @@ def hf_tensors(path: tuple[str, ...], value: np.ndarray) -> Iterator[tuple[str, 
 
 def write_hf(out_dir: str | Path, cfg: ModelConfig, read_leaf: Callable, *,
              dtype: str = "float32", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-             tokenizer_dir: str | Path | None = None) -> dict:
+             tokenizer: str | Path | None = None, source: dict | None = None) -> dict:
     """Write `cfg`'s parameters, each fetched by `read_leaf(path) -> np.ndarray` (float32,
-    model layer order), as an HF directory. Returns the index's weight map."""
+    model layer order), as an HF directory. Returns the index's weight map. `tokenizer`:
+    none, BYTES, or a tokenizer directory or tokenizer.json whose files are copied.
+    `source` (`jdist.hf.config.source_fields`): the config.json fields and the
+    generation_config.json of the model this one came from, carried over."""
     out = Path(out_dir)
     require(not out.exists() or not any(out.iterdir()),
             f"--hf {out}: directory exists and is not empty; choose a new output directory")
     require(dtype in DTYPES, f"--dtype {dtype!r}: use float32 or bfloat16")
+    source = source or {}
     with staged(out) as staging:
         weight_map = _write_tensors(staging, cfg, read_leaf, DTYPES[dtype], max_shard_bytes)
-        config = hf_config(cfg, torch_dtype=dtype)
+        config = hf_config(cfg, torch_dtype=dtype, carried=source.get("config"))
         (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        for name in TOKENIZER_FILES if tokenizer_dir else ():
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy2(Path(tokenizer_dir) / name, staging / name)
+        generation = source.get("generation_config") or generation_config(config)
+        (staging / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+        if tokenizer is not None:
+            write_tokenizer(staging, tokenizer)
     return weight_map
+
+
+def write_tokenizer(out: Path, tokenizer: str | Path) -> None:
+    """The tokenizer's files in `out`: BYTES as an equivalent HF tokenizer, else the files
+    of a tokenizer directory (or of the directory of a tokenizer.json)."""
+    if str(tokenizer) in ("", BYTES):
+        write_byte_tokenizer(out)
+        return
+    path = Path(tokenizer)
+    src = path if path.is_dir() else path.parent
+    if not path.is_dir():
+        shutil.copy2(path, out / TOKENIZER_FILES[0])
+    for name in TOKENIZER_FILES[path.is_file():]:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer and
+    decoder of `tokenizers` use."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def write_byte_tokenizer(out: Path) -> None:
+    """jdist's byte-level tokenizer (id = UTF-8 byte, no special tokens) as a `tokenizers`
+    tokenizer.json that transformers loads and that encodes and decodes exactly as it does:
+    ByteLevel bytes, one token per byte, no merges. tokenizer_config.json names it, so
+    jdist loads it back as the byte tokenizer (which, having no eos, no HF one can be)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: b for b, c in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / TOKENIZER_FILES[0]))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces":
+              False, "jdist_tokenizer": BYTES}
+    (out / TOKENIZER_FILES[1]).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager
@@ -73,6 +134,11 @@ def staged(out: Path):
     staging.mkdir(parents=True)
     try:
         yield staging
+        # As the user's other files: safetensors creates its files 0600.
+        mode = 0o666 & ~_umask()
+        for f in staging.iterdir():
+            if f.is_file():
+                f.chmod(mode)
         if out.exists():
             out.rmdir()
         staging.rename(out)

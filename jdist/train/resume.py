@@ -43,17 +43,20 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 
 def run_meta(config, model, mesh, step: int, data_fingerprint: str = "",
-             layer_order=None) -> dict:
+             layer_order=None, hf_source: dict | None = None) -> dict:
     """Saved with every checkpoint. Batches are a pure function of (seed, step), so the data
     position is the step and the only RNG state is the seed. `layer_order` is how the
-    stacked blocks are stored (`jdist.step.layer_order`)."""
+    stacked blocks are stored (`jdist.step.layer_order`). `hf_source`: what an export keeps
+    of the --init-from model (`jdist.hf.config.source_fields`), so it needs not the
+    directory."""
     order = list(range(model.n_layers)) if layer_order is None else \
         [int(i) for i in layer_order]
     return {CHECKPOINT_KEY: order, "step": step, "data_position": step,
             "rng": {"seed": config.data.seed},
             "config": config.flat(), "model": dataclasses.asdict(model),
             "mesh": dict(mesh.shape), "processes": jax.process_count(),
-            "jax": jax.__version__, "data_fingerprint": data_fingerprint}
+            "jax": jax.__version__, "data_fingerprint": data_fingerprint,
+            **({"hf_source": hf_source} if hf_source is not None else {})}
 
 
 def _plain(x):

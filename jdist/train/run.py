@@ -54,6 +54,11 @@ class Run:
         self.config, self.plan = self.setup.config, self.setup.plan
         self.checkpoints = ckpt.Checkpointer(resume.checkpoint_root(self.run_dir),
                                              self.config.checkpoint.keep)
+        init_from = self.config.model.init_from
+        self.hf_source = None
+        if init_from:  # read once; each checkpoint records it for jdist.export
+            from jdist.hf.config import source_fields
+            self.hf_source = source_fields(init_from)
         self.stragglers = None
         if jax.process_count() > 1 and self.config.observe.straggler_every:
             self.stragglers = straggler.Detector(
@@ -265,7 +270,7 @@ class Run:
         save_base = self.config.finetune.save_base
         state = resume.saved_state(self.plan, self.state, save_base)
         meta = resume.run_meta(self.config, self.setup.model, self.plan.mesh, step, self.data_id,
-                               order_of(self.plan))
+                               order_of(self.plan), self.hf_source)
         with self.clock("checkpoint"):
             self.checkpoints.save(step, state, {**meta, resume.BASE_SAVED: state is self.state})
 
