@@ -78,9 +78,9 @@ def test_killed_process_stops_the_group(tmp_path):
 def test_first_failure_is_named_by_exit_time(capsys):
     """Process 1 fails, then process 0, both before the launcher first looks: the launcher
     names process 1 and returns its status, not the lower-numbered one's."""
-    group = Group([["sh", "-c", "sleep 0.5; exit 1"], ["sh", "-c", "exit 9"]],
+    group = Group([["sh", "-c", "sleep 1; exit 1"], ["sh", "-c", "exit 9"]],
                   [dict(os.environ)] * 2)
-    time.sleep(1.5)  # both have exited
+    time.sleep(2)  # both have exited
     assert group.wait() == 9
     out = capsys.readouterr().out
     assert "process 1 exited with status 9; stopping the group" in out, out
