@@ -4,6 +4,7 @@ extend -> export runs end to end on the tiny model and the Hugging Face fixture.
 
 import json
 
+import jax
 import pytest
 
 from jdist import checkpoint as ckpt
@@ -12,6 +13,14 @@ from jdist.train.__main__ import main as train_main
 
 TINY = ["--model", "tiny", "--mesh", "dp=1", "--batch-size", "2", "--seq-len", "32",
         "--eval-every", "0", "--warmup", "1", "--lr", "1e-2"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def eight_devices():
+    """The in-process commands simulate only the devices their mesh needs if JAX is not up
+    yet (`jdist.distributed.configure_devices`): start it with conftest's 8 first, or the
+    tests that follow in this worker would find one device."""
+    assert len(jax.devices()) == 8
 
 
 def steps_in(run_dir) -> list[int]:
@@ -62,3 +71,49 @@ def test_a_finished_run_says_so_at_once_and_is_extended_by_more_steps(tmp_path, 
     assert train_main([*TINY, "--steps", "3", "--run-dir", str(finished)]) == 2
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert "is at step 4, past --steps 3; pass --steps 4 or more" in err, err
+
+
+def test_the_user_path_end_to_end(tmp_path, capsys):
+    """train with LoRA -> generate from the checkpoint -> export merged -> generate from the
+    export (--init-from) the same greedy text -> extend the run by 10 steps -> export again.
+    The tiny model with the Hugging Face fixture's tokenizer (its vocabulary: every id the
+    model can generate decodes), so the export carries an HF tokenizer and its ids."""
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    from jdist import data
+    from jdist.export import main as export
+    from jdist.generate.__main__ import main as generate
+
+    tokenizer = Path(__file__).parent / "fixtures" / "hf" / "tokenizer"
+    corpus, run = tmp_path / "corpus.txt", tmp_path / "run"
+    corpus.write_bytes(data.builtin_text(1 << 15))  # not the whole stdlib: tokenized here
+    flags = [*TINY, "--vocab-size", "320", "--tokenizer", str(tokenizer), "--data",
+             str(corpus), "--lora-rank", "4", "--run-dir", str(run)]
+    prompt = ["--prompt", "def f(x):", "--max-new-tokens", "8"]
+
+    assert train_main([*flags, "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert generate(["--checkpoint", str(run), *prompt]) == 0  # adapters on the seed's base
+    text = capsys.readouterr().out
+    assert text.startswith("def f(x):") and len(text) > len("def f(x):\n")
+
+    merged = tmp_path / "merged"
+    assert export([str(run), "--hf", str(merged), "--merge-lora"]) == 0
+    assert (merged / "tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()
+    config = json.loads((merged / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (315, 316)  # the tokenizer's
+    capsys.readouterr()
+    assert generate(["--init-from", str(merged), *prompt]) == 0
+    assert capsys.readouterr().out == text
+
+    assert train_main([*flags, "--steps", "12"]) == 0
+    assert "extending the run from --steps 2 to 12" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(run)] == list(range(1, 13))
+    again = tmp_path / "merged-12"
+    assert export([str(run), "--hf", str(again), "--merge-lora"]) == 0
+    assert "exported step 12" in capsys.readouterr().out
+    before, after = (load_file(next(d.glob("*.safetensors"))) for d in (merged, again))
+    assert sorted(before) == sorted(after)
+    assert any((before[k] != after[k]).any() for k in before)  # 10 more steps moved them

@@ -54,12 +54,14 @@ def restore_params(found: ckpt.Found, plan: Plan) -> dict:
     model layer order; each device reads only its shards."""
     import orbax.checkpoint as ocp
 
-    require(found.meta.get("base_saved", True),
-            f"--checkpoint {found.path} holds LoRA adapters without their base model; merge "
-            f"them first (python -m jdist.export {found.path} --hf OUT --merge-lora) and "
-            "generate with --init-from OUT")
+    from jdist.step import trainable
+
+    adapters_only = not found.meta.get("base_saved", True)
     start = time.perf_counter()
-    target = {"params": ckpt.abstract_target(plan.abstract.params, plan.shardings.params)}
+    base = lora_base(found, plan) if adapters_only else None
+    abstract, shardings = (trainable.checkpointed(plan.model, t, save_base=not adapters_only)
+                           for t in (plan.abstract.params, plan.shardings.params))
+    target = {"params": ckpt.abstract_target(abstract, shardings)}
     args = ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)
@@ -70,9 +72,37 @@ def restore_params(found: ckpt.Found, plan: Plan) -> dict:
     saved_order = found.meta.get(CHECKPOINT_KEY)
     if saved_order is not None:  # an interleaved pipeline stores the stack permuted
         params = permute(params, np.argsort(saved_order))
+    if base is not None:
+        from jdist.train.resume import _with_base
+
+        params = _with_base(params, base)
     print(f"restored parameters of step {found.step} from {found.path} in "
           f"{time.perf_counter() - start:.2f}s", file=sys.stderr)
     return params
+
+
+def lora_base(found: ckpt.Found, plan: Plan) -> dict:
+    """The frozen base a checkpoint of LoRA adapters alone was trained on, as training
+    builds it: its --init-from directory's weights, else the seed's initialisation (with
+    the adapters at their initial values, which the checkpoint's replace)."""
+    from pathlib import Path
+
+    from jdist.step.state import init_state
+
+    train = found.meta.get("config") or {}
+    fix = (f"merge them first (python -m jdist.export {found.path} --hf OUT --merge-lora) and "
+           "generate with --init-from OUT")
+    require((train.get("quantize_base") or "none") == "none",
+            f"--checkpoint {found.path} holds LoRA adapters trained on an NF4 base; {fix}")
+    seed = int((found.meta.get("rng") or {}).get("seed", 0))
+    init_from = train.get("init_from") or ""
+    if not init_from:
+        return init_state(plan, seed).params
+    require(Path(init_from).is_dir(), f"--checkpoint {found.path} holds LoRA adapters whose "
+            f"base model (--init-from {init_from}) is not there; run where it is, or {fix}")
+    from jdist.hf import load_params
+
+    return load_params(init_from, plan, seed=seed)
 
 
 def hf_context(hf_dir: str) -> int:
