@@ -172,7 +172,11 @@ def finished(config, run_dir: Path, model_of) -> str | None:
         found = ckpt.resolve_explicit(config.checkpoint.resume)
     if found is None or found.step < config.optim.steps:
         return None
-    check_compatible(found, config, model_of(config))
+    model = model_of(config)
+    check_compatible(found, config, model)
+    # The layout flags that change the numerics too (the mesh is not built yet: the saved
+    # one stands in for a mixture-of-experts' micro-batch count).
+    check_numerics(found, config, model, found.meta.get("mesh") or {})
     check_not_past(found, config)
     return (f"{found.path} is already at step {found.step} of --steps {config.optim.steps}: "
             f"nothing to train; pass --steps N above {found.step} to extend the run")
