@@ -298,10 +298,7 @@ FAMILIES = [
            extra=("recompute",)),
     Family("zero2-accum-remat", dict(mesh="dp=4,tp=2", zero=2, grad_accum=2,
                                      remat="selective"), "cudnn",
-           (("reduce-scatter", ("data",)), ("all-gather", ("data",))), extra=("recompute",),
-           known="table", reason="jdist shortcoming: ZeRO-2 with tensor parallelism "
-           "all-gathers the float32 embedding-table gradient over tensor (whole [vocab, d]) "
-           "before reduce-scattering it over data (jdist.parallel.embedding._backward)"),
+           (("reduce-scatter", ("data",)), ("all-gather", ("data",))), extra=("recompute",)),
     Family("zero3-accum-remat", dict(mesh="dp=8", zero=3, grad_accum=2, remat="full",
                                      batch_size=16), "cudnn",
            (("all-gather", ("data",)), ("reduce-scatter", ("data",))), extra=("recompute",)),

@@ -45,18 +45,12 @@ from models.names import BLOCKS, EMBED, FINAL_NORM
 
 def gather(st: Step, leaf: Leaf, source: str = "grad_sync.gather") -> list[Collective]:
     """`grad_sync.gather`: the stored block all-gathered over the replica axes it is split
-    on, dimension by dimension, in the compute dtype (matrices) or float32 (norm scales).
-    A leaf automatic axes split too is first gathered whole there
-    (`partitioner.gathered_first`)."""
+    on, dimension by dimension, in the compute dtype (matrices) or float32 (norm scales),
+    on each device's block of the automatic axes (`grad_sync.on_shards`)."""
     if not leaf.sync.gathers:
         return []
     dtype = st.dtype if leaf.matrix else leaf.dtype
-    out, full = [], leaf.local
-    if leaf.auto:
-        out += partitioner.gathered_first(st, leaf.auto, leaf.local // st.ways(leaf.sync.stored),
-                                          dtype, source)
-        full = leaf.size
-    return out + gathers_by_dim(st, leaf.sync.stored, full, 1, dtype, source)
+    return gathers_by_dim(st, leaf.sync.stored, leaf.local, 1, dtype, source)
 
 
 def gathers_by_dim(st: Step, groups: tuple[tuple[str, ...], ...], full: int, count: int,
@@ -73,28 +67,22 @@ def gathers_by_dim(st: Step, groups: tuple[tuple[str, ...], ...], full: int, cou
 
 
 def reduce(st: Step, leaf: Leaf, defer: bool, source: str = "grad_sync.reduce",
-           elements: int | None = None, auto: tuple[str, ...] | None = None) -> list[Collective]:
+           elements: int | None = None) -> list[Collective]:
     """`grad_sync.reduce` of one full float32 cotangent (`elements` per device, default the
-    leaf's): an all-reduce over the replica axes its gradient is not split on (postponed
-    to `finish` under `defer`), then a reduce-scatter per dimension it is split on (a
-    cotangent automatic axes split first gathered whole there, as in `gather`)."""
+    leaf's, on its block of the automatic axes): an all-reduce over the replica axes its
+    gradient is not split on (postponed to `finish` under `defer`), then a reduce-scatter
+    per dimension it is split on."""
     if not leaf.trained:
         return []
-    elements = leaf.local if elements is None else elements
-    auto = leaf.auto if auto is None else auto
+    full = leaf.local if elements is None else elements
     mesh = st.plan.mesh
     out = []
     if leaf.sync.reduce and not defer:
-        out.append(Collective(AR, mesh_axes(leaf.sync.reduce, mesh), 1, elements, F32, source))
-    if any(leaf.sync.grad):
-        full = elements
-        if auto:
-            out += partitioner.gathered_first(st, auto, elements, F32, source)
-            full = elements * st.size(auto)
-        for axes in leaf.sync.grad:
-            if axes:
-                full //= st.size(axes)
-                out.append(Collective(RS, mesh_axes(axes, mesh), 1, full, F32, source))
+        out.append(Collective(AR, mesh_axes(leaf.sync.reduce, mesh), 1, full, F32, source))
+    for axes in leaf.sync.grad:
+        if axes:
+            full //= st.size(axes)
+            out.append(Collective(RS, mesh_axes(axes, mesh), 1, full, F32, source))
     return out
 
 
@@ -213,7 +201,7 @@ def loss_backward(st: Step, shape: LossShape, defer: bool) -> list[Collective]:
         per_chunk.append(Collective(AR, shape.tokens, 1, shape.chunk * d, F32,
                                     "vocab: head chunk gradient over token axes"))
     per_chunk += reduce(st, shape.leaf, defer, "vocab: head chunk gradient",
-                        shape.chunk * d, ())
+                        shape.chunk * d)
     out = [c.times(shape.n_chunks) for c in per_chunk]
     if shape.vocab:
         out.append(Collective(AR, shape.vocab, 1, shape.local_tokens * d, F32,

@@ -1,7 +1,6 @@
 """What compiling the step adds to jdist's own collectives, fitted to jax 0.10.2 on CPU:
 mostly GSPMD's partitioning of the automatic axes (Megatron's tensor-parallel
-all-reduces, sequence parallelism's all-gathers, whole weights gathered over `tensor`
-before a manual gather, the token axes' partial sums, the collectives around the
+all-reduces, sequence parallelism's all-gathers, the token axes' partial sums, the collectives around the
 embedding and the loss, the ZeRO-1/2 update's gathers, the gradient norm's scalars), and
 a few rewrites of XLA's and of jax's remat that change how often jdist's collectives run.
 
@@ -32,19 +31,6 @@ from models.names import EMBED
 
 # ---------------------------------------------------------------------------------------
 # GSPMD inside the layers
-
-
-def gathered_first(st: Step, auto: tuple[str, ...], elements: int, dtype: str, source: str
-                   ) -> list[Collective]:
-    """Fitted (GSPMD, jax 0.10.2): an all_gather (or psum_scatter) over manual axes of a
-    block of `elements` that automatic axes (tensor, expert) also split is partitioned by
-    first gathering the block over those, innermost first, so the whole leaf, not its
-    shard, then moves over the replicas."""
-    out = []
-    for a in reversed(auto):
-        elements *= st.n[a]
-        out.append(Collective(AG, (a,), 1, elements, dtype, source))
-    return out
 
 
 def token_partials(st: Step, leaf: Leaf) -> list[Collective]:
