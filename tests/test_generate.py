@@ -246,5 +246,6 @@ def test_export_carries_the_tokenizer_and_an_undecodable_id_is_one_line(run_dir,
                           "--prompt", "def f(x):", "--max-new-tokens", "32"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     err = lines[-1]
-    assert not any("Traceback" in x for x in lines) and err.startswith("jdist: error: the model generated token id ") and \
+    assert not any("Traceback" in x for x in lines)
+    assert err.startswith("jdist: error: the model generated token id ") and \
         "which tokenizer bytes cannot decode (its ids are 0-255)" in err, err
