@@ -2,7 +2,8 @@
 mostly GSPMD's partitioning of the automatic axes (Megatron's tensor-parallel
 all-reduces, sequence parallelism's all-gathers, the token axes' partial sums, the
 collectives around the embedding and the loss, the ZeRO-1/2 update's gathers, the
-gradient norm's scalars), and a few rewrites of XLA's and of jax's remat that change how often jdist's collectives run.
+gradient norm's scalars), and a few rewrites of XLA's and of jax's remat that change how
+often jdist's collectives run.
 
 Found by compiling steps and reading `jdist.comm.report` (tests/test_plan_traffic.py keeps
 it honest), not derived from the code: a later jax, or the GPU compiler, may partition
