@@ -59,6 +59,15 @@ def zero_textbook(params: float, grads: float, optimizer: float, n: int, stage: 
             + optimizer / (n if stage >= 1 else 1))
 
 
+# The GPU compiler's program differs from the CPU's the model was first fitted to (jax 0.10.2,
+# H100 target; `benchmarks/planner.py --target h100-80gb`, 22 layouts of 8B, 8B/32K and 70B):
+# its peak falls in the forward layer loop, where a fused layer under `--remat full` holds
+# about six [tokens, d_ff] pieces (not the CPU's whole unfused backward); accumulation keeps
+# a third gradient tree; and some parameter stacks are copied whole, transposed
+# (`transposed_stacks`). Fitted, not derived: what `--verify` compiles is the check.
+GPU_FULL_MLP_PIECES = 6
+
+
 def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
                      remat: str) -> int:
     """Bytes the step holds for one micro-batch besides the state, per device, by what
@@ -87,6 +96,9 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
             accumulator = _grad_bytes(plan, blocks_only=True)
     elif plan.grad_accum > 1:  # jdist.step.grads.step_grads: the scan's float32
         accumulator = _grad_bytes(plan)  # accumulator beside each micro-batch's gradient
+        if on_gpu(plan) and remat == "full":  # the peak is in the forward, inside the
+            # accumulation loop: one more gradient tree, of a ZeRO-2 gradient's size (fitted)
+            accumulator += _grad_bytes(plan) // (m[ax.DATA] if plan.zero < 2 else 1)
     a = _activations(plan, micro_batch, seq_len, compute_bytes)
     # What each layer's checkpoint keeps (jdist.remat), stacked over the layer scan by the
     # forward's loop. The compiler drops what the backward never reads (the last
@@ -107,8 +119,11 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     # recomputes (the rest is read from the stacks) and beside it the larger of two MLP
     # cotangents and those score blocks (the attention's backward comes after the MLP's).
     saves_all = remat in ("none", "everything_saveable")
+    gpu = on_gpu(plan) and plan.pipeline is None
     if saves_all:
         working = max(a.every if layers > 1 else 0, 4 * a.f, a.blocks)
+    elif gpu and remat == "full":  # the GPU's fused layer holds the MLP's pieces (fitted)
+        working = max(GPU_FULL_MLP_PIECES * a.f, a.blocks)
     else:
         working = a.every - per_layer + max(2 * a.f, a.blocks)
     working += 2 * a.x
@@ -118,7 +133,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     mask = a.mask if saves_all else 0
     # The loss's backward is done before the first layer's starts: the larger counts.
     return (layers * per_layer + max(working, a.loss) + mask
-            + (stashed + ticks) * a.x + accumulator)
+            + (stashed + ticks) * a.x + accumulator + (transposed_stacks(plan) if gpu else 0))
 
 
 def _grad_bytes(plan, blocks_only: bool = False) -> int:
@@ -302,6 +317,29 @@ def _gathered(tree, shardings, itemsize: int | None) -> int:
             spec = tuple(c for _, c in without_axis(tuple(("", e) for e in spec), a))
         return NamedSharding(s.mesh, PartitionSpec(*spec))
     return per_device_bytes(tree, jax.tree.map(strip, shardings), itemsize)
+
+
+def transposed_stacks(plan) -> int:
+    """Per device, the stored block stacks XLA's GPU compiler copies whole, transposed,
+    once per step (found on jax 0.10.2, H100 target): a leaf gathered over replica axes
+    on a dimension other than its first (the embed dimension of `w_down` and `wo` under
+    fsdp) is gathered with that dimension made major, and layout assignment moves the
+    transposition out of the layer loop onto the whole stack as stored (float32)."""
+    import jax
+
+    from jdist.step.grads import syncs
+    from models.names import BLOCKS
+
+    blocks = plan.abstract.params[BLOCKS]
+    shardings = plan.shardings.params[BLOCKS]
+    sync = syncs(plan)[BLOCKS]
+    is_sh = lambda x: isinstance(x, jax.sharding.Sharding)
+    total = 0
+    for leaf, sh, sy in zip(jax.tree.leaves(blocks), jax.tree.leaves(shardings, is_leaf=is_sh),
+                            jax.tree.leaves(sync, is_leaf=lambda x: hasattr(x, "stored"))):
+        if getattr(sy, "stored", None) and any(sy.stored[1:]):
+            total += per_device_bytes(leaf, sh)
+    return total
 
 
 def _gathered_layer(plan, compute_bytes: int) -> tuple[int, int]:
