@@ -20,8 +20,7 @@ Two kinds of knowledge, kept apart:
   `jdist.step.pipelined`).
 - `partitioner.py`: what compiling adds, fitted to jax 0.10.2 on CPU by compiling steps
   and reading `jdist.comm.report`: GSPMD's Megatron tensor-parallel all-reduces, sequence
-  parallelism's all-gathers, whole weights gathered over automatic axes before a manual
-  gather, the ZeRO-1/2 update's all-gathers, partial sums of gradients over automatic axes
+  parallelism's all-gathers, the ZeRO-1/2 update's all-gathers, partial sums of gradients over automatic axes
   that split the tokens, the collectives around the embedding and loss, the gradient
   norm's scalars; and XLA's and remat's say in how often jdist's collectives run.
   tests/test_plan_traffic.py keeps it honest (by hand, 70 layouts of `tiny`, `moe-tiny`
