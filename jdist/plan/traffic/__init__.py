@@ -21,8 +21,9 @@ Two kinds of knowledge, kept apart:
 - `partitioner.py`: what compiling adds, fitted to jax 0.10.2 on CPU by compiling steps
   and reading `jdist.comm.report`: GSPMD's Megatron tensor-parallel all-reduces, sequence
   parallelism's all-gathers, the ZeRO-1/2 update's all-gathers, partial sums of
-  gradients over automatic axes that split the tokens, the collectives around the embedding and loss, the gradient
-  norm's scalars; and XLA's and remat's say in how often jdist's collectives run.
+  gradients over automatic axes that split the tokens, the collectives around the
+  embedding and loss, the gradient norm's scalars; and XLA's and remat's say in how
+  often jdist's collectives run.
   tests/test_plan_traffic.py keeps it honest (by hand, 70 layouts of `tiny`, `moe-tiny`
   and `small` matched the report's bytes per kind to 0.7%, most exactly).
 `layout.py` reads the step as one device sees it (`Step`, `Leaf`); `step.py` counts every
