@@ -50,6 +50,7 @@ from jdist.checkpoint.integrity import (
     _mib,
     _reason,
     _say,
+    checkpoint_root,
     file_records,
     latest_good,
     move_aside,
@@ -68,7 +69,8 @@ from jdist.checkpoint.save import BARRIER_TIMEOUT_S, Checkpointer, SaveFailed
 __all__ = [
     "BAD_DIR_SUFFIX", "BARRIER_TIMEOUT_S", "HASH_THREADS", "MANIFEST", "MANIFEST_FORMAT",
     "META", "PARTIAL", "READABLE_FORMATS", "STATE", "Checkpointer", "Found", "SaveFailed",
-    "abstract_target", "file_records", "latest_good", "move_aside", "owner", "read_meta",
+    "abstract_target", "checkpoint_root", "file_records", "latest_good", "move_aside",
+    "owner", "read_meta",
     "read_partials", "resolve_explicit", "restore", "restore_leaf", "set_aside",
     "step_dirs", "validate", "write_manifest", "write_partial",
     # Private, but used by jdist.train.resume (_say) and tests (_files).

@@ -169,6 +169,11 @@ def read_meta(path: Path) -> dict:
     return json.loads((path / META / "metadata").read_text())
 
 
+def checkpoint_root(run_dir: Path) -> Path:
+    """Where a run directory keeps its step checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """Committed step directories under a checkpoint root, oldest first."""
     if not root.is_dir():

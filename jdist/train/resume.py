@@ -38,10 +38,6 @@ def saved_state(plan: Plan, state: TrainState, save_base: bool) -> TrainState:
     return state if params is state.params else state._replace(params=params)
 
 
-def checkpoint_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
 def run_meta(config, model, mesh, step: int, data_fingerprint: str = "",
              layer_order=None, hf_source: dict | None = None) -> dict:
     """Saved with every checkpoint. Batches are a pure function of (seed, step), so the data
@@ -125,7 +121,7 @@ def find(config, model, run_dir: Path, data_fingerprint: str = "",
     """The checkpoint to start from, or None for a fresh start. Raises ConfigError for an
     unusable explicit PATH or a mismatched checkpoint; with `auto`, passes over (and moves
     aside) unusable checkpoints, saying so. Runs on every process."""
-    root = checkpoint_root(run_dir)
+    root = ckpt.checkpoint_root(run_dir)
     if config.checkpoint.resume == "none":
         existing = ckpt.step_dirs(root)
         require(not existing,
@@ -167,7 +163,7 @@ def finished(config, run_dir: Path, model_of) -> str | None:
     if config.checkpoint.resume == "none":
         return None
     if config.checkpoint.resume == "auto":
-        found = ckpt.latest_good(checkpoint_root(run_dir))
+        found = ckpt.latest_good(ckpt.checkpoint_root(run_dir))
     else:
         found = ckpt.resolve_explicit(config.checkpoint.resume)
     if found is None or found.step < config.optim.steps:

@@ -52,7 +52,7 @@ class Run:
 
     def __post_init__(self):
         self.config, self.plan = self.setup.config, self.setup.plan
-        self.checkpoints = ckpt.Checkpointer(resume.checkpoint_root(self.run_dir),
+        self.checkpoints = ckpt.Checkpointer(ckpt.checkpoint_root(self.run_dir),
                                              self.config.checkpoint.keep)
         init_from = self.config.model.init_from
         self.hf_source = None

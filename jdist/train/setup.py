@@ -184,12 +184,11 @@ def check_run_dir(config: TrainConfig, model: ModelConfig) -> None:
     a checkpoint, resuming decides (`jdist.train.resume.find`)."""
     from jdist import checkpoint as ckpt
     from jdist.config import result_flags
-    from jdist.train.resume import checkpoint_root
 
     run_dir = Path(config.checkpoint.run_dir)
     record = run_dir / "config.json"
     if not config.checkpoint.run_dir or not record.is_file() or \
-            ckpt.step_dirs(checkpoint_root(run_dir)):
+            ckpt.step_dirs(ckpt.checkpoint_root(run_dir)):
         return
     fix = f"choose a new --run-dir, or delete {run_dir} to reuse its name"
     try:
