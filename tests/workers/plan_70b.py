@@ -24,12 +24,14 @@ from jdist.train.setup import plan_for  # noqa: E402
 BUDGET_GB = 80e9 * 0.75 / 2**30  # what JAX lets a process allocate on an H100 80GB
 
 
-def replanned_total(command: str) -> int:
+def replanned_total(command: str, target: list[str]) -> int:
     """The total the trainer predicts for a `python -m jdist.train` command line, after its
-    pre-compile checks (every check `--dry-run` makes, the memory fit included) pass."""
+    pre-compile checks (every check `--dry-run` makes, the memory fit included) pass, on
+    the devices the planner planned on (`target`: the GPU's compile-only devices, whose
+    compiler the memory model follows, as on the GPUs themselves)."""
     words = shlex.split(command)
     assert words[:3] == ["python", "-m", "jdist.train"], words
-    config = parse_args(words[3:] + ["--device-memory-gb", str(BUDGET_GB)])
+    config = parse_args(words[3:] + ["--device-memory-gb", str(BUDGET_GB)] + target)
     _, train_plan, _ = plan_for(config)
     check_fits(config, train_plan)  # raises ConfigError when it would not fit
     return plan_breakdown(config, train_plan).total
@@ -44,7 +46,9 @@ def run() -> dict:
         status = plan(argv)
     took = time.perf_counter() - start
     result = json.loads(out.getvalue())
-    replanned = [replanned_total(row["command"]) for row in result["layouts"]]
+    target = ["--target", "h100-80gb", "--hosts", "8"] \
+        if "compile-only" in result["planned_on"] else []
+    replanned = [replanned_total(row["command"], target) for row in result["layouts"]]
     return {"status": status, "seconds": took, "plan": result, "checks": "passed",
             "replanned_totals": replanned}
 
