@@ -35,7 +35,7 @@ def test_run_writes_config_and_metrics(tmp_path):
         assert all(key in x for x in lines)
     assert all(x["attention"] == "flash" for x in lines)
     assert "val_loss" in lines[1] and "val_loss" in lines[3] and "val_loss" not in lines[0]
-    assert "step 4/4" in result.stderr
+    assert "step 4/4" in result.stdout  # progress goes to stdout (tests/test_observe.py)
 
 
 BAD = [

@@ -4,6 +4,7 @@ accounts for the wall time, per-step system fields; health checks that stop a co
 compute dtype; straggler judgement."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -31,6 +32,23 @@ def observed(tmp_path_factory):
                             check_replicas_every=2, recompute_check_every=4, profile_steps="2-3")
     train(config)
     return config, run_dir
+
+
+PROGRESS = re.compile(r"step (\d)/2 \| loss \d+\.\d{4} \| lr \d\.\d\de[-+]\d\d \| "
+                      r"\d+\.\d{3} s/step \| [\d,]+ tok/s \| mfu \d+\.\d% \| eta (\d+:\d\d:\d\d)")
+
+
+def test_progress_goes_to_stdout_with_lr_time_mfu_and_eta(tmp_path, capfd):
+    """`> train.log` keeps the losses: progress lines are on stdout (with the layout), in one
+    style carrying lr, step time, tokens/s, MFU (the peak given) and the ETA; stderr has none."""
+    train(TrainConfig.of(**{**TINY, "log_every": 1}, mesh="dp=2", steps=2, eval_every=0,
+                         peak_tflops=1.0, run_dir=str(tmp_path / "run")))
+    out, err = capfd.readouterr()
+    assert "per-device bytes" in out
+    found = [PROGRESS.fullmatch(x) for x in out.splitlines() if x.startswith("step ")]
+    assert [m and m[1] for m in found] == ["1", "2"], out
+    assert found[-1][2] == "0:00:00"  # nothing left at the last step
+    assert "loss" not in err and "tok/s" not in err, err
 
 
 def test_tensorboard_holds_the_metrics(observed):

@@ -20,14 +20,14 @@ ARGS = ["--model", "tiny", "--mesh", "dp=2,fsdp=2,tp=2", "--batch-size", "8", "-
 def start(run_dir, *extra) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "jdist.train", *ARGS, *extra,
                              "--run-dir", str(run_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_for_step(proc: subprocess.Popen, step: int) -> list[str]:
     seen = []
-    for line in proc.stderr:
+    for line in proc.stdout:  # progress is on stdout, errors on stderr: both, in order
         seen.append(line)
-        if f" step {step}/" in line:
+        if line.startswith(f"step {step}/"):
             return seen
     raise AssertionError(f"run ended before step {step}: {''.join(seen)}")
 
@@ -41,7 +41,7 @@ def test_sigterm_saves_the_current_step_and_exits_75(tmp_path):
     try:
         wait_for_step(proc, 3)
         proc.send_signal(signal.SIGTERM)
-        err = proc.stderr.read()
+        err = proc.stdout.read()
         assert proc.wait(timeout=120) == 75, err
     finally:
         proc.kill()

@@ -1,5 +1,5 @@
 """What a run tells its user: the run directory's config.json, the start-up layout table, the
-progress bar, each step's metrics record and metrics.jsonl."""
+progress line, each step's metrics record and metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -48,29 +48,52 @@ def compute_line(plan: Plan, seq_len: int) -> str:
             f"loss: {plan.loss}; compute dtype: {plan.compute_dtype.name}; remat: {plan.remat}")
 
 
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 class Progress:
-    """A one-line progress bar on a terminal; a plain line every `every` steps otherwise."""
+    """Training progress on stdout, where `> train.log` keeps it with the layout and the
+    summary (errors and warnings go to stderr). One style on a terminal and in a file: step,
+    loss, lr, step time, tokens/s, MFU when the peak is known, and the ETA. A terminal gets
+    the line rewritten in place every step; anything else a line every `every` steps, at
+    evaluations and at the end."""
+
+    WINDOW = 20  # the ETA is the remaining steps at the mean time of the last 20
 
     def __init__(self, total: int, every: int, enabled: bool):
         self.total, self.every, self.enabled = total, max(1, every), enabled
-        self.tty = enabled and sys.stderr.isatty()
+        self.tty = enabled and sys.stdout.isatty()
+        self.times: list[float] = []
+
+    def line(self, m: dict) -> str:
+        """The progress text of record `m`."""
+        # A process's first step pays one-off costs (first dispatch, allocation): it is left
+        # out of the ETA as soon as a second step is known.
+        self.times = (self.times + [m["step_time_s"]])[-self.WINDOW - 1:]
+        recent = self.times[1:] if len(self.times) > 1 else self.times
+        step_s = sum(recent) / len(recent)
+        parts = [f"step {m['step']}/{self.total}", f"loss {m['loss']:.4f}"]
+        if "lr" in m:
+            parts.append(f"lr {m['lr']:.2e}")
+        parts += [f"{m['step_time_s']:.3f} s/step", f"{m['tokens_per_sec']:,.0f} tok/s"]
+        if "mfu" in m:
+            parts.append(f"mfu {m['mfu']:.1%}")
+        if "val_loss" in m:
+            parts.append(f"val {m['val_loss']:.4f}")
+        parts.append(f"eta {_clock(step_s * (self.total - m['step']))}")
+        return " | ".join(parts)
 
     def update(self, m: dict) -> None:
         if not self.enabled:
             return
-        width = 24
-        done = int(width * m["step"] / self.total)
-        text = (f"[{'#' * done}{'.' * (width - done)}] step {m['step']}/{self.total} "
-                f"loss {m['loss']:.4f} {m['tokens_per_sec']:,.0f} tok/s")
-        if "mfu" in m:
-            text += f" mfu {m['mfu']:.1%}"
-        if "val_loss" in m:
-            text += f" val {m['val_loss']:.4f}"
+        text = self.line(m)
         if self.tty:
-            end = "\n" if m["step"] == self.total else ""
-            print("\r" + text, end=end, file=sys.stderr, flush=True)
+            end = "\n" if m["step"] == self.total or "val_loss" in m else ""
+            print("\r\033[K" + text, end=end, file=sys.stdout, flush=True)
         elif m["step"] % self.every == 0 or m["step"] == self.total or "val_loss" in m:
-            print(text, file=sys.stderr, flush=True)
+            print(text, file=sys.stdout, flush=True)
 
 
 class MetricsLog:
