@@ -1,8 +1,10 @@
 """Model shapes: `ModelConfig` and the named presets.
 
-Presets: `tiny`, `small` (byte vocabulary, runnable on a CPU); `moe-tiny`, `moe-small`, `8x7b`
-(mixture of experts); and shape-only ones with the public Llama shapes (HF config.json):
-`llama2-7b`, `llama3-8b`, `llama3.1-8b`, `llama3.1-70b`, `llama3.2-1b`, `llama3.2-3b`.
+Presets: `tiny`, `small`, `qlora-tiny` (byte vocabulary, runnable on a CPU; `qlora-tiny` has
+head_dim 64, so its projections hold whole NF4 blocks for `--quantize-base nf4`); `moe-tiny`,
+`moe-small`, `8x7b` (mixture of experts); and shape-only ones with the public Llama shapes
+(HF config.json): `llama2-7b`, `llama3-8b`, `llama3.1-8b`, `llama3.1-70b`, `llama3.2-1b`,
+`llama3.2-3b`.
 Aliases: `1b` = `llama3.2-1b`, `7b` = `llama2-7b`, `70b` = `llama3.1-70b`.
 """
 
@@ -114,6 +116,11 @@ PRESETS: dict[str, ModelConfig] = {
     # CPU demo: ~3.3M parameters, learns visible structure of Python source in minutes.
     "small": ModelConfig(vocab_size=BYTE_VOCAB, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4,
                          d_ff=768),
+    # QLoRA on a CPU: NF4 stores blocks of 64 weights along each projection's last dimension
+    # (head_dim, d_model, d_ff), whole blocks in every shard up to fsdp=2,tp=2; tiny's
+    # head_dim of 8 holds none.
+    "qlora-tiny": ModelConfig(vocab_size=BYTE_VOCAB, d_model=128, n_layers=2, n_heads=2,
+                              n_kv_heads=2, d_ff=256),
     # Mixtral-style: every block's MLP is a top-2 mixture of experts.
     "moe-tiny": ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, n_layers=2, n_heads=8,
                             n_kv_heads=4, d_ff=64, n_experts=8, top_k=2),

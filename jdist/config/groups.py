@@ -28,7 +28,8 @@ ON_NAN = ("skip", "rollback", "stop")  # --on-nan policies (jdist.train.faults)
 class ModelFlags:
     """the model: a preset, its shape overrides, or a Hugging Face checkpoint"""
 
-    preset: str = flag("small", "model preset: tiny, small, moe-tiny, moe-small; shape-only "
+    preset: str = flag("small", "model preset: tiny, small, qlora-tiny (head_dim 64: whole NF4 "
+                       "blocks for --quantize-base), moe-tiny, moe-small; shape-only "
                        "llama2-7b, llama3-8b, llama3.1-8b, llama3.1-70b, llama3.2-1b, "
                        "llama3.2-3b, 8x7b (aliases 1b, 7b, 70b)", name="model")
     init_from: str = flag("", "start from a Hugging Face Llama directory (config.json + "
