@@ -43,7 +43,10 @@ def test_two_processes_match_one(tmp_path, mesh_args, banner):
     args = [*COMMON, *mesh_args]
     procs = [subprocess.Popen(
         [sys.executable, "-m", "jdist.train", *args, "--coordinator", f"127.0.0.1:{port}",
-         "--num-processes", "2", "--process-id", str(i), "--run-dir", str(tmp_path / f"p{i}")],
+         "--num-processes", "2", "--process-id", str(i), "--run-dir", str(tmp_path / f"p{i}"),
+         # Each process has its own run dir here (to show process 1 writes nothing); a
+         # checkpoint's shards need one directory all processes share.
+         "--no-final-checkpoint"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
