@@ -170,3 +170,50 @@ def test_prepare_refuses_a_tokenizer_larger_than_the_model(tok_dir):
 
     with pytest.raises(ConfigError, match="has 300 tokens .* pass --vocab-size 300 or larger"):
         prepare(TrainConfig.of(model="tiny", mesh="dp=1", tokenizer=str(tok_dir)))
+
+
+def test_builtin_corpus_tokens_are_cached_by_tokenizer_and_corpus(tok_dir, tmp_path,
+                                                                   monkeypatch):
+    """The first run with a tokenizer encodes the built-in corpus and stores the ids; the
+    second reads them back, identical, from $JDIST_CACHE_DIR/tokens. Another tokenizer is
+    another entry; an unreadable entry is rewritten; concurrent writers leave one whole
+    entry and no temporary files; clear-cache empties the directory."""
+    import threading
+
+    from jdist.data import cache
+
+    monkeypatch.setenv("JDIST_CACHE_DIR", str(tmp_path))
+    where = tmp_path / "tokens"
+    tok = load_tokenizer(str(tok_dir))
+    fresh = data._encode_documents([data.builtin_text(200_000)], tok)  # what a miss computes
+    first, said = data.builtin_tokens(tok, max_bytes=200_000)
+    assert "cached in" in said and str(where) in said, said
+    (entry,) = where.iterdir()
+    second, said = data.builtin_tokens(tok, max_bytes=200_000)
+    assert said == f"tokens read from the cache {entry}"
+    np.testing.assert_array_equal(first, fresh)
+    np.testing.assert_array_equal(second, fresh)
+    assert second.dtype == fresh.dtype == first.dtype
+    # A hit is the entry's ids, not a re-encoding: what the file holds comes back.
+    np.save(entry, fresh[::-1])
+    assert (data.builtin_tokens(tok, max_bytes=200_000)[0] == fresh[::-1]).all()
+    entry.write_bytes(b"truncated")  # unreadable: a miss, encoded again and rewritten
+    again, said = data.builtin_tokens(tok, max_bytes=200_000)
+    assert "cached in" in said and (again == fresh).all() and (np.load(entry) == fresh).all()
+    # Another corpus (or tokenizer) is another entry.
+    other, _ = data.builtin_tokens(tok, max_bytes=100_000)
+    assert len(other) < len(fresh) and len(list(where.iterdir())) == 2
+    # Runs that miss together: each writes a temporary file and renames it into place.
+    ids, name, results = fresh, "builtin-concurrent", []
+    workers = [threading.Thread(target=lambda: results.append(cache.cached(name, lambda: ids)))
+               for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(results) == 4 and all((r[0] == ids).all() for r in results)
+    assert (np.load(where / f"{name}.npy") == ids).all()
+    assert sorted(p.suffix for p in where.iterdir()) == [".npy"] * 3  # no temporary files
+    assert subprocess.run([sys.executable, "-m", "jdist.data", "clear-cache"], check=True,
+                          capture_output=True, text=True).stdout.startswith("deleted 3 cached")
+    assert not list(where.iterdir())

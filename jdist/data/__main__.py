@@ -1,6 +1,7 @@
 """`python -m jdist.data tokenize INPUT... --tokenizer T --out FILE.bin`: pre-tokenize text
 for training (`python -m jdist.train --data FILE.bin`). Mistakes end with one line on stderr,
-exit status 2 and nothing written."""
+exit status 2 and nothing written. `python -m jdist.data clear-cache`: delete the cached
+tokens of the built-in corpus (`jdist.data.cache`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def make_parser() -> argparse.ArgumentParser:
     tok.add_argument("--field", default="text", help="the text's field in .jsonl records")
     tok.add_argument("--workers", type=int, default=1,
                      help="tokenizer processes (1: this process, the library threads batches)")
+    commands.add_parser(
+        "clear-cache", help="delete the built-in corpus's cached tokens",
+        description="Runs with --tokenizer keep the built-in corpus's ids in "
+                    "$JDIST_CACHE_DIR/tokens (default ~/.cache/jdist/tokens), one file per "
+                    "tokenizer; this deletes them (the next run re-tokenizes).")
     return parser
 
 
@@ -34,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        if args.command == "clear-cache":
+            from jdist.data import cache
+
+            files, size, where = cache.clear()
+            print(f"deleted {files} cached token files ({size / 2**20:,.1f} MiB) from {where}",
+                  flush=True)
+            return
         result = tokenize(args.inputs, args.tokenizer, args.out, args.field, args.workers)
         print(summary(result), flush=True)
     return run_cli(body)

@@ -7,6 +7,7 @@ bytes): its documents are separated by a newline byte, as the byte-level corpus 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -80,6 +81,7 @@ class HFTokenizer(Tokenizer):
             raise ConfigError(f"tokenizer file {str(path)!r} cannot be read ({reason}); "
                               "pass a valid tokenizer.json or its directory") from None
         self.spec = self.name = name
+        self.file = path
         vocab = self._tok.get_vocab(with_added_tokens=True)
         # Ids may have holes; .bin dtypes and the model's embedding must cover the largest.
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
@@ -100,6 +102,17 @@ class HFTokenizer(Tokenizer):
             return found
         ids = [self._tok.token_to_id(c) for c in candidates]
         return next((i for i in ids if i is not None), None)
+
+    def digest(self) -> str:
+        """What the ids of a text depend on, as a hash (the token cache's key): the
+        tokenizer.json bytes, the eod id that follows each document, the vocabulary (the
+        ids' dtype) and the `tokenizers` version that encodes."""
+        import tokenizers
+
+        h = hashlib.sha256(self.file.read_bytes())
+        h.update(f";eod={self.eod_id};vocab={self.vocab_size};"
+                 f"tokenizers={tokenizers.__version__}".encode())
+        return h.hexdigest()
 
     def encode(self, text: str) -> np.ndarray:
         return np.array(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)

@@ -208,7 +208,7 @@ def open_run_dir(run_dir: Path, setup, resume_step: int) -> MetricsLog:
     print(layout_table(plan), flush=True)
     print(compute_line(plan, config.data.seq_len), flush=True)
     print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
-          f"tokens; run dir: {run_dir}", flush=True)
+          f"tokens{'; ' + corpus.note if corpus.note else ''}; run dir: {run_dir}", flush=True)
     return log
 
 
