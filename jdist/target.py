@@ -40,6 +40,12 @@ CANDIDATE_FLAGS = {
               "xla_gpu_enable_pipelined_reduce_scatter": True,
               "xla_gpu_enable_pipelined_all_reduce": True,
               "xla_gpu_enable_while_loop_double_buffering": True},
+    # jaxlib 0.12 renamed the pipeliners to an enum (`CollectivePipeliningMode`): the 0.10
+    # spellings are "No such compile option" there, and `on`/`true` not a valid value.
+    (0, 12): {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON",
+              "xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON",
+              "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON",
+              "xla_gpu_enable_while_loop_double_buffering": True},
 }
 
 
