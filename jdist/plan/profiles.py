@@ -163,10 +163,13 @@ def _profile(name: str, entries: dict, source: str, calibrated: bool) -> Profile
         value = values[field]
         require(isinstance(value, int | float) and not isinstance(value, bool)
                 and math.isfinite(value), f"{where}: {field} = {value!r} is not a number")
-        low_ok = value >= 0 if field in ("overlap", "overlap_tensor", "step_overhead_ms") \
-            else value > 0
+        # A latency of 0 is calibrate's bandwidth-only fit (noise made the fitted one
+        # negative): a link model still, not a mistake.
+        zero_ok = field in ("overlap", "overlap_tensor", "step_overhead_ms", "ici_latency_us")
+        low_ok = value >= 0 if zero_ok else value > 0
         require(low_ok and (field not in FRACTIONS or value <= 1),
-                f"{where}: {field} = {value} is out of range (positive"
+                f"{where}: {field} = {value} is out of range "
+                f"({'at least 0' if zero_ok else 'positive'}"
                 f"{', at most 1' if field in FRACTIONS else ''})")
     values["devices_per_host"] = int(values["devices_per_host"])
     values["ici_by_kind"] = _kind_links(values.get("ici_by_kind", {}), where)
