@@ -327,19 +327,17 @@ def transposed_stacks(plan) -> int:
     transposition out of the layer loop onto the whole stack as stored (float32)."""
     import jax
 
-    from jdist.step.grads import syncs
+    from jdist.parallel.grad_sync import manual_part
+    from jdist.step.grads import MANUAL
     from models.names import BLOCKS
 
     blocks = plan.abstract.params[BLOCKS]
-    shardings = plan.shardings.params[BLOCKS]
-    sync = syncs(plan)[BLOCKS]
-    is_sh = lambda x: isinstance(x, jax.sharding.Sharding)
-    total = 0
-    for leaf, sh, sy in zip(jax.tree.leaves(blocks), jax.tree.leaves(shardings, is_leaf=is_sh),
-                            jax.tree.leaves(sync, is_leaf=lambda x: hasattr(x, "stored"))):
-        if getattr(sy, "stored", None) and any(sy.stored[1:]):
-            total += per_device_bytes(leaf, sh)
-    return total
+    shardings = jax.tree.leaves(plan.shardings.params[BLOCKS],
+                                is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    # Per dimension of the stack, the replica axes it is split on: [0] is `layers`, [1]
+    # the one a gather can concatenate along without a transposition.
+    return sum(per_device_bytes(leaf, sh) for leaf, sh in zip(jax.tree.leaves(blocks), shardings)
+               if any(manual_part(sh.spec, leaf.ndim, MANUAL)[2:]))
 
 
 def _gathered_layer(plan, compute_bytes: int) -> tuple[int, int]:
