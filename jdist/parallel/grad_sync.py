@@ -46,9 +46,8 @@ REPLICA_CHECK_VMA = False
 def manual_part(spec, ndim: int, manual: tuple[str, ...], what: str = "") -> tuple:
     """Per dimension, the manual mesh axes of a PartitionSpec entry. They must lead the
     entry: a shard_map's in_specs can only describe manual axes as the major split."""
-    entries = tuple(spec) + (None,) * (ndim - len(spec))
     out = []
-    for entry in entries:
+    for entry in entries_of(spec, ndim):
         axes = mesh_axes_of(entry)
         lead = tuple(a for a in axes if a in manual)
         require(axes[:len(lead)] == lead,
@@ -56,6 +55,11 @@ def manual_part(spec, ndim: int, manual: tuple[str, ...], what: str = "") -> tup
                 f"list {'/'.join(manual)} first in the rule candidate")
         out.append(lead)
     return tuple(out)
+
+
+def entries_of(spec, ndim: int) -> tuple:
+    """A PartitionSpec's entry for each of `ndim` dimensions (None past its end)."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
 
 
 def in_spec(parts: tuple):
@@ -89,9 +93,8 @@ def make_sync(stored_spec, grad_spec, ndim: int, mesh, manual: tuple[str, ...], 
     used = {a for axes in grad for a in axes}
     # The axes GSPMD partitions (tensor, ...): the collectives run on their blocks
     # (`on_shards`).
-    entries = tuple(stored_spec) + (None,) * (ndim - len(stored_spec))
     auto = tuple(tuple(a for a in mesh_axes_of(e) if a not in manual and mesh.shape[a] > 1)
-                 for e in entries)
+                 for e in entries_of(stored_spec, ndim))
     # A sum over a size-1 axis would still be emitted (a trivial all-reduce per layer).
     return Sync(stored, grad, tuple(a for a in manual if a not in used and mesh.shape[a] > 1),
                 math.prod(mesh.shape[a] for a in manual), cast,
