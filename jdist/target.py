@@ -29,11 +29,22 @@ from jdist.errors import ConfigError, require
 # autotuner would time candidate kernels on a device (XLA picks by its cost model instead).
 COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 
-# XLA's GPU scheduling flags that could hide more of a step's communication, by the jaxlib
-# that spells them so (newer XLA's `xla_gpu_pipeline_*` is "No such compile option" on
-# 0.10.2). jdist sets one only when the GPU-compiled step shows it hides more
-# (`benchmarks/gpu_flags.py`); measured on jax 0.10.2 for H100 none does, so none is set:
-# the pipelined all-gather raises the exposed share (8B fsdp=8: 10.4% -> 41.1%), the others
+# XLA flags jdist sets on NVIDIA GPUs (compile options of the step, unless the user set
+# XLA_FLAGS), by the jaxlib that accepts them; each kept for its measured effect on the
+# GPU-compiled step (`benchmarks/gpu_flags.py`, README "GPU scheduling flags"). XLA's
+# latency-hiding scheduler keeps one collective in flight at a time and gives each one the
+# matmuls scheduled while it runs: a layer's nine weight gathers (or gradient reductions)
+# each took one matmul, and the last had none left. Combined into one collective per kind
+# and layer (up to 1 GiB; a 70B layer gathers 1.6 GiB at tp=1), each spans the whole
+# layer's compute (8B fsdp=8 with the prefetching loop: 19.1% -> 3.3% exposed, jax 0.10.2).
+_COMBINE = {"xla_gpu_all_gather_combine_threshold_bytes": 2**30,
+            "xla_gpu_reduce_scatter_combine_threshold_bytes": 2**30}
+GPU_FLAGS = {(0, 10): _COMBINE, (0, 12): _COMBINE}  # 0.11: not compiled with here yet
+
+# Scheduling flags measured and not set (`benchmarks/gpu_flags.py` compares each with the
+# step as jdist compiles it), by the jaxlib that spells them so (newer XLA's
+# `xla_gpu_pipeline_*` is "No such compile option" on 0.10.2): on jax 0.10.2 for H100 the
+# pipelined all-gather raises the exposed share (8B fsdp=8: 10.4% -> 41.1%), the others
 # leave it (README, "GPU scheduling flags").
 CANDIDATE_FLAGS = {
     (0, 10): {"xla_gpu_enable_pipelined_all_gather": True,
@@ -49,10 +60,21 @@ CANDIDATE_FLAGS = {
 }
 
 
+def _jaxlib_version() -> tuple[int, int]:
+    import jaxlib
+
+    return tuple(int(x) for x in jaxlib.__version__.split(".")[:2])
+
+
 def candidate_flags() -> dict:
     """The scheduling flags the installed jaxlib spells (empty for a version not yet
     measured: a flag is never passed to a jaxlib it was not checked on)."""
-    import jaxlib
+    return dict(CANDIDATE_FLAGS.get(_jaxlib_version(), {}))
+
+
+def gpu_flags() -> dict:
+    """The flags jdist compiles a step with on NVIDIA GPUs, for the installed jaxlib."""
+    return dict(GPU_FLAGS.get(_jaxlib_version(), {}))
 
     version = tuple(int(x) for x in jaxlib.__version__.split(".")[:2])
     return dict(CANDIDATE_FLAGS.get(version, {}))
@@ -166,8 +188,15 @@ def is_compile_only(device) -> bool:
 
 
 def compiler_options(mesh) -> dict:
-    """Options the compile of a step on `mesh` needs: none on real devices."""
-    return dict(COMPILER_OPTIONS) if is_compile_only(mesh.devices.flat[0]) else {}
+    """Options a step's compile on `mesh` gets: on NVIDIA GPUs the flags jdist sets
+    (`GPU_FLAGS`), unless the user set XLA_FLAGS (theirs rule); for a compile-only target
+    also what compiling without a device needs; none on the CPU."""
+    device = mesh.devices.flat[0]
+    if is_compile_only(device):
+        return COMPILER_OPTIONS | gpu_flags()
+    if device.platform == "gpu" and not os.environ.get("XLA_FLAGS"):
+        return gpu_flags()
+    return {}
 
 
 def capability_of(device) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 
@@ -19,8 +20,8 @@ def _identity(x, *_):
     return x
 
 
-def _no_remat(f):
-    return f
+def scan_layers(layer, x, layers):
+    return jax.lax.scan(layer, x, layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,15 +32,13 @@ class ModelContext:
     attention: Callable | None = None
     # moe(x [b,s,d], weights, cfg) -> (y, balance sums); None: one local group (models.moe).
     moe: Callable | None = None
-    # layer_params(layer_state, streamed) -> the state one layer computes with. `streamed` is
-    # this layer's slice of `layer_stream` (scanned alongside the stacked blocks).
-    layer_params: Callable = _identity
-    layer_stream: Any = None
+    # layer_loop(layer, x, layers) -> (x, stats [layers, ...]): runs `layer(x, state) -> (x,
+    # stats)` over the stacked `layers` state. The step's gathers each layer's parameters
+    # (ahead of time) and checkpoints activations; the default is a plain scan.
+    layer_loop: Callable = scan_layers
     # embed_lookup(tokens [b, s]) -> rows [b, s, embed] in compute dtype, from a table the
     # step keeps sharded; None: rows of the model's own table.
     embed_lookup: Callable | None = None
-    # wraps the per-layer function (activation checkpointing, see jdist.remat).
-    remat_layer: Callable = _no_remat
     # dtype of matmuls and of the residual stream (parameters arrive in float32).
     compute_dtype: Any = jnp.float32
 

@@ -205,20 +205,18 @@ class Llama(nnx.Module):
     def run_blocks(self, x: jax.Array, ctx: ModelContext = LOCAL,
                    positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
         """The stacked blocks (however many `self.blocks` holds) -> (x, stats per layer).
-        Each layer's parameters pass through `ctx.layer_params` inside the loop, with
-        that layer's slice of `ctx.layer_stream`."""
+        The loop is the context's (`ctx.layer_loop`): the step's gathers each layer's
+        parameters and checkpoints its activations."""
         cfg = self.config
         # Concrete positions: rotary tables computed on the host in float64 (models.layers).
         positions = np.arange(x.shape[1]) if positions is None else positions
         cos, sin = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
         graphdef, layers = nnx.split(self.blocks)
 
-        def layer(x, scanned):
-            layer_state, streamed = scanned
-            block = nnx.merge(graphdef, ctx.layer_params(layer_state, streamed))
-            return block(x, cos, sin, ctx, segment_ids)
+        def layer(x, state):
+            return nnx.merge(graphdef, state)(x, cos, sin, ctx, segment_ids)
 
-        return jax.lax.scan(ctx.remat_layer(layer), x, (layers, ctx.layer_stream))
+        return ctx.layer_loop(layer, x, layers)
 
     def decode(self, tokens: jax.Array, kv: tuple[jax.Array, jax.Array], index: jax.Array,
                positions: jax.Array, visible: jax.Array, ctx: ModelContext = LOCAL):

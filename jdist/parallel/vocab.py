@@ -111,17 +111,17 @@ def _forward(head: Head, h, stored, labels):
     like = tuple({*vma(h), *vma(stored), *vma(labels)})
     start = tuple(varying(jnp.full((b, s), x, jnp.float32), like) for x in (-jnp.inf, 0.0, 0.0))
 
-    def body(carry, i):
+    def body(carry, i, w_c):
         m, norm, picked = carry
         first = _start(head, local, i)
         fresh = _fresh(head, local, i, first)
-        logits = _logits(head, h, _weight_chunk(head, stored, first), fresh)
+        logits = _logits(head, h, w_c, fresh)
         new_m = jnp.maximum(m, logits.max(-1))
         norm = norm * jnp.exp(m - new_m) + jnp.exp(logits - new_m[..., None]).sum(-1)
         hit = _hits(head, labels, local, first, fresh, logits.shape)
-        return (new_m, norm, picked + jnp.where(hit, logits, 0.0).sum(-1)), None
+        return new_m, norm, picked + jnp.where(hit, logits, 0.0).sum(-1)
 
-    (m, norm, picked), _ = _over_chunks(body, start, _n_chunks(head, local))
+    m, norm, picked = _over_chunks(body, start, head, stored)
     if head.vocab_axes:
         top = lax.pmax(m, head.vocab_axes)
         norm = lax.psum(norm * jnp.exp(m - top), head.vocab_axes)
@@ -140,17 +140,16 @@ def _backward(head: Head, with_weight: bool, h, primal, stored, labels, lse, g):
     eq_h = "bsv,ev->bse" if head.vocab_dim == 1 else "bsv,ve->bse"
     eq_w = "bse,bsv->ev" if head.vocab_dim == 1 else "bse,bsv->ve"
 
-    def body(carry, i):
+    def body(carry, i, w_c):
         dh, dw = carry
         first = _start(head, local, i)
         fresh = _fresh(head, local, i, first)
-        w_c = _weight_chunk(head, stored, first)
         logits = _logits(head, h, w_c, fresh)
         hit = _hits(head, labels, local, first, fresh, logits.shape)
         dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * g[..., None]).astype(h.dtype)
         dh = dh + jnp.einsum(eq_h, dlogits, w_c, preferred_element_type=jnp.float32)
         if not with_weight:
-            return (dh, dw), None
+            return dh, dw
         dw_c = jnp.einsum(eq_w, h, dlogits, preferred_element_type=jnp.float32)
         if head.token_axes:
             dw_c = lax.psum(dw_c, head.token_axes)
@@ -158,22 +157,40 @@ def _backward(head: Head, with_weight: bool, h, primal, stored, labels, lse, g):
         if fresh is not None:  # the overlap already holds the earlier chunk's rows (+ 0 here)
             dw_c = dw_c + lax.dynamic_slice_in_dim(dw, first, head.chunk, head.vocab_dim)
         dw = lax.dynamic_update_slice_in_dim(dw, dw_c, first, head.vocab_dim)
-        return (dh, dw), None
+        return dh, dw
 
     like = tuple({*vma(h), *vma(stored), *vma(labels)})
     # dW chunks are summed over the token axes: the gradient varies only as the weight does.
     dw = varying(jnp.zeros(primal.shape, primal.dtype), (*vma(stored), *vma(primal))) \
         if with_weight else jnp.zeros((), primal.dtype)  # a frozen weight: a placeholder
     start = (varying(jnp.zeros(h.shape, jnp.float32), like), dw)
-    (dh, dw), _ = _over_chunks(body, start, _n_chunks(head, local))
+    dh, dw = _over_chunks(body, start, head, stored, reverse=True)
     if head.vocab_axes:  # every vocab slice contributed to each token's hidden-state gradient
         dh = lax.psum(dh, head.vocab_axes)
     return dh.astype(h.dtype), dw
 
 
-def _over_chunks(body, start, n: int):
-    """`lax.scan` of `body` over chunk indices 0..n-1; no loop for a single chunk."""
-    return body(start, 0) if n == 1 else lax.scan(body, start, jnp.arange(n))
+def _over_chunks(body, start, head: Head, stored, reverse: bool = False):
+    """`body(carry, i, weight chunk i) -> carry` over the chunks (last to first with
+    `reverse`), the next chunk gathered while chunk i computes (the last iteration gathers
+    its chunk again: a loop body cannot skip a collective without a conditional, which
+    would end the overlap); no loop for a single chunk. The backward runs in reverse so that
+    its first gather is not the forward's: XLA's GPU compiler merges identical gathers and
+    keeps the value alive in between, the CPU's too (jax 0.10.2)."""
+    local = stored.shape[head.vocab_dim]
+    n = _n_chunks(head, local)
+    fetch = lambda i: _weight_chunk(head, stored, _start(head, local, i))
+    if n == 1:
+        return body(start, 0, fetch(0))
+
+    def step(carry, i):
+        carry, w_c = carry
+        upcoming = jnp.maximum(i - 1, 0) if reverse else jnp.minimum(i + 1, n - 1)
+        return (body(carry, i, w_c), fetch(upcoming)), None
+
+    (out, _), _ = lax.scan(step, (start, fetch(n - 1 if reverse else 0)), jnp.arange(n),
+                           reverse=reverse)
+    return out
 
 
 def vocab_parallel_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *,

@@ -38,6 +38,7 @@ from jdist import packing, remat
 from jdist.parallel import attention as attn
 from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
+from jdist.parallel import prefetch
 from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
 from jdist.parallel.vocab import supports as vocab_supports
@@ -120,14 +121,26 @@ class Forward:
                 for k in shared.stored}
 
     def context(self, shared: Params, blocks_primal):
-        """The `ModelContext`: each layer's parameters materialized inside the layer loop
-        from its slice of `blocks_primal`."""
-        def layer_params(layer_state, layer_primal):
-            return self.materialized(layer_primal, nnx.to_pure_dict(layer_state),
-                                     self.block_sync)
+        """The `ModelContext`: its layer loop materializes each layer's parameters from
+        the stored blocks and differentiates `blocks_primal` (`layer_loop`)."""
+        return model_context(self.plan, self.manual, self.seq_len,
+                             partial(self.layer_loop, blocks_primal), self.lookup(shared))
 
-        return model_context(self.plan, self.manual, self.seq_len, layer_params,
-                             blocks_primal, self.lookup(shared))
+    def layer_loop(self, primal: dict, layer, x, layers):
+        """`ModelContext.layer_loop`: with `plan.prefetch`, layer i+1's parameters are
+        gathered while layer i computes (`jdist.parallel.prefetch`); else each is gathered
+        when its iteration starts. Both checkpoint the layer under `plan.remat`."""
+        stored, checkpointed = nnx.to_pure_dict(layers), remat.wrapper(self.plan.remat)
+        n = jax.tree.leaves(stored)[0].shape[0]
+        if prefetch.applies(self.plan.prefetch, jax.tree.leaves(self.block_sync), n):
+            return prefetch.run(layer, x, stored, primal, self.block_sync,
+                                dtype=self.plan.compute_dtype, defer=self.defer,
+                                remat=checkpointed)
+
+        def one(x, scanned):
+            layer_stored, layer_primal = scanned
+            return layer(x, self.materialized(layer_primal, layer_stored, self.block_sync))
+        return jax.lax.scan(checkpointed(one), x, (stored, primal))
 
     def cross_entropy(self, model, shared: Params, y, targets, ctx, scale):
         """This piece's `jdist.loss.piece_cross_entropy` of the last block's output."""
@@ -208,19 +221,17 @@ def attention_of(plan, seq_len: int) -> str:
 
 
 def model_context(plan, manual: tuple[str, ...], seq_len: int,
-                  layer_params: Callable | None = None, layer_stream: Any = None,
+                  layer_loop: Callable | None = None,
                   embed_lookup: Callable | None = None) -> ModelContext:
     rules = inner_rules(plan.rules, manual)
     cp = ContextParallel(plan.mesh, rules, plan.cp_strategy)
-    extra = {} if layer_params is None else {"layer_params": layer_params,
-                                             "layer_stream": layer_stream}
+    extra = {} if layer_loop is None else {"layer_loop": layer_loop}
     name = attention_of(plan, seq_len)
     return ModelContext(
         constrain=constrainer(plan.mesh, rules),
         attention=cp.attention if cp.size > 1 else attn.kernel(
             name, mesh=plan.mesh, q_spec=cp.q_spec, kv_spec=cp.kv_spec),
         moe=expert_dispatch(plan.mesh, rules) if plan.model.n_experts else None,
-        remat_layer=remat.wrapper(plan.remat),
         embed_lookup=embed_lookup, compute_dtype=plan.compute_dtype, **extra)
 
 

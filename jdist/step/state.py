@@ -55,6 +55,7 @@ class Plan:
     # gradients and their reductions stay float32), activation checkpointing, micro-batches.
     compute_dtype: Any = jnp.float32
     remat: str = "none"
+    prefetch: bool = True          # gather layer i+1 while layer i computes (parallel.prefetch)
     grad_accum: int = 1
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
     loss: str = CHUNKED            # jdist.loss.LOSSES

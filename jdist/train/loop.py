@@ -12,6 +12,7 @@ from jdist.distributed import is_main_process
 from jdist.parallel.pipeline import show_schedule
 from jdist.step.build import make_eval_step, make_train_step
 from jdist.step.state import TrainState
+from jdist.target import compiler_options
 from jdist.train import fit, report, resume
 from jdist.train.goodput import Goodput
 from jdist.train.run import Run
@@ -66,7 +67,8 @@ def compile_step(setup: Setup, state: TrainState):
     start = time.perf_counter()
     step_fn = make_train_step(setup.plan, setup.schedule,
                               inject_nan_at_step=setup.config.checkpoint.inject_nan_at_step)
-    step_fn = step_fn.lower(state, setup.batch(0)).compile()
+    options = compiler_options(setup.plan.mesh)  # jdist's GPU flags (jdist.target)
+    step_fn = step_fn.lower(state, setup.batch(0)).compile(options or None)
     if is_main_process():
         print(f"compiled train step in {time.perf_counter() - start:.1f}s", flush=True)
     return step_fn

@@ -177,9 +177,11 @@ def loss_shape(st: Step) -> LossShape | None:
 def head_gathers(st: Step, shape: LossShape) -> list[Collective]:
     """vocab._weight_chunk, for every chunk: its rows of the head all-gathered over the
     replica axes splitting the embed dimension, in the compute dtype. (Inside the kernel,
-    manual over the vocab axes too: no tensor gather first.)"""
+    manual over the vocab axes too: no tensor gather first.) A chunk loop prefetches one
+    chunk past its last (`vocab._over_chunks`)."""
     return gathers_by_dim(st, shape.leaf.sync.stored, shape.chunk * st.model.d_model,
-                          shape.n_chunks, st.dtype, "vocab: head chunks")
+                          shape.n_chunks + (shape.n_chunks > 1), st.dtype,
+                          "vocab: head chunks")
 
 
 def loss_forward(st: Step, shape: LossShape, picked: bool = True) -> list[Collective]:

@@ -15,6 +15,7 @@ from jdist.plan.traffic.kernels import (
     moe_backward,
     moe_forward,
 )
+from jdist.parallel import prefetch
 from jdist.plan.traffic.layout import PIPE_MANUAL, Collective, Leaf, Step, step_of
 from jdist.step.grads import MANUAL
 from models.names import FINAL_NORM
@@ -31,21 +32,40 @@ def collectives(plan, batch_size: int, seq_len: int, executed: bool = True) -> l
 # One transformer layer (models/llama.py Block) of one micro-batch
 
 
-def layer_forward(st: Step) -> list[Collective]:
+def layer_gathers(st: Step, source: str = "grad_sync.gather") -> list[Collective]:
+    """A layer's parameters gathered (each leaf the replica axes split)."""
+    return [c for leaf in st.blocks() for c in gather(st, leaf, source)]
+
+
+def prefetched(st: Step, layers: int) -> bool:
+    """Whether a loop of `layers` runs `jdist.parallel.prefetch`: then a forward gathers
+    layers + 1 (the last again, for the backward to start with), a backward layers - 1,
+    whatever the remat policy; `layer_forward`'s and `layer_backward`'s gathers are not
+    counted (`prefetch_gathers`)."""
+    return prefetch.applies(st.plan.prefetch, [leaf.sync for leaf in st.blocks()], layers)
+
+
+def prefetch_gathers(layers: int) -> int:
+    """Layer gathers of a prefetching forward and backward: 2 x layers, but 3 for two
+    layers (the backward reuses the forward's gather of layer 0)."""
+    return 2 * layers - (layers == 2)
+
+
+def layer_forward(st: Step, gathers: bool = True) -> list[Collective]:
     """A layer's forward: its parameters gathered, Megatron's activation collectives, the
     context-parallel kernel's, the MoE dispatch's."""
-    gathers = [c for leaf in st.blocks() for c in gather(st, leaf)]
-    return gathers + partitioner.tensor_forward(st) + attention_forward(st) + moe_forward(st)
+    out = layer_gathers(st) if gathers else []
+    return out + partitioner.tensor_forward(st) + attention_forward(st) + moe_forward(st)
 
 
-def layer_backward(st: Step, defer: bool, merged: Callable[[Leaf], bool] = lambda _: False
-                   ) -> list[Collective]:
+def layer_backward(st: Step, defer: bool, merged: Callable[[Leaf], bool] = lambda _: False,
+                   regather: bool = True) -> list[Collective]:
     """A layer's backward: parameters gathered again (`partitioner.regathers`; not those
     whose regather XLA `merged` with an earlier identical gather), recomputation,
     Megatron's, the attention kernel's and the MoE dispatch's backward, gradient
     reductions."""
-    out = [c for leaf in st.blocks() if partitioner.regathers(st, leaf) and not merged(leaf)
-           for c in gather(st, leaf, "grad_sync.gather (backward)")]
+    out = [c for leaf in st.blocks() if regather and partitioner.regathers(st, leaf)
+           and not merged(leaf) for c in gather(st, leaf, "grad_sync.gather (backward)")]
     out += partitioner.tensor_backward(st) + attention_backward(st) + moe_backward(st)
     for leaf in st.blocks():
         out += partitioner.token_partials(st, leaf) + reduce(st, leaf, defer)
@@ -59,7 +79,10 @@ def layer_backward(st: Step, defer: bool, merged: Callable[[Leaf], bool] = lambd
 def plain_step(st: Step) -> list[Collective]:
     """jdist.step.grads: the replica shard_map, `grad_accum` micro-batches scanned."""
     defer, layers = st.micro > 1, st.model.n_layers
-    per_micro = [c.times(layers) for c in layer_forward(st) + layer_backward(st, defer)]
+    pre = prefetched(st, layers)
+    per_micro = [c.times(layers) for c in layer_forward(st, gathers=not pre)
+                 + layer_backward(st, defer, regather=not pre)]
+    per_micro += [c.times(prefetch_gathers(layers)) for c in layer_gathers(st)] if pre else []
     per_micro += exact.embedding_forward(st) + exact.embedding_backward(st, defer)
     per_micro += exact.final_norm_grad(st, defer)
     extras = partitioner.extras(st)
@@ -85,10 +108,10 @@ def plain_step(st: Step) -> list[Collective]:
         + partitioner.grad_norm(st)
 
 
-def chunk_recompute(st: Step, k: int) -> list[Collective]:
+def chunk_recompute(st: Step, k: int, gathers: bool = True) -> list[Collective]:
     """The forward a pipeline backward redoes (jax.vjp of the chunk), its ring shifts
     merged with the backward's where `partitioner.ring_merges`."""
-    out = [c for leaf in st.blocks() for c in gather(st, leaf)] + partitioner.tensor_forward(st)
+    out = (layer_gathers(st) if gathers else []) + partitioner.tensor_forward(st)
     return out + ([] if partitioner.ring_merges(st) else attention_forward(st)) + moe_forward(st)
 
 
@@ -102,11 +125,14 @@ def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     k = st.model.n_layers // (table.stages * table.virtual)
     chunk_runs = table.micro * table.virtual if executed else 1
     end_runs = table.micro if executed else 1
-    forward = [c.times(k) for c in layer_forward(st)]
+    pre = prefetched(st, k)
+    forward = [c.times(k) for c in layer_forward(st, gathers=not pre)]
+    forward += [c.times(k + 1) for c in layer_gathers(st)] if pre else []
     # A one-layer chunk's backward regathers what its recomputed forward just gathered:
     # XLA merges the two where no automatic axis splits the leaf (fitted, jax 0.10.2).
-    backward = [c.times(k) for c in chunk_recompute(st, k) + layer_backward(
-        st, True, merged=lambda leaf: k == 1 and not leaf.auto)]
+    backward = [c.times(k) for c in chunk_recompute(st, k, gathers=not pre) + layer_backward(
+        st, True, merged=lambda leaf: k == 1 and not leaf.auto, regather=not pre)]
+    backward += [c.times(prefetch_gathers(k)) for c in layer_gathers(st)] if pre else []
     extras = partitioner.extras(st)
     first = exact.embedding_forward(st) + extras.embed_forward
     first_back = first + exact.embedding_backward(st, True) + extras.embed_backward

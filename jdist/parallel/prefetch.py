@@ -1,0 +1,164 @@
+"""The layer loop with each layer's parameters gathered one layer ahead: layer i+1's
+all-gather is in flight while layer i computes, in the forward and in the backward.
+
+Autodiff of a `lax.scan` that carried the next layer's gathered weights would save that
+carry for the backward: every layer's gathered weights, a full copy of the model per
+device. So the loop has its own VJP (as the vocabulary loss has):
+
+  forward   gather layer 0; each iteration starts gathering layer i+1, runs layer i under
+            the remat policy and keeps what the policy saves, except the gathered weights
+  backward  from the last layer (its weights carried over from the forward): each iteration
+            starts gathering layer i-1 and reducing layer i+1's weight gradient
+            (`grad_sync.reduce`), and pulls the cotangent back through layer i (with the
+            weights gathered again)
+
+The weights the backward needs are recognised among a layer's residuals by identity: the
+pullback of `jax.vjp` holds its inputs themselves (jax 0.10.2 and 0.12), and those are
+dropped from what is stacked and put back, gathered again, when the layer is pulled back.
+
+Memory over the plain loop: one more layer's gathered weights (the one in flight), and in
+the backward one layer's unreduced float32 gradient while the next is produced.
+Traffic: the forward's last iteration gathers the last layer again (a loop body cannot skip
+a collective without a conditional, which would end the overlap), and the backward starts
+from that copy; so a forward and backward gather 2n layers, as the plain loop does (a
+forward alone n+1). The backward's first and last layers run outside its loop. `applies`
+says when the loop runs (n > 1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdist.parallel import grad_sync as gs
+
+
+def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool, remat):
+    """`layer(x, params) -> (x, stats)` over the stacked layers -> (x, stats [n, ...]).
+    `stored`: the stored blocks [n, ...] (read); `primal`: their gradient-layout blocks
+    (differentiated; None for a frozen leaf); `sync`: one layer's `grad_sync.Sync` per leaf;
+    `remat`: the activation-checkpointing wrapper (`jdist.remat.wrapper`)."""
+    n = jax.tree.leaves(stored)[0].shape[0]
+    trained = jax.tree.map(lambda p: p is not None, primal, is_leaf=lambda p: p is None)
+
+    def gather(i):
+        """Layer i's parameters as it computes with them, split (trained, frozen)."""
+        whole = jax.tree.map(lambda s, y: gs.gather(lax.dynamic_index_in_dim(
+            s, i, 0, keepdims=False), y, dtype), stored, sync)
+        return split(whole, trained)
+
+    # Closed-over values (the rotary tables, ...) become arguments: a custom VJP must not
+    # close over values that autodiff traces.
+    fn, consts = jax.closure_convert(
+        lambda x, w, f: remat(layer)(x, merge(w, f, trained)), x,
+        *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(gather, 0)))
+    where: list = []  # how the pullback's leaves are rebuilt (set by each forward trace)
+
+    def forward(x, consts, keep: bool):
+        def body(carry, i):
+            x, w = carry
+            w_next = gather(jnp.minimum(i + 1, n - 1))
+            if not keep:
+                y, stats = fn(x, *w, *consts)
+                return (y, w_next), (stats, None)
+            out, pullback = jax.vjp(lambda x, wt, *c: fn(x, wt, w[1], *c), x, w[0], *consts)
+            return (out[0], w_next), (out[1], stash(pullback, w, consts))
+        w_first = gather(0)
+        (y, w_last), (stats, kept) = lax.scan(body, (x, w_first), jnp.arange(n))
+        return y, stats, kept, (w_last, w_first)
+
+    def stash(pullback, w, consts):
+        leaves, tree = jax.tree.flatten(pullback)
+        given = [*jax.tree.leaves(w), *consts]
+        index = [next((j for j, g in enumerate(given) if leaf is g), None) for leaf in leaves]
+        where[:] = [tree, index, len(jax.tree.leaves(w))]
+        return [leaf for leaf, j in zip(leaves, index) if j is None]
+
+    def unstash(kept, w, consts):
+        tree, index, _ = where
+        given, kept = [*jax.tree.leaves(w), *consts], iter(kept)
+        return jax.tree.unflatten(tree, [next(kept) if j is None else given[j] for j in index])
+
+    @jax.custom_vjp
+    def loop(x, primal, consts):
+        y, stats, _, _ = forward(x, consts, keep=False)
+        return y, stats
+
+    def loop_fwd(x, primal, consts):
+        y, stats, kept, (w_last, w_first) = forward(x, consts, keep=True)
+        # Two layers: the backward's gather of layer 0 would repeat the forward's first,
+        # which one compiler merges (CPU) and another does not (GPU): keep that one.
+        return (y, stats), (kept, (w_last, w_first if n == 2 else None), consts)
+
+    def loop_bwd(saved, cts):
+        kept, (w_last, w_first), consts = saved
+        dy, dstats = cts
+        synced = select(sync, trained)
+
+        def back(i, dx, w, dconsts):
+            """Layer i pulled back: (dx, its unreduced weight gradient, dconsts)."""
+            pull = unstash(at(kept, i), w, consts)
+            dx, dw, *dc = pull((dx, at(dstats, i)))
+            return dx, dw, [a + b for a, b in zip(dconsts, dc)]
+
+        def put(grads, dw, i):
+            """Layer i's gradient reduced (`grad_sync.reduce`) into the stacked gradient."""
+            return jax.tree.map(lambda acc, g, y: lax.dynamic_update_index_in_dim(
+                acc, gs.reduce(g, y, defer), i, 0), grads, dw, synced)
+
+        # Layer i's gradient is reduced in the iteration of layer i-1, whose backward hides
+        # it: reduced where it is produced, the last of them (the first layers' projections)
+        # would have no compute left beside it. The last layer is pulled back before the
+        # loop (nothing to reduce yet), the first after it (nothing to prefetch), and the
+        # first layer's gradient reduced last.
+        grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), primal)
+        w = gather(n - 2) if n > 2 else w_first
+        dx, pending, dconsts = back(n - 1, dy, w_last, [jnp.zeros_like(c) for c in consts])
+
+        def body(carry, i):
+            dx, w, pending, dconsts, grads = carry
+            w_prev = gather(i - 1)
+            grads = put(grads, pending, i + 1)
+            dx, dw, dconsts = back(i, dx, w, dconsts)
+            return (dx, w_prev, dw, dconsts, grads), None
+
+        if n > 2:
+            (dx, w, pending, dconsts, grads), _ = lax.scan(
+                body, (dx, w, pending, dconsts, grads), jnp.arange(1, n - 1), reverse=True)
+        grads = put(grads, pending, 1)
+        dx, pending, dconsts = back(0, dx, w, dconsts)
+        grads = put(grads, pending, 0)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, primal)
+        return dx, grads, dconsts
+
+    loop.defvjp(loop_fwd, loop_bwd)
+    return loop(x, primal, consts)
+
+
+def applies(enabled: bool, syncs, n_layers: int) -> bool:
+    """Whether a loop of `n_layers` with these per-leaf `grad_sync.Sync`s prefetches:
+    `enabled` (`--prefetch`), a leaf that is gathered at all, and a next layer to gather
+    (XLA unrolls a loop of one iteration and merges its two gathers of the same layer)."""
+    return enabled and n_layers > 1 and any(y.gathers for y in syncs)
+
+
+def at(tree, i):
+    """Entry i of a stacked tree."""
+    return jax.tree.map(lambda r: lax.dynamic_index_in_dim(r, i, 0, keepdims=False), tree)
+
+
+def split(tree: dict, trained: dict) -> tuple[dict, dict]:
+    """(the trained leaves, the frozen ones) of a layer's tree: None where the other is."""
+    # `trained` leads: a frozen leaf may be a subtree here (NF4 codes and scales).
+    pick = lambda keep: jax.tree.map(lambda t, v: v if t == keep else None, trained, tree)
+    return pick(True), pick(False)
+
+
+def merge(trained_part: dict, frozen_part: dict, trained: dict) -> dict:
+    return jax.tree.map(lambda t, a, b: a if t else b, trained, trained_part, frozen_part,
+                        is_leaf=lambda v: v is None)
+
+
+def select(tree: dict, trained: dict) -> dict:
+    return split(tree, trained)[0]
