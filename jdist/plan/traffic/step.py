@@ -45,10 +45,15 @@ def prefetched(st: Step, layers: int) -> bool:
     return prefetch.applies(st.plan.prefetch, [leaf.sync for leaf in st.blocks()], layers)
 
 
-def prefetch_gathers(layers: int) -> int:
-    """Layer gathers of a prefetching forward and backward: 2 x layers, but 3 for two
-    layers (the backward reuses the forward's gather of layer 0)."""
-    return 2 * layers - (layers == 2)
+def prefetch_gathers(layers: int) -> tuple[int, int]:
+    """Layer gathers of a prefetching forward and backward: (inside its loops, at fixed
+    layers). 2 x layers in all: the forward's loop gathers each layer after the first
+    (and the last again), the backward's layers - 2; the forward's first gather and the
+    backward's first are of fixed layers, which XLA hoists out of a micro-batch scan
+    (fitted, jax 0.10.2). With two layers the backward reuses the forward's first: 3."""
+    if layers == 2:
+        return 2, 1
+    return 2 * layers - 2, 2
 
 
 def layer_forward(st: Step, gathers: bool = True) -> list[Collective]:
@@ -82,7 +87,8 @@ def plain_step(st: Step) -> list[Collective]:
     pre = prefetched(st, layers)
     per_micro = [c.times(layers) for c in layer_forward(st, gathers=not pre)
                  + layer_backward(st, defer, regather=not pre)]
-    per_micro += [c.times(prefetch_gathers(layers)) for c in layer_gathers(st)] if pre else []
+    looped, fixed = prefetch_gathers(layers) if pre else (0, 0)
+    per_micro += [c.times(looped) for c in layer_gathers(st)] if pre else []
     per_micro += exact.embedding_forward(st) + exact.embedding_backward(st, defer)
     per_micro += exact.final_norm_grad(st, defer)
     extras = partitioner.extras(st)
@@ -91,6 +97,7 @@ def plain_step(st: Step) -> list[Collective]:
     # The final norm's gather is loop-invariant: XLA hoists it out of the micro-batch scan
     # and merges the backward's with it (once per step; fitted, jax 0.10.2).
     once = gather(st, st.leaf(FINAL_NORM), "grad_sync.gather (final norm)")
+    once += [c.times(fixed) for c in layer_gathers(st)] if pre else []
     shape = exact.loss_shape(st)
     if shape is None:
         once += gather(st, st.head, "grad_sync.gather (head)")
@@ -132,7 +139,7 @@ def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     # XLA merges the two where no automatic axis splits the leaf (fitted, jax 0.10.2).
     backward = [c.times(k) for c in chunk_recompute(st, k, gathers=not pre) + layer_backward(
         st, True, merged=lambda leaf: k == 1 and not leaf.auto, regather=not pre)]
-    backward += [c.times(prefetch_gathers(k)) for c in layer_gathers(st)] if pre else []
+    backward += [c.times(sum(prefetch_gathers(k))) for c in layer_gathers(st)] if pre else []
     extras = partitioner.extras(st)
     first = exact.embedding_forward(st) + extras.embed_forward
     first_back = first + exact.embedding_backward(st, True) + extras.embed_backward
