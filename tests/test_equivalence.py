@@ -1,6 +1,8 @@
 """Every parallel layout computes what one device computes (float32, same seed and batches):
 per-step loss and gradient norm, and the first step's gradients leaf by leaf."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -30,6 +32,17 @@ TINY = get_preset("tiny")
 def test_matches_single_device(corpus, single_device, mesh, sequence_parallel):
     rules = with_sequence_parallel(DEFAULT_RULES) if sequence_parallel else DEFAULT_RULES
     assert_matches(train_steps(TINY, mesh, corpus.train, rules=rules), single_device(TINY))
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+def test_zero3_tensor_parallel_with_and_without_prefetch(corpus, single_device, prefetch):
+    """Four layers, so the prefetching loop (jdist.parallel.prefetch) runs its backward
+    loop, under ZeRO-3 x tp with selective remat (its residuals kept, its gathered weights
+    dropped and gathered again); and the plain loop (`--no-prefetch`) on the same layout."""
+    deep = dataclasses.replace(TINY, n_layers=4)
+    run = train_steps(deep, "dp=2,fsdp=2,tp=2", corpus.train,
+                      config(zero=3, remat="selective", no_prefetch=not prefetch))
+    assert_matches(run, single_device(deep))
 
 
 def test_trains_like_single_device_for_ten_steps(corpus, single_device):

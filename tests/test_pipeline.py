@@ -84,14 +84,15 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
 
 
 # Every schedule with pp=2, and 1f1b and interleaved with pp=4, M in {P, 2P}, plus dp x pp x
-# tp with ZeRO-2. (M = 4P, and gpipe on pp=4 - all forwards then all backwards, the simplest
+# tp with ZeRO-2, and fsdp x tp inside stages (the prefetching layer loop). (M = 4P, and gpipe on pp=4 - all forwards then all backwards, the simplest
 # table - added compiles and no new schedule shape.)
 MATRIX = [(f"pp={p}", schedule, p * factor, 0) for schedule in ("gpipe", "1f1b", "interleaved")
           for p in (2, 4) for factor in (1, 2) if not (p == 4 and schedule == "gpipe")]
 
 
 @pytest.mark.parametrize("mesh, schedule, micro, zero",
-                         [*MATRIX, ("dp=2,pp=2,tp=2", "1f1b", 4, 2)])
+                         [*MATRIX, ("dp=2,pp=2,tp=2", "1f1b", 4, 2),
+                          ("pp=2,fsdp=2,tp=2", "1f1b", 4, 0)])
 def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero):
     run = pipelined(corpus, mesh, schedule, micro, zero)
     assert_matches(run, reference)

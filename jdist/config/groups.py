@@ -160,6 +160,9 @@ class MemoryFlags:
     grad_accum: int = flag(1, "micro-batches per optimizer step (one compiled step, scanned)")
     remat: str = flag("none", "activation checkpointing: none, full, selective, or a policy "
                       "name (dots_saveable, offload_selective, ...)")
+    no_prefetch: bool = flag(False, "gather each layer's parameters as its iteration starts, "
+                             "not while the layer before computes (one layer's gathered "
+                             "weights less; the gathers then wait on nothing to hide them)")
     offload: Literal["none", "optimizer"] = flag(
         "none", "none, or optimizer: optimizer state lives in pinned host memory between steps")
     attention: Attention = flag("auto", "attention kernel: auto (cudnn on NVIDIA GPUs in bf16, "
