@@ -282,8 +282,28 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     shared_sh = {k: v for k, v in plan.shardings.params.items() if k not in skip}
     # Frozen (LoRA): gathered in their storage dtype, without a gradient.
     frozen = trainable.frozen_base(plan.model)
-    return params + grad + _gathered(shared, shared_sh, None if frozen else 4 + 4) \
+    # The prefetching loop holds the next layer's gathered parameters beside this one's.
+    ahead = params if prefetches(plan) else 0
+    return params + ahead + grad + _gathered(shared, shared_sh, None if frozen else 4 + 4) \
         + _table_scatter(plan)
+
+
+def prefetches(plan) -> bool:
+    """Whether the step's layer loops gather one layer ahead (`jdist.parallel.prefetch`):
+    over all layers, or a pipeline chunk's."""
+    import jax
+
+    from jdist import axes as ax
+    from jdist.parallel import prefetch
+    from jdist.step.grads import syncs
+    from models.names import BLOCKS
+
+    layers = plan.model.n_layers
+    if plan.pipeline is not None:
+        layers //= plan.pipeline.table(plan.mesh.shape[ax.STAGE]).chunks
+    if not plan.prefetch or layers < 2:
+        return False
+    return prefetch.applies(plan.prefetch, jax.tree.leaves(syncs(plan)[BLOCKS]), layers)
 
 
 def _table_scatter(plan) -> int:

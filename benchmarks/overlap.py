@@ -1,0 +1,82 @@
+"""Communication hidden behind compute on GPUs, from the GPU compiler (deviceless, `--target`):
+for the planner's best layouts of each case, the compiled step's collective bytes per step
+and device, the exposed share (no matmul scheduled between an asynchronous collective's start
+and done, loops weighted; `jdist.gpu_report`) and the peak, before and after:
+
+  before  each layer's parameters gathered as its iteration starts (`--no-prefetch`), without
+          jdist's GPU flags (the step as jdist compiled it before the prefetching loop)
+  after   as jdist compiles it: layer i+1 gathered while layer i computes
+          (`jdist.parallel.prefetch`), vocab chunks likewise, `jdist.target.GPU_FLAGS`
+
+    python benchmarks/overlap.py [--json] [--target h100-80gb] [--cases 8b,70b,70b-tp8] [--top 3]
+
+Cases (the issue's acceptance): llama3-8b on 8 GPUs, 64 x 8192; llama3.1-70b on 64 GPUs on 8
+hosts, 512 x 8192; the same with fsdp=8,tp=8 fixed. bf16, the planner's ranking
+(`jdist.plan.search`) on the target's profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import common
+from common import Column
+
+common.setup_devices(1, cpu_only=True)
+
+CASES = {  # model, devices, hosts, batch, sequence, fixed axes
+    "8b": ("llama3-8b", 8, 1, 64, 8192, {}),
+    "70b": ("llama3.1-70b", 64, 8, 512, 8192, {}),
+    "70b-tp8": ("llama3.1-70b", 64, 8, 512, 8192, {"fsdp": 8, "tensor": 8}),
+}
+COLUMNS = (Column("case", "8"), Column("layout", "62"),
+           Column("GiB coll", "9.1f", "collective_gib"),
+           Column("exp before", "11.1%", "exposed_before"),
+           Column("exp after", "10.1%", "exposed_after"),
+           Column("peak before", "12.2f", "peak_before_gib"),
+           Column("peak after", "11.2f", "peak_after_gib"))
+
+
+def measure(case: str, target: str, top: int) -> list[dict]:
+    from jdist import gpu_report
+    from jdist.config import TrainConfig
+    from jdist.memory import lower_step, peak
+    from jdist.plan.profiles import load_profile
+    from jdist.plan.search import search
+    from jdist.target import COMPILER_OPTIONS, compiler_options
+    from jdist.train.setup import plan_for
+
+    model, devices, hosts, batch, seq, fixed = CASES[case]
+    base = TrainConfig.of(model=model, batch_size=batch, seq_len=seq, compute_dtype="bfloat16",
+                          target=target)
+    rows = []
+    for e in search(base, devices, hosts, load_profile(target), fixed).ranked[:top]:
+        _, plan, _ = plan_for(e.layout.to_config(base).replace(hosts=hosts))
+        row = {"case": case, "layout": e.layout.label()}
+        for when, p, options in [
+                ("before", dataclasses.replace(plan, prefetch=False), dict(COMPILER_OPTIONS)),
+                ("after", plan, compiler_options(plan.mesh))]:
+            compiled = lower_step(p, batch, seq).compile(options)
+            total = gpu_report.step_report(compiled, p, batch, seq).total()
+            row |= {f"exposed_{when}": total.exposed, f"peak_{when}_gib": peak(compiled) / 2**30,
+                    f"collective_{when}_gib": total.bytes / 2**30}
+        row["collective_gib"] = row["collective_after_gib"]
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = common.make_parser(__doc__)
+    parser.add_argument("--target", default="h100-80gb")
+    parser.add_argument("--cases", default="8b,70b,70b-tp8")
+    parser.add_argument("--top", type=int, default=3)
+    args = parser.parse_args()
+    from jdist.target import prepare_target
+
+    prepare_target(args.target)
+    rows = [r for case in args.cases.split(",") for r in measure(case, args.target, args.top)]
+    common.emit(rows, args.json, lambda: common.table(rows, COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
