@@ -76,8 +76,7 @@ def gpu_flags() -> dict:
     """The flags jdist compiles a step with on NVIDIA GPUs, for the installed jaxlib."""
     return dict(GPU_FLAGS.get(_jaxlib_version(), {}))
 
-    version = tuple(int(x) for x in jaxlib.__version__.split(".")[:2])
-    return dict(CANDIDATE_FLAGS.get(version, {}))
+
 CUDA_EXTRA = 'pip install -e ".[cuda12]"'  # the extra that brings jax's CUDA plugin
 CUDA_VERSION = (12, 9)  # CUDA runtime of jax[cuda12] 0.10.x wheels
 CUDNN_VERSION = (9, 8)  # the cuDNN those wheels require at least

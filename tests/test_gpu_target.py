@@ -436,11 +436,14 @@ def test_cuda_plugin_is_installed():
 
 
 def test_scheduling_flags_are_spelled_as_the_installed_jaxlib_spells_them():
-    """Each candidate scheduling flag (`jdist.target.candidate_flags`) is a compile option
+    """Each candidate scheduling flag (`jdist.target.candidate_flags`), and each flag jdist
+    sets (`gpu_flags`), is a compile option
     the installed jaxlib's GPU compiler accepts (newer XLA's spellings are refused by older
     ones), and this jaxlib has candidates at all (else nobody measured it)."""
     flags = target.candidate_flags()
     assert flags, f"no scheduling flags listed for jaxlib {jax.__version__}; measure them"
+    assert target.gpu_flags(), f"no GPU flags for jaxlib {jax.__version__}; measure them"
+    flags |= target.gpu_flags()  # the ones jdist sets, too
     mesh = build_mesh("fsdp=2", list(target.devices(TARGET, 2)))
     x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P(ax.FSDP)))
     lowered = jax.jit(lambda a: a @ a.T).lower(x)

@@ -84,8 +84,9 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
 
 
 # Every schedule with pp=2, and 1f1b and interleaved with pp=4, M in {P, 2P}, plus dp x pp x
-# tp with ZeRO-2, and fsdp x tp inside stages (the prefetching layer loop). (M = 4P, and gpipe on pp=4 - all forwards then all backwards, the simplest
-# table - added compiles and no new schedule shape.)
+# tp with ZeRO-2, and fsdp x tp inside stages (the prefetching layer loop). (M = 4P, and
+# gpipe on pp=4 - all forwards then all backwards, the simplest table - added compiles and no
+# new schedule shape.)
 MATRIX = [(f"pp={p}", schedule, p * factor, 0) for schedule in ("gpipe", "1f1b", "interleaved")
           for p in (2, 4) for factor in (1, 2) if not (p == 4 and schedule == "gpipe")]
 

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +36,8 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist import packing, remat
 from jdist.parallel import attention as attn
-from jdist.parallel import embedding
+from jdist.parallel import embedding, prefetch
 from jdist.parallel import grad_sync as gs
-from jdist.parallel import prefetch
 from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
 from jdist.parallel.vocab import supports as vocab_supports

@@ -136,8 +136,8 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
                 zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, parallel.cp_strategy,
                 compute_dtype=compute_dtype, remat=memory.remat, grad_accum=memory.grad_accum,
-                prefetch=not memory.no_prefetch, attention=memory.attention, loss=memory.loss, eod_id=eod_id, quantize=quantize,
-                double_quant=double_quant)
+                prefetch=not memory.no_prefetch, attention=memory.attention, loss=memory.loss,
+                eod_id=eod_id, quantize=quantize, double_quant=double_quant)
 
 
 # What sets each quantized weight's last dimension (its logical name), in flags.
