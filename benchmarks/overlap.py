@@ -54,7 +54,7 @@ def measure(case: str, target: str, top: int) -> list[dict]:
         _, plan, _ = plan_for(e.layout.to_config(base).replace(hosts=hosts))
         row = {"case": case, "layout": e.layout.label()}
         for when, p, options in [
-                ("before", dataclasses.replace(plan, prefetch=False), dict(COMPILER_OPTIONS)),
+                ("before", dataclasses.replace(plan, prefetch="off"), dict(COMPILER_OPTIONS)),
                 ("after", plan, compiler_options(plan.mesh))]:
             compiled = lower_step(p, batch, seq).compile(options)
             total = gpu_report.step_report(compiled, p, batch, seq).total()

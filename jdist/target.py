@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import os
 
+from jdist.axes import TENSOR
 from jdist.errors import ConfigError, require
 
 # What `jit(...).lower(...).compile(compiler_options=...)` needs for a compile-only GPU: the
@@ -191,10 +192,13 @@ def compiler_options(mesh) -> dict:
     (`GPU_FLAGS`), unless the user set XLA_FLAGS (theirs rule); for a compile-only target
     also what compiling without a device needs; none on the CPU."""
     device = mesh.devices.flat[0]
+    # Measured with the prefetching loop, which tensor parallelism turns off by default
+    # (`jdist.parallel.prefetch.applies`); there the combined collectives hide less.
+    flags = gpu_flags() if mesh.shape[TENSOR] == 1 else {}
     if is_compile_only(device):
-        return COMPILER_OPTIONS | gpu_flags()
+        return COMPILER_OPTIONS | flags
     if device.platform == "gpu" and not os.environ.get("XLA_FLAGS"):
-        return gpu_flags()
+        return flags
     return {}
 
 

@@ -21,7 +21,7 @@ OLD_CONFIG_JSON = {
     "log_every": 10, "rules": "", "sequence_parallel": False, "cp_strategy": "ring",
     "attention": "auto", "loss": "chunked", "microbatches": 0, "pp_schedule": "1f1b",
     "pp_virtual_stages": 1, "pp_show_schedule": False, "zero": 2, "grad_accum": 2,
-    "remat": "none", "offload": "none", "dry_run": False, "device_memory_gb": 0.0,
+    "remat": "none", "prefetch": "auto", "offload": "none", "dry_run": False, "device_memory_gb": 0.0,
     "peak_tflops": 0.0, "data": "", "data_dtype": "uint16", "tokenizer": "", "init_from": "",
     "packing": "none", "data_format": "text", "cpu_devices": 0, "target": "", "hosts": 1,
     "lora_rank": None, "lora_alpha": 16.0, "lora_targets": "", "quantize_base": "none",

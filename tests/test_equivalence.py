@@ -34,14 +34,15 @@ def test_matches_single_device(corpus, single_device, mesh, sequence_parallel):
     assert_matches(train_steps(TINY, mesh, corpus.train, rules=rules), single_device(TINY))
 
 
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+@pytest.mark.parametrize("prefetch", ["on", "off"])
 def test_zero3_tensor_parallel_with_and_without_prefetch(corpus, single_device, prefetch):
     """Four layers, so the prefetching loop (jdist.parallel.prefetch) runs its backward
     loop, under ZeRO-3 x tp with selective remat (its residuals kept, its gathered weights
-    dropped and gathered again); and the plain loop (`--no-prefetch`) on the same layout."""
+    dropped and gathered again); and the plain loop (`--prefetch off`, auto's choice under
+    tensor parallelism) on the same layout."""
     deep = dataclasses.replace(TINY, n_layers=4)
     run = train_steps(deep, "dp=2,fsdp=2,tp=2", corpus.train,
-                      config(zero=3, remat="selective", no_prefetch=not prefetch))
+                      config(zero=3, remat="selective", prefetch=prefetch))
     assert_matches(run, single_device(deep))
 
 

@@ -60,15 +60,7 @@ LAYOUTS = {  # id: (mesh, flags)
     "pp=2,dp=4 1f1b": ("pp=2,dp=4", {"batch": 16}),
     "moe fsdp=2,ep=2,tp=2": ("fsdp=2,ep=2,tp=2", {"model": "moe-tiny"}),
 }
-# Unmodelled: GSPMD all-gathers a float32 [layers, rows, length, d_ff / tp] stack over
-# `expert` once per step (32 KiB here, with or without prefetching; jax 0.10.2). The 5%
-# tolerance hid it until prefetching left fewer fsdp gathers beside it.
-KNOWN = {"moe fsdp=2,ep=2,tp=2": "an unmodelled GSPMD all-gather over expert"}
-
-
-@pytest.mark.parametrize("mesh,flags", [
-    pytest.param(*v, id=k, marks=[pytest.mark.xfail(strict=True, reason=KNOWN[k])]
-                 if k in KNOWN else []) for k, v in LAYOUTS.items()])
+@pytest.mark.parametrize("mesh,flags", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_step_traffic_matches_the_compiled_report(mesh, flags):
     flags = dict(flags)
     batch = flags.pop("batch", 8)

@@ -83,8 +83,8 @@ def test_collectives_per_stage(zero):
         # ... but under ZeRO-3 the embedding table's: its lookup gathers token ids and
         # scatter-adds every replica's rows into the local block (jdist.parallel.embedding).
         # ZeRO-3 gathers parameters, so its layers run the prefetching loop
-        # (jdist.parallel.prefetch), which reduces the first layer's gradient after it.
-        after_loop = N_BLOCK_LEAVES if zero == 3 else 0
+        # (jdist.parallel.prefetch), which reduces the first two layers' after its loop.
+        after_loop = 2 * N_BLOCK_LEAVES if zero == 3 else 0
         assert counts["reduce-scatter"] == n_params - (zero == 3) + after_loop
         assert (counts["all-to-all"] >= 2) == (zero == 3)
         assert backward_loop(text)["reduce-scatter"] == N_BLOCK_LEAVES

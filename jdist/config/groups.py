@@ -160,9 +160,10 @@ class MemoryFlags:
     grad_accum: int = flag(1, "micro-batches per optimizer step (one compiled step, scanned)")
     remat: str = flag("none", "activation checkpointing: none, full, selective, or a policy "
                       "name (dots_saveable, offload_selective, ...)")
-    no_prefetch: bool = flag(False, "gather each layer's parameters as its iteration starts, "
-                             "not while the layer before computes (one layer's gathered "
-                             "weights less; the gathers then wait on nothing to hide them)")
+    prefetch: Literal["auto", "on", "off"] = flag(
+        "auto", "gather layer i+1's parameters while layer i computes (one more layer's "
+        "gathered weights): on, off, or auto (on without tensor parallelism; with it XLA's "
+        "GPU schedule hides less, benchmarks/overlap.py)")
     offload: Literal["none", "optimizer"] = flag(
         "none", "none, or optimizer: optimizer state lives in pinned host memory between steps")
     attention: Attention = flag("auto", "attention kernel: auto (cudnn on NVIDIA GPUs in bf16, "
@@ -183,6 +184,8 @@ class MemoryFlags:
                 "or 3")
         require(self.grad_accum >= 1, f"--grad-accum {self.grad_accum} must be at least 1")
         remat_policies.check(self.remat)
+        require(self.prefetch in ("auto", "on", "off"),
+                f"unknown --prefetch {self.prefetch!r}; use auto, on or off")
         require(self.attention in IMPLEMENTATIONS,
                 f"unknown --attention {self.attention!r}; use {', '.join(IMPLEMENTATIONS)}")
         require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; use {', '.join(LOSSES)}")

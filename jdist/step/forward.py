@@ -126,12 +126,13 @@ class Forward:
                              partial(self.layer_loop, blocks_primal), self.lookup(shared))
 
     def layer_loop(self, primal: dict, layer, x, layers):
-        """`ModelContext.layer_loop`: with `plan.prefetch`, layer i+1's parameters are
+        """`ModelContext.layer_loop`: prefetching (`prefetch.applies`), layer i+1's are
         gathered while layer i computes (`jdist.parallel.prefetch`); else each is gathered
         when its iteration starts. Both checkpoint the layer under `plan.remat`."""
         stored, checkpointed = nnx.to_pure_dict(layers), remat.wrapper(self.plan.remat)
         n = jax.tree.leaves(stored)[0].shape[0]
-        if prefetch.applies(self.plan.prefetch, jax.tree.leaves(self.block_sync), n):
+        if prefetch.applies(self.plan.prefetch, self.plan.mesh, jax.tree.leaves(self.block_sync),
+                            n):
             return prefetch.run(layer, x, stored, primal, self.block_sync,
                                 dtype=self.plan.compute_dtype, defer=self.defer,
                                 remat=checkpointed)

@@ -55,7 +55,7 @@ class Plan:
     # gradients and their reductions stay float32), activation checkpointing, micro-batches.
     compute_dtype: Any = jnp.float32
     remat: str = "none"
-    prefetch: bool = True          # gather layer i+1 while layer i computes (parallel.prefetch)
+    prefetch: str = "auto"         # gather layer i+1 while layer i computes (parallel.prefetch)
     grad_accum: int = 1
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
     loss: str = CHUNKED            # jdist.loss.LOSSES
@@ -136,7 +136,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
                 zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, parallel.cp_strategy,
                 compute_dtype=compute_dtype, remat=memory.remat, grad_accum=memory.grad_accum,
-                prefetch=not memory.no_prefetch, attention=memory.attention, loss=memory.loss,
+                prefetch=memory.prefetch, attention=memory.attention, loss=memory.loss,
                 eod_id=eod_id, quantize=quantize, double_quant=double_quant)
 
 

@@ -162,7 +162,7 @@ def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
     pipeline = pipeline_for(config, plan.model, plan.mesh, plan.rules)
     plan = dataclasses.replace(plan, cp_strategy=config.parallel.cp_strategy,
                                remat=config.memory.remat, grad_accum=config.memory.grad_accum,
-                               prefetch=not config.memory.no_prefetch,
+                               prefetch=config.memory.prefetch,
                                attention=config.memory.attention)
     attention_of(plan, config.data.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
     return with_pipeline(plan, pipeline)

@@ -42,7 +42,8 @@ def prefetched(st: Step, layers: int) -> bool:
     layers + 1 (the last again, for the backward to start with), a backward layers - 1,
     whatever the remat policy; `layer_forward`'s and `layer_backward`'s gathers are not
     counted (`prefetch_gathers`)."""
-    return prefetch.applies(st.plan.prefetch, [leaf.sync for leaf in st.blocks()], layers)
+    return prefetch.applies(st.plan.prefetch, st.plan.mesh, [leaf.sync for leaf in st.blocks()],
+                            layers)
 
 
 def prefetch_gathers(layers: int) -> tuple[int, int]:
