@@ -75,8 +75,10 @@ def test_a_step_without_matmuls_in_its_windows_is_fully_exposed(fsdp_step):
     rep = gpu_report.report(text, plan.mesh)
     assert 0.0 < rep.exposed < 1.0
     hidden = [r for r in rep.rows if r.exposed < 1.0]
-    assert hidden and all(r.kind in ("all-gather", "reduce-scatter", "all-reduce")
-                          for r in hidden)
+    # (The embedding's all-to-all may find a matmul beside it too, since the prefetching
+    # layer loop: jdist.parallel.prefetch.)
+    assert hidden and all(r.kind in ("all-gather", "reduce-scatter", "all-reduce",
+                                     "all-to-all") for r in hidden)
     stripped = re.sub(r'custom_call_target="__(cublas|cudnn)\$', 'custom_call_target="__none$',
                       text)
     stripped = re.sub(r"= (\S+) (dot|convolution)\(", r"= \1 negate(", stripped)
