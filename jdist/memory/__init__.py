@@ -301,8 +301,6 @@ def prefetches(plan) -> bool:
     layers = plan.model.n_layers
     if plan.pipeline is not None:
         layers //= plan.pipeline.table(plan.mesh.shape[ax.STAGE]).chunks
-    if layers < 2 or not prefetch.applies(plan.prefetch, plan.mesh, (), layers, check=False):
-        return False
     return prefetch.applies(plan.prefetch, plan.mesh, jax.tree.leaves(syncs(plan)[BLOCKS]),
                             layers)
 
