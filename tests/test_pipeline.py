@@ -78,7 +78,9 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
     key = (mesh, schedule, micro, zero)
     if key not in _RUNS:
         virtual = 2 if schedule == "interleaved" else 1
-        _RUNS[key] = train_steps(DEEP, mesh, corpus.train, config(batch_size=BATCH, zero=zero),
+        # `--prefetch on`: auto prefetches on GPUs only, and stages that gather run it here.
+        _RUNS[key] = train_steps(DEEP, mesh, corpus.train,
+                                 config(batch_size=BATCH, zero=zero, prefetch="on"),
                                  pipeline=PipelineConfig(schedule, micro, virtual))
     return _RUNS[key]
 

@@ -53,7 +53,8 @@ def assert_matches(predicted, actual):
 LAYOUTS = {  # id: (mesh, flags)
     "dp=8 zero0": ("dp=8", {}),
     "dp=2,fsdp=4 zero2 accum2": ("dp=2,fsdp=4", {"zero": 2, "grad_accum": 2, "batch": 16}),
-    "dp=8 zero3": ("dp=8", {"zero": 3}),
+    "dp=8 zero3": ("dp=8", {"zero": 3}),  # the plain layer loop (auto on the CPU)
+    "dp=8 zero3 prefetch": ("dp=8", {"zero": 3, "prefetch": "on"}),
     "fsdp=2,tp=4 sp": ("fsdp=2,tp=4", {"sequence_parallel": True}),
     "dp=2,sp=4 ring": ("dp=2,sp=4", {"cp_strategy": "ring"}),
     "dp=2,sp=4 ulysses": ("dp=2,sp=4", {"cp_strategy": "ulysses"}),

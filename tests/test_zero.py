@@ -58,7 +58,8 @@ LOOPED = dataclasses.replace(TINY, n_layers=4)
 def lowered_step(mesh: str, zero: int, grad_accum: int = 1, compute_dtype: str = "float32"):
     tx, _ = make_optimizer(1e-3, 10, 1)
     plan = make_plan(LOOPED, build_mesh(mesh), DEFAULT_RULES, tx,
-                     MemoryFlags(zero=zero, grad_accum=grad_accum, compute_dtype=compute_dtype))
+                     MemoryFlags(zero=zero, grad_accum=grad_accum, compute_dtype=compute_dtype,
+                                 prefetch="on"))  # what GPUs run: auto is off on the CPU
     return plan, make_train_step(plan).lower(plan.abstract, {"inputs": TOKENS, "targets": TOKENS})
 
 

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdist.axes import TENSOR
 from jdist.parallel import grad_sync as gs
+from jdist.target import overlap_by_default
 
 
 def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool, remat):
@@ -139,12 +139,9 @@ def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool,
 
 def applies(setting: str, mesh, syncs, n_layers: int) -> bool:
     """Whether a loop of `n_layers` with these per-leaf `grad_sync.Sync`s prefetches:
-    `--prefetch` on, or auto on a mesh without tensor parallelism; a next layer to gather;
-    and a leaf that is gathered at all. Auto leaves tensor parallelism out because
-    XLA's GPU scheduler keeps one collective in flight and there the prefetch competes with
-    the activations' tensor collectives on the critical path: the exposed share of the
-    planner's best 70B layouts rose (fsdp=32,tp=2 SP: 71% -> 82%, jax 0.10.2)."""
-    wanted = setting == "on" or (setting == "auto" and mesh.shape[TENSOR] == 1)
+    `--prefetch` on, or auto where `jdist.target.overlap_by_default` (GPUs without tensor
+    parallelism); a next layer to gather; and a leaf that is gathered at all."""
+    wanted = setting == "on" or (setting == "auto" and overlap_by_default(mesh))
     return wanted and n_layers > 1 and any(y.gathers for y in syncs)
 
 
