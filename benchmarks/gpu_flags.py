@@ -43,7 +43,8 @@ def measure(case: str, target: str) -> list[dict]:
     lowered = lower_step(plan, b, s)  # once: each flag is another compile of it
     rows = []
     for flag, value in [("(as jdist compiles it)", None), *candidate_flags().items()]:
-        options = compiler_options(plan.mesh) | ({} if value is None else {flag: value})
+        options = compiler_options(plan.mesh, plan.tp_halves)
+        options |= {} if value is None else {flag: value}
         compiled = lowered.compile(options)
         total = gpu_report.step_report(compiled, plan, b, s).total()
         rows.append({"case": case, "flag": flag, "collective_gib": total.bytes / 2**30,

@@ -55,7 +55,7 @@ def measure(case: str, target: str, top: int) -> list[dict]:
         row = {"case": case, "layout": e.layout.label()}
         for when, p, options in [
                 ("before", dataclasses.replace(plan, prefetch="off"), dict(COMPILER_OPTIONS)),
-                ("after", plan, compiler_options(plan.mesh))]:
+                ("after", plan, compiler_options(plan.mesh, plan.tp_halves))]:
             compiled = lower_step(p, batch, seq).compile(options)
             total = gpu_report.step_report(compiled, p, batch, seq).total()
             row |= {f"exposed_{when}": total.exposed, f"peak_{when}_gib": peak(compiled) / 2**30,

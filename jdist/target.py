@@ -23,7 +23,6 @@ import functools
 import importlib.util
 import os
 
-from jdist.axes import TENSOR
 from jdist.errors import ConfigError, require
 
 # What `jit(...).lower(...).compile(compiler_options=...)` needs for a compile-only GPU: the
@@ -38,9 +37,16 @@ COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 # each took one matmul, and the last had none left. Combined into one collective per kind
 # and layer (up to 1 GiB; a 70B layer gathers 1.6 GiB at tp=1), each spans the whole
 # layer's compute (8B fsdp=8 with the prefetching loop: 19.1% -> 3.3% exposed, jax 0.10.2).
+# And up to four collectives in flight (XLA's default is one): the activations' tensor
+# collectives no longer wait behind the weight gathers (70B fsdp=32,tp=2: 54.6% -> 26.5%,
+# fsdp=8,tp=8 SP: 78.5% -> 54.9%, 8B dp=2,fsdp=2,tp=2: 43.4% -> 29.8%; 8B without tensor
+# parallelism 6.2% -> 7.1% and 3.7% -> 3.7%). `--tp-halves` drops the combining: it would
+# merge the two halves' collectives back into one (70B SP: 30.3% -> 43.0%).
 _COMBINE = {"xla_gpu_all_gather_combine_threshold_bytes": 2**30,
             "xla_gpu_reduce_scatter_combine_threshold_bytes": 2**30}
-GPU_FLAGS = {(0, 10): _COMBINE, (0, 12): _COMBINE}  # 0.11: not compiled with here yet
+_IN_FLIGHT = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
+GPU_FLAGS = {(0, 10): _COMBINE | _IN_FLIGHT,
+             (0, 12): _COMBINE | _IN_FLIGHT}  # 0.11: not compiled with here yet
 
 # Scheduling flags measured and not set (`benchmarks/gpu_flags.py` compares each with the
 # step as jdist compiles it), by the jaxlib that spells them so (newer XLA's
@@ -73,9 +79,11 @@ def candidate_flags() -> dict:
     return dict(CANDIDATE_FLAGS.get(_jaxlib_version(), {}))
 
 
-def gpu_flags() -> dict:
-    """The flags jdist compiles a step with on NVIDIA GPUs, for the installed jaxlib."""
-    return dict(GPU_FLAGS.get(_jaxlib_version(), {}))
+def gpu_flags(tp_halves: bool = False) -> dict:
+    """The flags jdist compiles a step with on NVIDIA GPUs, for the installed jaxlib (without
+    the combining under `--tp-halves`)."""
+    flags = dict(GPU_FLAGS.get(_jaxlib_version(), {}))
+    return {k: v for k, v in flags.items() if k not in _COMBINE} if tp_halves else flags
 
 
 CUDA_EXTRA = 'pip install -e ".[cuda12]"'  # the extra that brings jax's CUDA plugin
@@ -188,24 +196,21 @@ def is_compile_only(device) -> bool:
 
 
 def overlap_by_default(mesh) -> bool:
-    """Whether a step on `mesh` gets, unasked, what hides its weight collectives on GPUs:
-    the prefetching layer loop (`--prefetch auto`, `jdist.parallel.prefetch`) and the
-    combine flags (`GPU_FLAGS`). Only on NVIDIA GPUs, real or compile-only: elsewhere the
-    loop only costs compile time (it traces a layer four times, not twice). And not under
-    tensor parallelism: XLA's GPU scheduler keeps one collective in flight, and there the
-    prefetch and the combined gathers compete with the activations' tensor collectives on
-    the critical path (70B fsdp=32,tp=2 SP: 71% -> 82% exposed, jax 0.10.2)."""
+    """Whether a step on `mesh` gets, unasked, what hides its weight collectives: the
+    prefetching layer loop (`--prefetch auto`, `jdist.parallel.prefetch`) and jdist's XLA
+    flags (`GPU_FLAGS`). Only on NVIDIA GPUs, real or compile-only, whose scheduler overlaps
+    asynchronous collectives; on the CPU the loop would only cost compile time (it traces a
+    layer four times, not twice)."""
     device = mesh.devices.flat[0]
-    on_gpu = is_compile_only(device) or device.platform == "gpu"
-    return on_gpu and mesh.shape[TENSOR] == 1
+    return is_compile_only(device) or device.platform == "gpu"
 
 
-def compiler_options(mesh) -> dict:
+def compiler_options(mesh, tp_halves: bool = False) -> dict:
     """Options a step's compile on `mesh` gets: on NVIDIA GPUs the flags jdist sets
-    (`GPU_FLAGS`, where `overlap_by_default`), unless the user set XLA_FLAGS (theirs rule);
-    for a compile-only target also what compiling without a device needs; none on the CPU."""
+    (`gpu_flags`), unless the user set XLA_FLAGS (theirs rule); for a compile-only target
+    also what compiling without a device needs; none on the CPU."""
     device = mesh.devices.flat[0]
-    flags = gpu_flags() if overlap_by_default(mesh) else {}
+    flags = gpu_flags(tp_halves) if overlap_by_default(mesh) else {}
     if is_compile_only(device):
         return COMPILER_OPTIONS | flags
     if device.platform == "gpu" and not os.environ.get("XLA_FLAGS"):

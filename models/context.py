@@ -20,8 +20,8 @@ def _identity(x, *_):
     return x
 
 
-def scan_layers(layer, x, layers):
-    return jax.lax.scan(layer, x, layers)
+def scan_layers(layer, x, layers, rows):
+    return jax.lax.scan(lambda x, state: layer(x, state, rows), x, layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +32,11 @@ class ModelContext:
     attention: Callable | None = None
     # moe(x [b,s,d], weights, cfg) -> (y, balance sums); None: one local group (models.moe).
     moe: Callable | None = None
-    # layer_loop(layer, x, layers) -> (x, stats [layers, ...]): runs `layer(x, state) -> (x,
-    # stats)` over the stacked `layers` state. The step's gathers each layer's parameters
-    # (ahead of time) and checkpoints activations; the default is a plain scan.
+    # layer_loop(layer, x, layers, rows) -> (x, stats [layers, ...]): runs `layer(x, state,
+    # rows) -> (x, stats)` over the stacked `layers` state; `rows` is a dict of per-row
+    # inputs (leading dim batch, as x's) the loop may split with x. The step's gathers each
+    # layer's parameters (ahead of time) and checkpoints activations; the default is a plain
+    # scan.
     layer_loop: Callable = scan_layers
     # embed_lookup(tokens [b, s]) -> rows [b, s, embed] in compute dtype, from a table the
     # step keeps sharded; None: rows of the model's own table.

@@ -212,11 +212,17 @@ class Llama(nnx.Module):
         positions = np.arange(x.shape[1]) if positions is None else positions
         cos, sin = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
         graphdef, layers = nnx.split(self.blocks)
+        # What differs per row of the batch goes to the loop beside x, which may run the
+        # layer on groups of rows (`ModelContext.layer_loop`).
+        rows = {"segment_ids": segment_ids}
+        if cos.ndim == 3:  # per-row positions (packed documents)
+            rows |= {"cos": cos, "sin": sin}
 
-        def layer(x, state):
-            return nnx.merge(graphdef, state)(x, cos, sin, ctx, segment_ids)
+        def layer(x, state, rows):
+            return nnx.merge(graphdef, state)(x, rows.get("cos", cos), rows.get("sin", sin),
+                                              ctx, rows["segment_ids"])
 
-        return ctx.layer_loop(layer, x, layers)
+        return ctx.layer_loop(layer, x, layers, rows)
 
     def decode(self, tokens: jax.Array, kv: tuple[jax.Array, jax.Array], index: jax.Array,
                positions: jax.Array, visible: jax.Array, ctx: ModelContext = LOCAL):

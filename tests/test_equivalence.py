@@ -38,11 +38,21 @@ def test_matches_single_device(corpus, single_device, mesh, sequence_parallel):
 def test_zero3_tensor_parallel_with_and_without_prefetch(corpus, single_device, prefetch):
     """Four layers, so the prefetching loop (jdist.parallel.prefetch) runs its backward
     loop, under ZeRO-3 x tp with selective remat (its residuals kept, its gathered weights
-    dropped and gathered again); and the plain loop (`--prefetch off`, auto's choice under
-    tensor parallelism) on the same layout."""
+    dropped and gathered again); and the plain loop (`--prefetch off`, auto's choice on the
+    CPU) on the same layout."""
     deep = dataclasses.replace(TINY, n_layers=4)
     run = train_steps(deep, "dp=2,fsdp=2,tp=2", corpus.train,
                       config(zero=3, remat="selective", prefetch=prefetch))
+    assert_matches(run, single_device(deep))
+
+
+def test_layers_on_two_halves_of_the_rows_match_single_device(corpus, single_device):
+    """`--tp-halves` (jdist.parallel.halves) under sequence parallelism and the prefetching
+    loop, as GPUs run it: 4 rows per device, each layer run on two halves of 2."""
+    deep = dataclasses.replace(TINY, n_layers=4)
+    run = train_steps(deep, "fsdp=2,tp=4", corpus.train,
+                      config(tp_halves=True, prefetch="on", remat="full"),
+                      rules=with_sequence_parallel(DEFAULT_RULES))
     assert_matches(run, single_device(deep))
 
 

@@ -70,6 +70,7 @@ def separate_loss() -> float:
     ("sp=2", {"cp_strategy": "ring"}),
     ("dp=2,sp=2", {"cp_strategy": "all_gather"}),
     ("sp=2,tp=2", {"cp_strategy": "ulysses"}),
+    ("tp=2", {"tp_halves": True}),  # segment ids and per-row rotary tables split with x
     ("pp=2", {"pipeline": PipelineConfig("1f1b", 2)}),
 ])
 def test_packed_loss_is_the_documents_loss(corpus, separate_loss, mesh, settings):

@@ -162,8 +162,12 @@ class MemoryFlags:
                       "name (dots_saveable, offload_selective, ...)")
     prefetch: Literal["auto", "on", "off"] = flag(
         "auto", "gather layer i+1's parameters while layer i computes (one more layer's "
-        "gathered weights): on, off, or auto (on NVIDIA GPUs without tensor parallelism; "
-        "with it XLA's GPU schedule hides less, benchmarks/overlap.py)")
+        "gathered weights): on, off, or auto (on NVIDIA GPUs, where XLA's schedule hides "
+        "the gathers behind the layer: benchmarks/overlap.py)")
+    tp_halves: bool = flag(False, "run each layer on two halves of the micro-batch's rows, "
+                           "so one half's tensor-parallel collectives overlap the other's "
+                           "matmuls (dense models; at least 4 rows per device and "
+                           "micro-batch)")
     offload: Literal["none", "optimizer"] = flag(
         "none", "none, or optimizer: optimizer state lives in pinned host memory between steps")
     attention: Attention = flag("auto", "attention kernel: auto (cudnn on NVIDIA GPUs in bf16, "

@@ -435,10 +435,10 @@ def compile_step(plan, batch_size: int, seq_len: int, breakdown: list | None = N
 
     lowered = lower_step(plan, batch_size, seq_len)
     if breakdown is None:
-        return lowered.compile(compiler_options(plan.mesh) or None)
+        return lowered.compile(compiler_options(plan.mesh, plan.tp_halves) or None)
     from jdist.memory.breakdown import compile_with_breakdown
 
-    compiled, lines = compile_with_breakdown(lowered, compiler_options(plan.mesh))
+    compiled, lines = compile_with_breakdown(lowered, compiler_options(plan.mesh, plan.tp_halves))
     breakdown.extend(lines)
     return compiled
 
@@ -463,7 +463,7 @@ def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
                        in_shardings=(plan.shardings.params, batch_sh),
                        out_shardings=plan.grad_shardings)
     grads = grads_fn.lower(plan.abstract.params, batch).compile(
-        compiler_options(plan.mesh) or None).memory_analysis()
+        compiler_options(plan.mesh, plan.tp_halves) or None).memory_analysis()
 
     arguments = stats.argument_size_in_bytes + stats.host_argument_size_in_bytes
     batch_bytes = per_device_bytes(batch, batch_sh)

@@ -139,8 +139,8 @@ def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool,
 
 def applies(setting: str, mesh, syncs, n_layers: int) -> bool:
     """Whether a loop of `n_layers` with these per-leaf `grad_sync.Sync`s prefetches:
-    `--prefetch` on, or auto where `jdist.target.overlap_by_default` (GPUs without tensor
-    parallelism); a next layer to gather; and a leaf that is gathered at all."""
+    `--prefetch` on, or auto where `jdist.target.overlap_by_default` (NVIDIA GPUs); a next
+    layer to gather; and a leaf that is gathered at all."""
     wanted = setting == "on" or (setting == "auto" and overlap_by_default(mesh))
     return wanted and n_layers > 1 and any(y.gathers for y in syncs)
 

@@ -36,7 +36,7 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist import packing, remat
 from jdist.parallel import attention as attn
-from jdist.parallel import embedding, prefetch
+from jdist.parallel import embedding, halves, prefetch
 from jdist.parallel import grad_sync as gs
 from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
@@ -125,11 +125,18 @@ class Forward:
         return model_context(self.plan, self.manual, self.seq_len,
                              partial(self.layer_loop, blocks_primal), self.lookup(shared))
 
-    def layer_loop(self, primal: dict, layer, x, layers):
+    def layer_loop(self, primal: dict, layer, x, layers, rows: dict):
         """`ModelContext.layer_loop`: prefetching (`prefetch.applies`), layer i+1's are
         gathered while layer i computes (`jdist.parallel.prefetch`); else each is gathered
-        when its iteration starts. Both checkpoint the layer under `plan.remat`."""
+        when its iteration starts. Both checkpoint the layer under `plan.remat`, which
+        `--tp-halves` runs on two halves of the rows (`jdist.parallel.halves`)."""
         stored, checkpointed = nnx.to_pure_dict(layers), remat.wrapper(self.plan.remat)
+        if self.plan.tp_halves:
+            # x's rows are this replica's (the step is manual over the batch's axes).
+            halves.check(x.shape[0], self.plan.model.n_experts)
+            layer = halves.split(layer, rows)
+        else:
+            layer = partial(layer, rows=rows)
         n = jax.tree.leaves(stored)[0].shape[0]
         if prefetch.applies(self.plan.prefetch, self.plan.mesh, jax.tree.leaves(self.block_sync),
                             n):

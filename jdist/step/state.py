@@ -56,6 +56,7 @@ class Plan:
     compute_dtype: Any = jnp.float32
     remat: str = "none"
     prefetch: str = "auto"         # gather layer i+1 while layer i computes (parallel.prefetch)
+    tp_halves: bool = False        # each layer on two halves of the rows (parallel.halves)
     grad_accum: int = 1
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
     loss: str = CHUNKED            # jdist.loss.LOSSES
@@ -136,7 +137,8 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
                 zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, parallel.cp_strategy,
                 compute_dtype=compute_dtype, remat=memory.remat, grad_accum=memory.grad_accum,
-                prefetch=memory.prefetch, attention=memory.attention, loss=memory.loss,
+                prefetch=memory.prefetch, tp_halves=memory.tp_halves,
+                attention=memory.attention, loss=memory.loss,
                 eod_id=eod_id, quantize=quantize, double_quant=double_quant)
 
 

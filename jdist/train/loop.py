@@ -67,7 +67,8 @@ def compile_step(setup: Setup, state: TrainState):
     start = time.perf_counter()
     step_fn = make_train_step(setup.plan, setup.schedule,
                               inject_nan_at_step=setup.config.checkpoint.inject_nan_at_step)
-    options = compiler_options(setup.plan.mesh)  # jdist's GPU flags (jdist.target)
+    # jdist's GPU flags (jdist.target)
+    options = compiler_options(setup.plan.mesh, setup.plan.tp_halves)
     step_fn = step_fn.lower(state, setup.batch(0)).compile(options or None)
     if is_main_process():
         print(f"compiled train step in {time.perf_counter() - start:.1f}s", flush=True)

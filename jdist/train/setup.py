@@ -163,6 +163,7 @@ def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
     plan = dataclasses.replace(plan, cp_strategy=config.parallel.cp_strategy,
                                remat=config.memory.remat, grad_accum=config.memory.grad_accum,
                                prefetch=config.memory.prefetch,
+                               tp_halves=config.memory.tp_halves,
                                attention=config.memory.attention)
     attention_of(plan, config.data.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
     return with_pipeline(plan, pipeline)
