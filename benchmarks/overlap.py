@@ -7,6 +7,8 @@ and done, loops weighted; `jdist.gpu_report`) and the peak, before and after:
           jdist's GPU flags (the step as jdist compiled it before the prefetching loop)
   after   as jdist compiles it: layer i+1 gathered while layer i computes
           (`jdist.parallel.prefetch`), vocab chunks likewise, `jdist.target.GPU_FLAGS`
+  halves  after, with `--tp-halves` (`jdist.parallel.halves`), where the layout has tensor
+          parallelism and at least 4 rows per device and micro-batch (else blank)
 
     python benchmarks/overlap.py [--json] [--target h100-80gb] [--cases 8b,70b,70b-tp8] [--top 3]
 
@@ -33,16 +35,24 @@ COLUMNS = (Column("case", "8"), Column("layout", "62"),
            Column("GiB coll", "9.1f", "collective_gib"),
            Column("exp before", "11.1%", "exposed_before"),
            Column("exp after", "10.1%", "exposed_after"),
+           Column("exp halves", ">11", lambda r: _blank(r["exposed_halves"], ".1%")),
            Column("peak before", "12.2f", "peak_before_gib"),
-           Column("peak after", "11.2f", "peak_after_gib"))
+           Column("peak after", "11.2f", "peak_after_gib"),
+           Column("peak halves", ">12", lambda r: _blank(r["peak_halves_gib"], ".2f")))
+
+
+def _blank(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def measure(case: str, target: str, top: int) -> list[dict]:
     from jdist import gpu_report
     from jdist.config import TrainConfig
     from jdist.memory import lower_step, peak
+    from jdist.parallel.halves import MIN_ROWS
     from jdist.plan.profiles import load_profile
     from jdist.plan.search import search
+    from jdist.rules import batch_split
     from jdist.target import COMPILER_OPTIONS, compiler_options
     from jdist.train.setup import plan_for
 
@@ -53,9 +63,15 @@ def measure(case: str, target: str, top: int) -> list[dict]:
     for e in search(base, devices, hosts, load_profile(target), fixed).ranked[:top]:
         _, plan, _ = plan_for(e.layout.to_config(base).replace(hosts=hosts))
         row = {"case": case, "layout": e.layout.label()}
-        for when, p, options in [
-                ("before", dataclasses.replace(plan, prefetch="off"), dict(COMPILER_OPTIONS)),
-                ("after", plan, compiler_options(plan.mesh, plan.tp_halves))]:
+        local_rows = batch // plan.grad_accum // batch_split(plan.mesh.shape, plan.rules)[1]
+        halves = plan.mesh.shape["tensor"] > 1 and local_rows >= MIN_ROWS and not plan.pipeline
+        variants = [("before", dataclasses.replace(plan, prefetch="off"), dict(COMPILER_OPTIONS)),
+                    ("after", plan, compiler_options(plan.mesh))]
+        if halves:
+            variants.append(("halves", dataclasses.replace(plan, tp_halves=True),
+                             compiler_options(plan.mesh, tp_halves=True)))
+        row["exposed_halves"] = row["peak_halves_gib"] = None
+        for when, p, options in variants:
             compiled = lower_step(p, batch, seq).compile(options)
             total = gpu_report.step_report(compiled, p, batch, seq).total()
             row |= {f"exposed_{when}": total.exposed, f"peak_{when}_gib": peak(compiled) / 2**30,
