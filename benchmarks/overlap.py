@@ -31,6 +31,10 @@ CASES = {  # model, devices, hosts, batch, sequence, fixed axes
     "70b": ("llama3.1-70b", 64, 8, 512, 8192, {}),
     "70b-tp8": ("llama3.1-70b", 64, 8, 512, 8192, {"fsdp": 8, "tensor": 8}),
 }
+# Layouts measured beside the planner's, by case: the 70B planner's first choice before
+# the prefetching loop counted under tensor parallelism (its memory model now puts it over
+# budget), the one with 4 rows per device and micro-batch, where `--tp-halves` applies.
+EXTRA = {"70b": ["fsdp=32,tp=2 --remat full --grad-accum 4 --sequence-parallel"]}
 COLUMNS = (Column("case", "8"), Column("layout", "62"),
            Column("GiB coll", "9.1f", "collective_gib"),
            Column("exp before", "11.1%", "exposed_before"),
@@ -47,7 +51,7 @@ def _blank(value, spec: str) -> str:
 
 def measure(case: str, target: str, top: int) -> list[dict]:
     from jdist import gpu_report
-    from jdist.config import TrainConfig
+    from jdist.config import TrainConfig, parse_args
     from jdist.memory import lower_step, peak
     from jdist.parallel.halves import MIN_ROWS
     from jdist.plan.profiles import load_profile
@@ -59,10 +63,16 @@ def measure(case: str, target: str, top: int) -> list[dict]:
     model, devices, hosts, batch, seq, fixed = CASES[case]
     base = TrainConfig.of(model=model, batch_size=batch, seq_len=seq, compute_dtype="bfloat16",
                           target=target)
+    ranked = search(base, devices, hosts, load_profile(target), fixed).ranked[:top]
+    configs = [(e.layout.label(), e.layout.to_config(base)) for e in ranked]
+    configs += [(f"{layout} (not ranked)", parse_args(
+        ["--model", model, "--batch-size", str(batch), "--seq-len", str(seq), "--target",
+         target, "--compute-dtype", "bfloat16", "--mesh", *layout.split()]))
+        for layout in EXTRA.get(case, [])]
     rows = []
-    for e in search(base, devices, hosts, load_profile(target), fixed).ranked[:top]:
-        _, plan, _ = plan_for(e.layout.to_config(base).replace(hosts=hosts))
-        row = {"case": case, "layout": e.layout.label()}
+    for label, config in configs:
+        _, plan, _ = plan_for(config.replace(hosts=hosts))
+        row = {"case": case, "layout": label}
         local_rows = batch // plan.grad_accum // batch_split(plan.mesh.shape, plan.rules)[1]
         halves = plan.mesh.shape["tensor"] > 1 and local_rows >= MIN_ROWS and not plan.pipeline
         variants = [("before", dataclasses.replace(plan, prefetch="off"), dict(COMPILER_OPTIONS)),
