@@ -51,9 +51,10 @@ def _blank(value, spec: str) -> str:
 
 def measure(case: str, target: str, top: int) -> list[dict]:
     from jdist import gpu_report
+    from jdist.axes import TENSOR
     from jdist.config import TrainConfig, parse_args
     from jdist.memory import lower_step, peak
-    from jdist.parallel.halves import MIN_ROWS
+    from jdist.parallel.halves import rows_fit
     from jdist.plan.profiles import load_profile
     from jdist.plan.search import search
     from jdist.rules import batch_split
@@ -74,7 +75,7 @@ def measure(case: str, target: str, top: int) -> list[dict]:
         _, plan, _ = plan_for(config.replace(hosts=hosts))
         row = {"case": case, "layout": label}
         local_rows = batch // plan.grad_accum // batch_split(plan.mesh.shape, plan.rules)[1]
-        halves = plan.mesh.shape["tensor"] > 1 and local_rows >= MIN_ROWS and not plan.pipeline
+        halves = plan.mesh.shape[TENSOR] > 1 and rows_fit(local_rows) and not plan.pipeline
         variants = [("before", dataclasses.replace(plan, prefetch="off"), dict(COMPILER_OPTIONS)),
                     ("after", plan, compiler_options(plan.mesh))]
         if halves:

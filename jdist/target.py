@@ -209,13 +209,11 @@ def compiler_options(mesh, tp_halves: bool = False) -> dict:
     """Options a step's compile on `mesh` gets: on NVIDIA GPUs the flags jdist sets
     (`gpu_flags`), unless the user set XLA_FLAGS (theirs rule); for a compile-only target
     also what compiling without a device needs; none on the CPU."""
-    device = mesh.devices.flat[0]
-    flags = gpu_flags(tp_halves) if overlap_by_default(mesh) else {}
-    if is_compile_only(device):
-        return COMPILER_OPTIONS | flags
-    if device.platform == "gpu" and not os.environ.get("XLA_FLAGS"):
-        return flags
-    return {}
+    if not overlap_by_default(mesh):
+        return {}
+    if is_compile_only(mesh.devices.flat[0]):
+        return COMPILER_OPTIONS | gpu_flags(tp_halves)
+    return {} if os.environ.get("XLA_FLAGS") else gpu_flags(tp_halves)
 
 
 def capability_of(device) -> tuple[int, ...]:

@@ -25,12 +25,17 @@ from jdist.errors import require
 MIN_ROWS = 4  # two halves of at least two rows each (module doc)
 
 
+def rows_fit(local_rows: int) -> bool:
+    """Whether a micro-batch of `local_rows` rows on one device splits into halves."""
+    return local_rows >= MIN_ROWS and local_rows % 2 == 0
+
+
 def check(local_rows: int, n_experts: int) -> None:
     """Refuse what `--tp-halves` cannot split: `local_rows` is the rows of a micro-batch
     on one device."""
     require(not n_experts, "--tp-halves splits dense layers only (MoE capacity and balance "
             "are over the whole micro-batch); drop --tp-halves")
-    require(local_rows >= MIN_ROWS and local_rows % 2 == 0,
+    require(rows_fit(local_rows),
             f"--tp-halves needs an even number of at least {MIN_ROWS} rows per device and "
             f"micro-batch, this step has {local_rows}; raise --batch-size, lower "
             "--grad-accum, or drop --tp-halves")
