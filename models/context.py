@@ -20,6 +20,14 @@ def _identity(x, *_):
     return x
 
 
+def einsums(x, ws, eq, out_names):
+    return tuple(jnp.einsum(eq, x, w) for w in ws)
+
+
+def einsum(h, w, eq, h_names):
+    return jnp.einsum(eq, h, w)
+
+
 def scan_layers(layer, x, layers, rows):
     return jax.lax.scan(lambda x, state: layer(x, state, rows), x, layers)
 
@@ -32,6 +40,15 @@ class ModelContext:
     attention: Callable | None = None
     # moe(x [b,s,d], weights, cfg) -> (y, balance sums); None: one local group (models.moe).
     moe: Callable | None = None
+    # widen(x [b,s,...], ws, eq, out_names) -> tuple(einsum(eq, x, w) for w in ws): the
+    # projections out of the residual stream (q/k/v, gate/up), which share x; `out_names`:
+    # each output's logical axes. The step may bring x's length chunk by chunk beside them
+    # (`jdist.parallel.collective_matmul`).
+    widen: Callable = einsums
+    # narrow(h, w, eq, h_names) -> einsum(eq, h, w) [b,s,embed]: the projections back into
+    # the residual stream (attention output, down), h's logical axes `h_names`; the step may
+    # scatter their partial sums likewise.
+    narrow: Callable = einsum
     # layer_loop(layer, x, layers, rows) -> (x, stats [layers, ...]): runs `layer(x, state,
     # rows) -> (x, stats)` over the stacked `layers` state; `rows` is a dict of per-row
     # inputs (leading dim batch, as x's) the loop may split with x. The step's gathers each

@@ -62,15 +62,12 @@ class Attention(nnx.Module):
         """[batch, length, embed] -> [batch, length, embed]. With `cache` (decoding, see
         `cached_attention`), returns (output, the updated cache)."""
         c = ctx.constrain
-        def project(w, lora):
-            return adapted(x, jnp.einsum("bse,ehd->bshd", x, weight(w, x)), lora)
-
-        q = c(_named(project(self.wq, self.q_lora), remat.QUERY),
-              (BATCH, LENGTH, HEADS, HEAD_DIM))
-        k = c(_named(project(self.wk, self.k_lora), remat.KEY),
-              (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-        v = c(_named(project(self.wv, self.v_lora), remat.VALUE),
-              (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+        q_names, kv_names = (BATCH, LENGTH, HEADS, HEAD_DIM), (BATCH, LENGTH, KV_HEADS, HEAD_DIM)
+        q, k, v = ctx.widen(x, tuple(weight(w, x) for w in (self.wq, self.wk, self.wv)),
+                            "bse,ehd->bshd", (q_names, kv_names, kv_names))
+        q = c(_named(adapted(x, q, self.q_lora), remat.QUERY), q_names)
+        k = c(_named(adapted(x, k, self.k_lora), remat.KEY), kv_names)
+        v = c(_named(adapted(x, v, self.v_lora), remat.VALUE), kv_names)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             return self.cached_attention(q, k, v, cache, ctx)
@@ -78,11 +75,12 @@ class Attention(nnx.Module):
         out = attend(q, k, v, True) if segment_ids is None else \
             attend(q, k, v, True, segment_ids=segment_ids)
         out = c(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        return _named(self.output(out), remat.ATTENTION_OUT)
+        return _named(self.output(out, ctx), remat.ATTENTION_OUT)
 
-    def output(self, out: jax.Array) -> jax.Array:
+    def output(self, out: jax.Array, ctx: ModelContext) -> jax.Array:
         """The output projection [batch, length, heads, head_dim] -> [batch, length, embed]."""
-        return adapted(out, jnp.einsum("bshd,hde->bse", out, weight(self.wo, out)), self.o_lora)
+        return adapted(out, ctx.narrow(out, weight(self.wo, out), "bshd,hde->bse",
+                                      (BATCH, LENGTH, HEADS, HEAD_DIM)), self.o_lora)
 
     def cached_attention(self, q, k, v, cache: tuple, ctx: ModelContext):
         """Decoding. `cache` = (keys and values of every layer (`KV_CACHE`), this layer's
@@ -96,7 +94,7 @@ class Attention(nnx.Module):
         out = dot_product_attention(q.astype(keys.dtype), keys[layer], values[layer], False,
                                     visible=visible)
         out = ctx.constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
-        return self.output(out), (keys, values)
+        return self.output(out, ctx), (keys, values)
 
 
 class SwiGLU(nnx.Module):
@@ -112,14 +110,14 @@ class SwiGLU(nnx.Module):
         self.down_lora = adapter(cfg.lora, "down", self.w_down, 1, rngs)
 
     def __call__(self, x: jax.Array, ctx: ModelContext) -> jax.Array:
-        def project(h, w, lora, eq):
-            return adapted(h, jnp.einsum(eq, h, weight(w, h)), lora)
-
-        gate = _named(project(x, self.w_gate, self.gate_lora, "bse,ef->bsf"), remat.MLP_GATE)
-        up = _named(project(x, self.w_up, self.up_lora, "bse,ef->bsf"), remat.MLP_UP)
-        hidden = ctx.constrain(jax.nn.silu(gate) * up, (BATCH, LENGTH, MLP))
-        return _named(project(hidden, self.w_down, self.down_lora, "bsf,fe->bse"),
-                      remat.MLP_DOWN)
+        names = (BATCH, LENGTH, MLP)
+        gate, up = ctx.widen(x, (weight(self.w_gate, x), weight(self.w_up, x)), "bse,ef->bsf",
+                             (names, names))
+        gate = _named(adapted(x, gate, self.gate_lora), remat.MLP_GATE)
+        up = _named(adapted(x, up, self.up_lora), remat.MLP_UP)
+        hidden = ctx.constrain(jax.nn.silu(gate) * up, names)
+        down = ctx.narrow(hidden, weight(self.w_down, hidden), "bsf,fe->bse", names)
+        return _named(adapted(hidden, down, self.down_lora), remat.MLP_DOWN)
 
 
 class Block(nnx.Module):

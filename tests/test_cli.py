@@ -59,6 +59,8 @@ BAD = [
     (["--attention", "cudnn"], "cuDNN attention needs an NVIDIA GPU"),
     (["--mesh", "sp=2", "--attention", "xla"], "cannot run on a sequence-sharded mesh"),
     (["--mesh", "dp=2", "--vocab-size", "128"], "pass --vocab-size 256 or larger"),
+    (["--mesh", "tp=2", "--collective-matmul", "on"],
+     "--collective-matmul on needs --sequence-parallel"),
 ]
 
 

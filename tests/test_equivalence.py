@@ -7,13 +7,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jdist import comm
 from jdist.equivalence import (
+    HARNESS,
     assert_matches,
     config,
     loss_rel_diff,
     mismatches,
     train_steps,
 )
+from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel import grad_sync
 from jdist.rules import DEFAULT_RULES, with_sequence_parallel
 from models import get_preset
@@ -51,9 +54,36 @@ def test_layers_on_two_halves_of_the_rows_match_single_device(corpus, single_dev
     loop, as GPUs run it: 4 rows per device, each layer run on two halves of 2."""
     deep = dataclasses.replace(TINY, n_layers=4)
     run = train_steps(deep, "fsdp=2,tp=4", corpus.train,
-                      config(tp_halves=True, prefetch="on", remat="full"),
+                      config(tp_halves=True, prefetch="on", remat="full",
+                             collective_matmul="on"),
                       rules=with_sequence_parallel(DEFAULT_RULES))
     assert_matches(run, single_device(deep))
+
+
+@pytest.mark.parametrize("mesh, flags", [
+    ("fsdp=2,tp=4", {}),
+    ("dp=2,fsdp=2,tp=2", {"zero": 3, "prefetch": "on", "remat": "full"}),
+])
+def test_collective_matmuls_match_single_device(corpus, single_device, mesh, flags):
+    """`--collective-matmul on` (jdist.parallel.collective_matmul), as GPUs run sequence
+    parallelism: the length chunks travel around the tensor ring beside the projections'
+    matmuls. The program moves exactly those chunks: per layer and forward, two widening
+    and two narrowing projections of n-1 transfers each, as many again transposed in the
+    backward; under remat full the forward again, but for its last projection, which feeds
+    only the layer's output (the backward needs none)."""
+    run = train_steps(TINY, mesh, corpus.train, config(collective_matmul="on", **flags),
+                      rules=with_sequence_parallel(DEFAULT_RULES))
+    assert_matches(run, single_device(TINY))
+    shape = parse_mesh(mesh)
+    tp, rows = shape.sizes["tensor"], HARNESS["batch_size"] // shape.sizes.get("data", 1) \
+        // shape.sizes["fsdp"]
+    chunk = rows * HARNESS["seq_len"] // tp * TINY.d_model * 4
+    per_layer = 4 + 4 + (3 if flags.get("remat") == "full" else 0)
+    expected = TINY.n_layers * per_layer * (tp - 1)
+    moved = [r for r in comm.report(run.hlo, build_mesh(mesh, jax.devices()[:8])).rows
+             if r.kind == "collective-permute"]
+    assert [(r.axes, r.count, r.bytes) for r in moved] == [(("tensor",), expected,
+                                                            expected * chunk)]
 
 
 def test_trains_like_single_device_for_ten_steps(corpus, single_device):

@@ -168,6 +168,11 @@ class MemoryFlags:
                            "so one half's tensor-parallel collectives overlap the other's "
                            "matmuls (dense models; at least 4 rows per device and "
                            "micro-batch)")
+    collective_matmul: Literal["auto", "on", "off"] = flag(
+        "auto", "under sequence parallelism, bring the residual stream's length chunks to "
+        "the tensor-parallel projections (and their partial sums away) by a ring of "
+        "transfers, each beside a chunk's matmul: on, off, or auto (on NVIDIA GPUs: "
+        "benchmarks/overlap.py)")
     offload: Literal["none", "optimizer"] = flag(
         "none", "none, or optimizer: optimizer state lives in pinned host memory between steps")
     attention: Attention = flag("auto", "attention kernel: auto (cudnn on NVIDIA GPUs in bf16, "
@@ -190,6 +195,8 @@ class MemoryFlags:
         remat_policies.check(self.remat)
         require(self.prefetch in ("auto", "on", "off"),
                 f"unknown --prefetch {self.prefetch!r}; use auto, on or off")
+        require(self.collective_matmul in ("auto", "on", "off"),
+                f"unknown --collective-matmul {self.collective_matmul!r}; use auto, on or off")
         require(self.attention in IMPLEMENTATIONS,
                 f"unknown --attention {self.attention!r}; use {', '.join(IMPLEMENTATIONS)}")
         require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; use {', '.join(LOSSES)}")

@@ -36,7 +36,7 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist import packing, remat
 from jdist.parallel import attention as attn
-from jdist.parallel import embedding, halves, prefetch
+from jdist.parallel import collective_matmul, embedding, halves, prefetch
 from jdist.parallel import grad_sync as gs
 from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
@@ -233,6 +233,8 @@ def model_context(plan, manual: tuple[str, ...], seq_len: int,
     rules = inner_rules(plan.rules, manual)
     cp = ContextParallel(plan.mesh, rules, plan.cp_strategy)
     extra = {} if layer_loop is None else {"layer_loop": layer_loop}
+    if collective_matmul.applies(plan.collective_matmul, plan.mesh, rules):
+        extra |= collective_matmul.hooks(plan.mesh, rules)
     name = attention_of(plan, seq_len)
     return ModelContext(
         constrain=constrainer(plan.mesh, rules),

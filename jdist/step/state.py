@@ -57,6 +57,7 @@ class Plan:
     remat: str = "none"
     prefetch: str = "auto"         # gather layer i+1 while layer i computes (parallel.prefetch)
     tp_halves: bool = False        # each layer on two halves of the rows (parallel.halves)
+    collective_matmul: str = "auto"  # SP's collectives as rings beside matmuls
     grad_accum: int = 1
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
     loss: str = CHUNKED            # jdist.loss.LOSSES
@@ -138,6 +139,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
                 zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, parallel.cp_strategy,
                 compute_dtype=compute_dtype, remat=memory.remat, grad_accum=memory.grad_accum,
                 prefetch=memory.prefetch, tp_halves=memory.tp_halves,
+                collective_matmul=memory.collective_matmul,
                 attention=memory.attention, loss=memory.loss,
                 eod_id=eod_id, quantize=quantize, double_quant=double_quant)
 

@@ -19,6 +19,7 @@ from jdist.data.tokenizer import load_tokenizer
 from jdist.distributed import mesh_devices
 from jdist.errors import require
 from jdist.mesh import build_mesh, parse_mesh
+from jdist.parallel import collective_matmul
 from jdist.parallel.context import check_context_parallel
 from jdist.parallel.pipeline import pipeline_for
 from jdist.rules import (
@@ -164,8 +165,10 @@ def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
                                remat=config.memory.remat, grad_accum=config.memory.grad_accum,
                                prefetch=config.memory.prefetch,
                                tp_halves=config.memory.tp_halves,
+                               collective_matmul=config.memory.collective_matmul,
                                attention=config.memory.attention)
     attention_of(plan, config.data.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
+    collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules)
     return with_pipeline(plan, pipeline)
 
 
