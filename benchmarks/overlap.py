@@ -3,10 +3,14 @@ for the planner's best layouts of each case, the compiled step's collective byte
 and device, the exposed share (no matmul scheduled between an asynchronous collective's start
 and done, loops weighted; `jdist.gpu_report`) and the peak, before and after:
 
-  before  each layer's parameters gathered as its iteration starts (`--no-prefetch`), without
-          jdist's GPU flags (the step as jdist compiled it before the prefetching loop)
+  before  each layer's parameters gathered as its iteration starts (`--prefetch off`),
+          sequence parallelism's activations gathered and scattered whole
+          (`--collective-matmul off`), without jdist's GPU flags (the step as jdist
+          compiled it before issue 25)
   after   as jdist compiles it: layer i+1 gathered while layer i computes
-          (`jdist.parallel.prefetch`), vocab chunks likewise, `jdist.target.GPU_FLAGS`
+          (`jdist.parallel.prefetch`), vocab chunks likewise, SP's activations by rings
+          beside the projections' matmuls (`jdist.parallel.collective_matmul`),
+          `jdist.target.GPU_FLAGS`
   halves  after, with `--tp-halves` (`jdist.parallel.halves`), where the layout has tensor
           parallelism and at least 4 rows per device and micro-batch (else blank)
 
@@ -76,7 +80,8 @@ def measure(case: str, target: str, top: int) -> list[dict]:
         row = {"case": case, "layout": label}
         local_rows = batch // plan.grad_accum // batch_split(plan.mesh.shape, plan.rules)[1]
         halves = plan.mesh.shape[TENSOR] > 1 and rows_fit(local_rows) and not plan.pipeline
-        variants = [("before", dataclasses.replace(plan, prefetch="off"), dict(COMPILER_OPTIONS)),
+        variants = [("before", dataclasses.replace(plan, prefetch="off", collective_matmul="off"),
+                     dict(COMPILER_OPTIONS)),
                     ("after", plan, compiler_options(plan.mesh))]
         if halves:
             variants.append(("halves", dataclasses.replace(plan, tp_halves=True),

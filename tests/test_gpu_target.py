@@ -375,6 +375,32 @@ def test_tensor_parallel_gathers_and_reduces_only_shards(config):
     assert not [k for k in got if k[0] == "all-gather" and "tensor" in k[1]], got
 
 
+@pytest.mark.parametrize("config", [dict(mesh="fsdp=2,tp=4"),
+                                    dict(mesh="dp=2,fsdp=2,tp=2", zero=3, remat="full")],
+                         ids=["fsdp2-tp4", "dp2-fsdp2-tp2-zero3-remat"])
+def test_sequence_parallel_activations_travel_beside_matmuls(config):
+    """On GPUs sequence parallelism runs its projections as collective matmuls
+    (`--collective-matmul auto`, jdist.parallel.collective_matmul): the program moves the
+    length chunks the traffic model counts, exactly, and gathers and reduces no layer
+    activation over `tensor`. (How much of it the
+    schedule hides is measured at scale, by benchmarks/overlap.py: the tiny model's
+    transfers outlast their matmuls.)"""
+    from jdist.plan import traffic
+
+    config = {**COMMON, **config, "sequence_parallel": True}
+    _, plan, _ = plan_for(TrainConfig.of(**config))
+    report = step_report(compile_step(plan, BATCH, SEQ), plan, BATCH, SEQ)
+    got = {(r.kind, r.axes): r for r in report.rows}
+    want = {(r.kind, r.axes): r.bytes for r in traffic.step_traffic(plan, BATCH, SEQ)}
+    ring = ("collective-permute", ("tensor",))
+    assert got[ring].bytes == want[ring] > 0
+    # What else crosses `tensor` is outside the layers (the loss's and the embedding's
+    # gathers, the norm scales' partial sums), no more than the CPU-fitted model of it.
+    others = lambda rows: sum(v for (kind, axes), v in rows.items()
+                              if axes == ("tensor",) and kind != ring[0])
+    assert others({k: r.bytes for k, r in got.items()}) <= others(want), got
+
+
 # Generation: the prefill and the decode step (jdist.generate) on the target mesh.
 
 GEN_MESH, PROMPT, NEW = "dp=2,tp=4", 16, 8  # a cache of 24 slots: a length nothing else has

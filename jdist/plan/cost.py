@@ -20,9 +20,11 @@ The model (every term is a function below, each checked by `benchmarks/planner.p
                assumption, per collective: the replica-axis gathers and gradient reductions
                (over `data`/`fsdp` only) are issued per layer inside the layer loop and may
                run under the neighbouring layers' compute, so a fraction `profile.overlap` of
-               their time hides; ring-attention permutes hide the same way under their attention
-               blocks. Tensor-parallel activation reductions, all-to-alls and pipeline
-               permutes sit between dependent matmuls: `profile.overlap_tensor` of them hides
+               their time hides; ring-attention permutes hide the same way under their
+               attention blocks, and the collective matmuls' transfers over tensor
+               (sequence parallelism on GPUs) under their chunks' matmuls. Tensor-parallel
+               activation reductions, all-to-alls and pipeline permutes sit between
+               dependent matmuls: `profile.overlap_tensor` of them hides
                (0 in every shipped profile: exposed). Together no more hides than the
                compute lasts.
   bubble       a pipelined step's work is spread over the executed schedule's ticks (the
@@ -107,7 +109,8 @@ def hideable(row: Row) -> bool:
     if set(row.axes) <= set(ax.REPLICA_AXES) and row.kind in (
             "all-gather", "reduce-scatter", "all-reduce"):
         return True
-    return row.kind == "collective-permute" and set(row.axes) == {ax.SEQUENCE}
+    # Ring attention's and the collective matmuls' transfers, each beside a block's matmuls.
+    return row.kind == "collective-permute" and set(row.axes) in ({ax.SEQUENCE}, {ax.TENSOR})
 
 
 def price(rows: list[Row], plan, profile, dcn_axes: frozenset) -> \

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jdist import axes as ax
 from jdist import sharding as sh
 from jdist.hlo import COLLECTIVES
+from jdist.parallel import collective_matmul
 from jdist.parallel.grad_sync import Sync
 from jdist.rules import mesh_axes_of, resolve
 from jdist.step import trainable
@@ -90,6 +91,7 @@ class Step:
     sp: tuple[str, ...]      # further axes splitting the residual's sequence (Megatron SP)
     bt: tuple[str, ...]      # automatic axes splitting the batch (expert: data parallel there)
     leaves: tuple[Leaf, ...]
+    rings: bool = False      # SP's activations by collective matmuls (parallel.collective_matmul)
 
     @property
     def model(self):
@@ -189,7 +191,9 @@ def step_of(plan, batch_size: int, seq_len: int) -> Step:
                 HLO_DTYPE[jnp.dtype(plan.compute_dtype).name],
                 resolved(plan, (ax.HEADS,), 0, manual), cp,
                 tuple(a for a in residual if a not in cp),
-                resolved(plan, (ax.BATCH, ax.LENGTH), 0, manual), leaves_of(plan))
+                resolved(plan, (ax.BATCH, ax.LENGTH), 0, manual), leaves_of(plan),
+                collective_matmul.applies(plan.collective_matmul, mesh,
+                                          inner_rules(plan.rules, manual)))
 
 
 # ---------------------------------------------------------------------------------------

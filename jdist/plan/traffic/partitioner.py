@@ -21,6 +21,7 @@ from jdist.plan.traffic.layout import (
     AG,
     AR,
     F32,
+    PERMUTE,
     S32,
     Collective,
     Leaf,
@@ -56,6 +57,8 @@ def tensor_forward(st: Step) -> list[Collective]:
     over it."""
     if not st.tp:
         return []
+    if st.rings:
+        return _rings(st, 4) + _lora_partials(st, ("o", "down"))
     dense = 0 if st.model.n_experts else 1  # an MoE MLP reduces inside its kernel
     out = [Collective(AR, st.tp, 1 + dense, st.act, st.dtype,
                       "GSPMD: Megatron row-parallel outputs")]
@@ -73,6 +76,9 @@ def tensor_backward(st: Step) -> list[Collective]:
     if not st.tp:
         return []
     again = 1 if st.plan.remat == "full" else 0
+    if st.rings:  # remat full: the forward's again, but for the MLP's down (dead there)
+        return _rings(st, 4 + 3 * again) + _lora_partials(
+            st, ("q", "k", "v", "gate", "up") + (("o",) if again else ()))
     dense = 0 if st.model.n_experts else 2
     out = [Collective(AR, st.tp, 3 + dense + again, st.act, st.dtype,
                       "GSPMD: Megatron input grads")]
@@ -80,6 +86,16 @@ def tensor_backward(st: Step) -> list[Collective]:
     if st.sp:
         out.append(Collective(AG, st.sp, 4, st.act, st.dtype, "GSPMD: sequence-parallel grads"))
     return out
+
+
+def _rings(st: Step, projections: int) -> list[Collective]:
+    """Exact (`jdist.parallel.collective_matmul`): each projection's ring moves its input's
+    length chunks (q/k/v and gate/up share one) or its partial sums around `tensor`, n-1
+    transfers of [rows, tokens / n, d_model]; instead of SP's gathers and Megatron's
+    reductions (compiled on the GPU target, jax 0.10.2)."""
+    n = st.size(st.sp)
+    return [Collective(PERMUTE, st.sp, projections * (n - 1), st.act // n, st.dtype,
+                       "collective_matmul: ring transfers")]
 
 
 def _lora_partials(st: Step, projections: tuple[str, ...]) -> list[Collective]:
