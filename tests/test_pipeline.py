@@ -21,7 +21,7 @@ from jdist.mesh import build_mesh, parse_mesh
 from jdist.parallel import layer_shuffle
 from jdist.parallel import schedule as sched
 from jdist.parallel.pipeline import PipelineConfig, check_pipeline
-from jdist.rules import DEFAULT_RULES
+from jdist.rules import DEFAULT_RULES, with_sequence_parallel
 from jdist.step.build import make_eval_step, make_train_step
 from jdist.step.layer_order import (
     layer_order,
@@ -72,6 +72,7 @@ def reference(single_device):
 
 
 _RUNS: dict = {}
+SEQUENCE_PARALLEL = {"pp=2,fsdp=2,tp=2"}
 
 
 def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
@@ -79,14 +80,18 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
     if key not in _RUNS:
         virtual = 2 if schedule == "interleaved" else 1
         # `--prefetch on`: auto prefetches on GPUs only, and stages that gather run it here.
+        sp = mesh in SEQUENCE_PARALLEL
         _RUNS[key] = train_steps(DEEP, mesh, corpus.train,
                                  config(batch_size=BATCH, zero=zero, prefetch="on"),
+                                 rules=with_sequence_parallel(DEFAULT_RULES) if sp
+                                 else DEFAULT_RULES,
                                  pipeline=PipelineConfig(schedule, micro, virtual))
     return _RUNS[key]
 
 
 # Every schedule with pp=2, and 1f1b and interleaved with pp=4, M in {P, 2P}, plus dp x pp x
-# tp with ZeRO-2, and fsdp inside stages (the prefetching layer loop). (M = 4P, and
+# tp with ZeRO-2, and fsdp x tp inside stages (the prefetching layer loop, sequence
+# parallelism). (M = 4P, and
 # gpipe on pp=4 - all forwards then all backwards, the simplest table - added compiles and no
 # new schedule shape.)
 MATRIX = [(f"pp={p}", schedule, p * factor, 0) for schedule in ("gpipe", "1f1b", "interleaved")
@@ -95,7 +100,7 @@ MATRIX = [(f"pp={p}", schedule, p * factor, 0) for schedule in ("gpipe", "1f1b",
 
 @pytest.mark.parametrize("mesh, schedule, micro, zero",
                          [*MATRIX, ("dp=2,pp=2,tp=2", "1f1b", 4, 2),
-                          ("pp=2,fsdp=4", "1f1b", 4, 0)])
+                          ("pp=2,fsdp=2,tp=2", "1f1b", 4, 0)])
 def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero):
     run = pipelined(corpus, mesh, schedule, micro, zero)
     assert_matches(run, reference)

@@ -94,10 +94,15 @@ def matmul_scatter(h: jax.Array, w: jax.Array, eq: str, *, mesh, axis: str, h_sp
 
 
 
-def applies(setting: str, mesh, rules, axis: str = "tensor") -> bool:
+def applies(setting: str, mesh, rules, pipelined: bool = False, axis: str = "tensor") -> bool:
     """Whether the step runs these rings for `--collective-matmul setting`: on, or auto on
     NVIDIA GPUs, where sequence parallelism splits the residual stream's length over `axis`
-    alone. Refuses `on` where it does not."""
+    alone, outside pipeline stages. Refuses `on` where it does not apply.
+
+    Not in a pipeline stage: its tick's `lax.switch` runs a stage's ring on that stage's
+    devices only, and a `collective-permute` names no group, so on the CPU (jax 0.10.2) it
+    paired with the other stages' permutes of that tick and moved the wrong chunks (as
+    `ring_attention.Ring.shift` describes)."""
     from jdist import axes as ax
     from jdist.rules import mesh_axes_of, resolve
     from jdist.target import overlap_by_default
@@ -105,10 +110,10 @@ def applies(setting: str, mesh, rules, axis: str = "tensor") -> bool:
     if setting == "off" or (setting == "auto" and not overlap_by_default(mesh)):
         return False
     length = mesh_axes_of(resolve((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), rules, mesh)[1])
-    fits = mesh.shape[axis] > 1 and tuple(length) == (axis,)
+    fits = mesh.shape[axis] > 1 and tuple(length) == (axis,) and not pipelined
     require(fits or setting == "auto", "--collective-matmul on needs --sequence-parallel with "
-            f"{axis} > 1 and the sequence split over no other axis (context parallelism); "
-            "drop --collective-matmul or use auto")
+            f"{axis} > 1, the sequence split over no other axis (context parallelism) and "
+            "no pipeline stages; drop --collective-matmul or use auto")
     return fits
 
 

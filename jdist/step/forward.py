@@ -233,7 +233,8 @@ def model_context(plan, manual: tuple[str, ...], seq_len: int,
     rules = inner_rules(plan.rules, manual)
     cp = ContextParallel(plan.mesh, rules, plan.cp_strategy)
     extra = {} if layer_loop is None else {"layer_loop": layer_loop}
-    if collective_matmul.applies(plan.collective_matmul, plan.mesh, rules):
+    if collective_matmul.applies(plan.collective_matmul, plan.mesh, rules,
+                                 plan.pipeline is not None):
         extra |= collective_matmul.hooks(plan.mesh, rules)
     name = attention_of(plan, seq_len)
     return ModelContext(

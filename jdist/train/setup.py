@@ -168,7 +168,8 @@ def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
                                collective_matmul=config.memory.collective_matmul,
                                attention=config.memory.attention)
     attention_of(plan, config.data.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
-    collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules)
+    collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules,
+                              pipeline is not None)
     return with_pipeline(plan, pipeline)
 
 

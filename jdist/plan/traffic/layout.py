@@ -193,7 +193,7 @@ def step_of(plan, batch_size: int, seq_len: int) -> Step:
                 tuple(a for a in residual if a not in cp),
                 resolved(plan, (ax.BATCH, ax.LENGTH), 0, manual), leaves_of(plan),
                 collective_matmul.applies(plan.collective_matmul, mesh,
-                                          inner_rules(plan.rules, manual)))
+                                          inner_rules(plan.rules, manual), pipelined))
 
 
 # ---------------------------------------------------------------------------------------
