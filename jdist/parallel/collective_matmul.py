@@ -10,10 +10,11 @@ behind unrelated work (on the GPU program of 70B `fsdp=32,tp=2` SP they were 1.4
 while the next arrives from its neighbour (`gather_matmul`), or sends the partial sum of
 one chunk while it computes the next (`matmul_scatter`): n-1 transfers of one chunk, each
 beside a matmul. The arithmetic per output element is the plain einsum's; the reduction
-adds the n partial sums in ring order instead of the collective's.
+adds the n partial sums in its own order instead of the collective's.
 
-Autodiff transposes the ring: the backward of a gather-matmul is a ring reduce-scatter of
-the activation gradient, that of a matmul-scatter a ring gather, each again beside matmuls.
+Autodiff transposes the transfers: the backward of a gather-matmul scatters the
+activation gradient's partial sums, that of a matmul-scatter gathers, each again beside
+matmuls.
 """
 
 from __future__ import annotations
@@ -36,12 +37,45 @@ def _smap(mesh, axis: str):
                    axis_names=frozenset({axis}), check_vma=CHECK_VMA)
 
 
-def _right(n: int) -> list[tuple[int, int]]:
-    return [(j, (j + 1) % n) for j in range(n)]
+def _shift(x, axis: str, n: int, by: int):
+    """x from the device `by` places to the left (device j sends to j + by)."""
+    return jax.lax.ppermute(x, axis, [(j, (j + by) % n) for j in range(n)])
 
 
-def _length_slice(x, chunk, size: int):
-    return jax.lax.dynamic_slice_in_dim(x, chunk * size, size, axis=1)
+def _apart(x, w):
+    """`w`, as a value XLA cannot tell is the same for each chunk: its GPU dot merger joins
+    dots that share an operand back into one over the whole length (70B tp=8: the q/k/v
+    projections ran as one [16384, 1024] gemm after every transfer, jax 0.10.2). The
+    barrier ties the weight to chunk `x`; it moves no data."""
+    return jax.lax.optimization_barrier((x, w))[1]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunk_dot(eq: str, x, w):
+    """`einsum(eq, x, w)` on one chunk, kept apart from the other chunks' (`_apart`) in the
+    forward and in the backward. Its residual is `w` itself: the barrier's outputs, one per
+    chunk, would each be saved for the backward (8B tp=4: +15 GiB of weight copies)."""
+    return jnp.einsum(eq, x, _apart(x, w))
+
+
+def _chunk_dot_fwd(eq, x, w):
+    return _chunk_dot(eq, x, w), (x, w)
+
+
+def _chunk_dot_bwd(eq, residuals, g):
+    x, w = residuals
+    _, pull = jax.vjp(partial(jnp.einsum, eq), x, _apart(g, w))
+    return pull(g)
+
+
+_chunk_dot.defvjp(_chunk_dot_fwd, _chunk_dot_bwd)
+
+
+def _roll_length(x, chunks, size: int):
+    """x with its length rolled by `chunks` (traced) chunks of `size`: one dynamic slice, so
+    every chunk after it is a static slice (per-chunk dynamic slices were fused into kernels
+    that took ptxas a minute each, tp=8, jax 0.10.2)."""
+    return jnp.roll(x, chunks * size, axis=1)
 
 
 def gather_matmul(x: jax.Array, ws: tuple, eq: str, *, mesh, axis: str, w_specs: tuple,
@@ -51,23 +85,16 @@ def gather_matmul(x: jax.Array, ws: tuple, eq: str, *, mesh, axis: str, w_specs:
     each weight and output (PartitionSpecs naming only `axis`)."""
     n = mesh.shape[axis]
 
-    def ring(x, *ws):
+    def run(x, *ws):
         me, size = jax.lax.axis_index(axis), x.shape[1]
-        outs = [None] * len(ws)
-        for i in range(n):
-            # Start the next transfer before this chunk's matmuls: nothing orders them.
-            nxt = jax.lax.ppermute(x, axis, _right(n)) if i < n - 1 else None
-            chunk = (me - i) % n  # the chunk held now came i steps from the left
-            for k, w in enumerate(ws):
-                y = jnp.einsum(eq, x, w)
-                if outs[k] is None:
-                    outs[k] = jnp.zeros((y.shape[0], size * n, *y.shape[2:]), y.dtype)
-                outs[k] = jax.lax.dynamic_update_slice_in_dim(outs[k], y, chunk * size, 1)
-            x = nxt
-        return tuple(outs)
+        # Chunk me + by comes straight from its owner, so no transfer waits for another and
+        # the scheduler can run each beside the matmuls of the chunks already here.
+        held = [x] + [_shift(x, axis, n, -by) for by in range(1, n)]
+        ys = [[_chunk_dot(eq, chunk, w) for chunk in held] for w in ws]
+        return tuple(_roll_length(jnp.concatenate(y, axis=1), me, size) for y in ys)
 
     x_spec = PartitionSpec(None, axis)
-    return _smap(mesh, axis)(ring, in_specs=(x_spec, *w_specs),
+    return _smap(mesh, axis)(run, in_specs=(x_spec, *w_specs),
                              out_specs=tuple(out_specs))(x, *ws)
 
 
@@ -77,21 +104,19 @@ def matmul_scatter(h: jax.Array, w: jax.Array, eq: str, *, mesh, axis: str, h_sp
     contracted dims of h and w are split over `axis` (the partial sums reduce-scattered)."""
     n = mesh.shape[axis]
 
-    def ring(h, w):
+    def run(h, w):
         me, size = jax.lax.axis_index(axis), h.shape[1] // n
-        acc = None
-        for i in range(n):
-            # Device j adds its part of chunk j-1-i to what came from the left: after n
-            # steps it holds the whole sum of chunk j.
-            part = jnp.einsum(eq, _length_slice(h, (me - 1 - i) % n, size), w)
-            acc = part if acc is None else acc + part
-            if i < n - 1:
-                acc = jax.lax.ppermute(acc, axis, _right(n))
-        return acc
+        h = _roll_length(h, -me, size)  # chunk me + by at position by
+        part = lambda by: _chunk_dot(eq, h[:, by * size:(by + 1) * size], w)
+        # Each device sends its partial sum of chunk j straight to device j, which adds
+        # the n partials of its own chunk (its own first, then by distance to the left).
+        total = part(0)
+        for by in range(1, n):
+            total = total + _shift(part(by), axis, n, by)
+        return total
 
-    return _smap(mesh, axis)(ring, in_specs=(h_spec, w_spec),
+    return _smap(mesh, axis)(run, in_specs=(h_spec, w_spec),
                              out_specs=PartitionSpec(None, axis))(h, w)
-
 
 
 def applies(setting: str, mesh, rules, pipelined: bool = False, axis: str = "tensor") -> bool:
