@@ -8,8 +8,8 @@ and done, loops weighted; `jdist.gpu_report`) and the peak, before and after:
           (`--collective-matmul off`), without jdist's GPU flags (the step as jdist
           compiled it before issue 25)
   after   as jdist compiles it: layer i+1 gathered while layer i computes
-          (`jdist.parallel.prefetch`), vocab chunks likewise, SP's activations by rings
-          beside the projections' matmuls (`jdist.parallel.collective_matmul`),
+          (`jdist.parallel.prefetch`), vocab chunks likewise, SP's activations by
+          transfers beside the projections' matmuls (`jdist.parallel.collective_matmul`),
           `jdist.target.GPU_FLAGS`
   halves  after, with `--tp-halves` (`jdist.parallel.halves`), where the layout has tensor
           parallelism and at least 4 rows per device and micro-batch (else blank)

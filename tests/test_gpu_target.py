@@ -392,12 +392,12 @@ def test_sequence_parallel_activations_travel_beside_matmuls(config):
     report = step_report(compile_step(plan, BATCH, SEQ), plan, BATCH, SEQ)
     got = {(r.kind, r.axes): r for r in report.rows}
     want = {(r.kind, r.axes): r.bytes for r in traffic.step_traffic(plan, BATCH, SEQ)}
-    ring = ("collective-permute", ("tensor",))
-    assert got[ring].bytes == want[ring] > 0
+    moved = ("collective-permute", ("tensor",))
+    assert got[moved].bytes == want[moved] > 0
     # What else crosses `tensor` is outside the layers (the loss's and the embedding's
     # gathers, the norm scales' partial sums), no more than the CPU-fitted model of it.
     others = lambda rows: sum(v for (kind, axes), v in rows.items()
-                              if axes == ("tensor",) and kind != ring[0])
+                              if axes == ("tensor",) and kind != moved[0])
     assert others({k: r.bytes for k, r in got.items()}) <= others(want), got
 
 

@@ -170,7 +170,7 @@ class MemoryFlags:
                            "micro-batch)")
     collective_matmul: Literal["auto", "on", "off"] = flag(
         "auto", "under sequence parallelism, bring the residual stream's length chunks to "
-        "the tensor-parallel projections (and their partial sums away) by a ring of "
+        "the tensor-parallel projections (and their partial sums away) by point-to-point "
         "transfers, each beside a chunk's matmul: on, off, or auto (on NVIDIA GPUs: "
         "benchmarks/overlap.py)")
     offload: Literal["none", "optimizer"] = flag(

@@ -1,5 +1,5 @@
-"""Collective matmuls: sequence parallelism's activation collectives split into a ring of
-point-to-point transfers, each hidden behind the matmul of the chunk already there.
+"""Collective matmuls: sequence parallelism's activation collectives split into
+point-to-point transfers of length chunks, each beside the matmul of a chunk already there.
 
 Under Megatron sequence parallelism the residual stream is split along its length over
 `tensor`. A column-parallel projection (q/k/v, gate/up) needs the whole length, so GSPMD
@@ -7,9 +7,10 @@ gathers it first, and a row-parallel one (attention output, down) reduce-scatter
 partial sums after: collectives on the critical path, which XLA's scheduler can only hide
 behind unrelated work (on the GPU program of 70B `fsdp=32,tp=2` SP they were 1.4 of its
 2.5 TB per step, 80-99% exposed). Here each device multiplies the length chunk it holds
-while the next arrives from its neighbour (`gather_matmul`), or sends the partial sum of
-one chunk while it computes the next (`matmul_scatter`): n-1 transfers of one chunk, each
-beside a matmul. The arithmetic per output element is the plain einsum's; the reduction
+while the others' arrive, each straight from its owner (`gather_matmul`), or sends the
+partial sum of each chunk straight to its owner while it computes the next
+(`matmul_scatter`): n-1 transfers of one chunk, none waiting for another, each beside a
+matmul. The arithmetic per output element is the plain einsum's; the reduction
 adds the n partial sums in its own order instead of the collective's.
 
 Autodiff transposes the transfers: the backward of a gather-matmul scatters the
@@ -120,11 +121,11 @@ def matmul_scatter(h: jax.Array, w: jax.Array, eq: str, *, mesh, axis: str, h_sp
 
 
 def applies(setting: str, mesh, rules, pipelined: bool = False, axis: str = "tensor") -> bool:
-    """Whether the step runs these rings for `--collective-matmul setting`: on, or auto on
-    NVIDIA GPUs, where sequence parallelism splits the residual stream's length over `axis`
-    alone, outside pipeline stages. Refuses `on` where it does not apply.
+    """Whether the step runs these collective matmuls for `--collective-matmul setting`: on,
+    or auto on NVIDIA GPUs, where sequence parallelism splits the residual stream's length
+    over `axis` alone, outside pipeline stages. Refuses `on` where it does not apply.
 
-    Not in a pipeline stage: its tick's `lax.switch` runs a stage's ring on that stage's
+    Not in a pipeline stage: its tick's `lax.switch` runs a stage's transfers on that stage's
     devices only, and a `collective-permute` names no group, so on the CPU (jax 0.10.2) it
     paired with the other stages' permutes of that tick and moved the wrong chunks (as
     `ring_attention.Ring.shift` describes)."""
@@ -143,8 +144,8 @@ def applies(setting: str, mesh, rules, pipelined: bool = False, axis: str = "ten
 
 
 def hooks(mesh, rules, axis: str = "tensor") -> dict:
-    """`ModelContext.widen`/`narrow` as the rings over `axis`, each operand's split read
-    from the rules by the logical names the model gives."""
+    """`ModelContext.widen`/`narrow` as collective matmuls over `axis`, each operand's split
+    read from the rules by the logical names the model gives."""
     from jdist import axes as ax
     from jdist.rules import mesh_axes_of, resolve
 

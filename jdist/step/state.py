@@ -57,7 +57,7 @@ class Plan:
     remat: str = "none"
     prefetch: str = "auto"         # gather layer i+1 while layer i computes (parallel.prefetch)
     tp_halves: bool = False        # each layer on two halves of the rows (parallel.halves)
-    collective_matmul: str = "auto"  # SP's collectives as rings beside matmuls
+    collective_matmul: str = "auto"  # SP's collectives as transfers beside matmuls
     grad_accum: int = 1
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
     loss: str = CHUNKED            # jdist.loss.LOSSES

@@ -91,7 +91,7 @@ class Step:
     sp: tuple[str, ...]      # further axes splitting the residual's sequence (Megatron SP)
     bt: tuple[str, ...]      # automatic axes splitting the batch (expert: data parallel there)
     leaves: tuple[Leaf, ...]
-    rings: bool = False      # SP's activations by collective matmuls (parallel.collective_matmul)
+    collective_matmul: bool = False  # SP's activations by parallel.collective_matmul
 
     @property
     def model(self):

@@ -57,8 +57,8 @@ def tensor_forward(st: Step) -> list[Collective]:
     over it."""
     if not st.tp:
         return []
-    if st.rings:
-        return _rings(st, 4) + _lora_partials(st, ("o", "down"))
+    if st.collective_matmul:
+        return _chunk_transfers(st, 4) + _lora_partials(st, ("o", "down"))
     dense = 0 if st.model.n_experts else 1  # an MoE MLP reduces inside its kernel
     out = [Collective(AR, st.tp, 1 + dense, st.act, st.dtype,
                       "GSPMD: Megatron row-parallel outputs")]
@@ -76,8 +76,8 @@ def tensor_backward(st: Step) -> list[Collective]:
     if not st.tp:
         return []
     again = 1 if st.plan.remat == "full" else 0
-    if st.rings:  # remat full: the forward's again, but for the MLP's down (dead there)
-        return _rings(st, 4 + 3 * again) + _lora_partials(
+    if st.collective_matmul:  # remat full: the forward's again, but for the MLP's down (dead there)
+        return _chunk_transfers(st, 4 + 3 * again) + _lora_partials(
             st, ("q", "k", "v", "gate", "up") + (("o",) if again else ()))
     dense = 0 if st.model.n_experts else 2
     out = [Collective(AR, st.tp, 3 + dense + again, st.act, st.dtype,
@@ -88,14 +88,14 @@ def tensor_backward(st: Step) -> list[Collective]:
     return out
 
 
-def _rings(st: Step, projections: int) -> list[Collective]:
-    """Exact (`jdist.parallel.collective_matmul`): each projection's ring moves its input's
-    length chunks (q/k/v and gate/up share one) or its partial sums around `tensor`, n-1
-    transfers of [rows, tokens / n, d_model]; instead of SP's gathers and Megatron's
-    reductions (compiled on the GPU target, jax 0.10.2)."""
+def _chunk_transfers(st: Step, projections: int) -> list[Collective]:
+    """Exact (`jdist.parallel.collective_matmul`): each projection moves its input's length
+    chunks (q/k/v and gate/up share them) or its partial sums over `tensor`, n-1 transfers
+    of [rows, tokens / n, d_model]; instead of SP's gathers and Megatron's reductions
+    (compiled on the GPU target, jax 0.10.2)."""
     n = st.size(st.sp)
     return [Collective(PERMUTE, st.sp, projections * (n - 1), st.act // n, st.dtype,
-                       "collective_matmul: ring transfers")]
+                       "collective_matmul: chunk transfers")]
 
 
 def _lora_partials(st: Step, projections: tuple[str, ...]) -> list[Collective]:
