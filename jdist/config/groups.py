@@ -193,10 +193,10 @@ class MemoryFlags:
                 "or 3")
         require(self.grad_accum >= 1, f"--grad-accum {self.grad_accum} must be at least 1")
         remat_policies.check(self.remat)
-        require(self.prefetch in ("auto", "on", "off"),
-                f"unknown --prefetch {self.prefetch!r}; use auto, on or off")
-        require(self.collective_matmul in ("auto", "on", "off"),
-                f"unknown --collective-matmul {self.collective_matmul!r}; use auto, on or off")
+        for name in ("prefetch", "collective_matmul"):  # the auto/on/off switches
+            value = getattr(self, name)
+            require(value in ("auto", "on", "off"),
+                    f"unknown --{name.replace('_', '-')} {value!r}; use auto, on or off")
         require(self.attention in IMPLEMENTATIONS,
                 f"unknown --attention {self.attention!r}; use {', '.join(IMPLEMENTATIONS)}")
         require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; use {', '.join(LOSSES)}")
