@@ -69,8 +69,9 @@ def test_collective_matmuls_match_single_device(corpus, single_device, mesh, fla
     parallelism: the length chunks travel around the tensor ring beside the projections'
     matmuls. The program moves exactly those chunks: per layer and forward, two widening
     and two narrowing projections of n-1 transfers each, as many again transposed in the
-    backward; under remat full the forward again, but for its last projection, which feeds
-    only the layer's output (the backward needs none)."""
+    backward, and the widening inputs' chunks again for the weight gradients (the step
+    keeps only shards); under remat full the forward again, but for its last projection,
+    which feeds only the layer's output (the backward needs none)."""
     run = train_steps(TINY, mesh, corpus.train, config(collective_matmul="on", **flags),
                       rules=with_sequence_parallel(DEFAULT_RULES))
     assert_matches(run, single_device(TINY))
@@ -78,7 +79,7 @@ def test_collective_matmuls_match_single_device(corpus, single_device, mesh, fla
     tp, rows = shape.sizes["tensor"], HARNESS["batch_size"] // shape.sizes.get("data", 1) \
         // shape.sizes["fsdp"]
     chunk = rows * HARNESS["seq_len"] // tp * TINY.d_model * 4
-    per_layer = 4 + 4 + (3 if flags.get("remat") == "full" else 0)
+    per_layer = 4 + 4 + (3 if flags.get("remat") == "full" else 2)
     expected = TINY.n_layers * per_layer * (tp - 1)
     moved = [r for r in comm.report(run.hlo, build_mesh(mesh, jax.devices()[:8])).rows
              if r.kind == "collective-permute"]

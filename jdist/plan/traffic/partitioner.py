@@ -76,8 +76,9 @@ def tensor_backward(st: Step) -> list[Collective]:
     if not st.tp:
         return []
     again = 1 if st.plan.remat == "full" else 0
-    if st.collective_matmul:  # remat full: the forward's again, but for the MLP's down (dead there)
-        return _chunk_transfers(st, 4 + 3 * again) + _lora_partials(
+    if st.collective_matmul:  # the widening inputs' chunks again (the residuals are shards);
+        # under remat full the whole forward again, but for the MLP's down (dead there)
+        return _chunk_transfers(st, 4 + 2 + again) + _lora_partials(
             st, ("q", "k", "v", "gate", "up") + (("o",) if again else ()))
     dense = 0 if st.model.n_experts else 2
     out = [Collective(AR, st.tp, 3 + dense + again, st.act, st.dtype,
