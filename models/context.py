@@ -15,17 +15,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models.projection import project
+
 
 def _identity(x, *_):
     return x
 
 
 def einsums(x, ws, eq, out_names):
-    return tuple(jnp.einsum(eq, x, w) for w in ws)
+    return tuple(project(eq, x, w) for w in ws)
 
 
 def einsum(h, w, eq, h_names):
-    return jnp.einsum(eq, h, w)
+    return project(eq, h, w)
 
 
 def scan_layers(layer, x, layers, rows):
