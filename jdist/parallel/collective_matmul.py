@@ -13,10 +13,9 @@ partial sum of each chunk straight to its owner while it computes the next
 matmul. The arithmetic per output element is the plain einsum's; the reduction
 adds the n partial sums in its own order instead of the collective's.
 
-The backward moves the same chunks the other way, again beside matmuls: a gather-matmul's
-scatters the input gradient's partial sums and gathers the input's chunks again for the
-weight gradients (the step keeps only the shard), a matmul-scatter's gathers the output
-gradient's chunks. Weight gradients add their per-chunk matmuls in float32.
+Autodiff transposes the transfers: the backward of a gather-matmul scatters the
+activation gradient's partial sums, that of a matmul-scatter gathers, each again beside
+matmuls.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from jax.sharding import PartitionSpec
 
 from jdist.errors import require
 from jdist.parallel import CHECK_VMA, manual_axes
-from models.projection import transposed
 
 
 def _smap(mesh, axis: str):
@@ -53,18 +51,25 @@ def _apart(x, w):
     return jax.lax.optimization_barrier((x, w))[1]
 
 
-def _dot(eq: str, a, b, **options):
-    """`einsum(eq, a, b)` on one chunk, kept apart from the other chunks' (`_apart`)."""
-    return jnp.einsum(eq, a, _apart(a, b), **options)
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunk_dot(eq: str, x, w):
+    """`einsum(eq, x, w)` on one chunk, kept apart from the other chunks' (`_apart`) in the
+    forward and in the backward. Its residual is `w` itself: the barrier's outputs, one per
+    chunk, would each be saved for the backward (8B tp=4: +15 GiB of weight copies)."""
+    return jnp.einsum(eq, x, _apart(x, w))
 
 
-def _weight_grad(eq: str, xs, gs, w):
-    """The weight gradient summed over the chunks' pairs (x, g) in float32, rounded once,
-    as one matmul over the whole length would (and as models.projection keeps it)."""
-    total = _dot(eq, xs[0], gs[0], preferred_element_type=jnp.float32)
-    for x, g in zip(xs[1:], gs[1:]):
-        total = total + _dot(eq, x, g, preferred_element_type=jnp.float32)
-    return total.astype(w.dtype)
+def _chunk_dot_fwd(eq, x, w):
+    return _chunk_dot(eq, x, w), (x, w)
+
+
+def _chunk_dot_bwd(eq, residuals, g):
+    x, w = residuals
+    _, pull = jax.vjp(partial(jnp.einsum, eq), x, _apart(g, w))
+    return pull(g)
+
+
+_chunk_dot.defvjp(_chunk_dot_fwd, _chunk_dot_bwd)
 
 
 def _roll_length(x, chunks, size: int):
@@ -74,39 +79,20 @@ def _roll_length(x, chunks, size: int):
     return jnp.roll(x, chunks * size, axis=1)
 
 
-def _chunks(x, n: int) -> list:
-    size = x.shape[1] // n
-    return [x[:, by * size:(by + 1) * size] for by in range(n)]
-
-
-def _from_each(x, axis: str, n: int) -> list:
-    """[x of device me + by for by in range(n)], each straight from its owner, so no
-    transfer waits for another and the scheduler can run each beside the matmuls of the
-    ones already here."""
-    return [x] + [_shift(x, axis, n, -by) for by in range(1, n)]
-
-
-def _to_each(parts: list, axis: str, n: int):
-    """Sends parts[by] to device me + by, and adds the n parts the devices sent here (its
-    own first, then by distance to the left)."""
-    total = parts[0]
-    for by in range(1, n):
-        total = total + _shift(parts[by], axis, n, by)
-    return total
-
-
 def _gathered_dots(eq: str, axis: str, n: int, x, ws: tuple) -> tuple:
-    me, held = jax.lax.axis_index(axis), _from_each(x, axis, n)
-    ys = [jnp.concatenate([_dot(eq, chunk, w) for chunk in held], axis=1) for w in ws]
-    return tuple(_roll_length(y, me, x.shape[1]) for y in ys)
+    me, size = jax.lax.axis_index(axis), x.shape[1]
+    # Chunk me + by comes straight from its owner, so no transfer waits for another and
+    # the scheduler can run each beside the matmuls of the chunks already here.
+    held = [x] + [_shift(x, axis, n, -by) for by in range(1, n)]
+    ys = [[_chunk_dot(eq, chunk, w) for chunk in held] for w in ws]
+    return tuple(_roll_length(jnp.concatenate(y, axis=1), me, size) for y in ys)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _gather_dots(eq: str, axis: str, n: int, x, ws: tuple) -> tuple:
-    """`_gathered_dots` with a backward written out: it gathers the chunks again beside
-    the weight-gradient matmuls (autodiff would save all n, the whole length, where the
-    plain step saves the shard: 8B tp=4 --remat none, +96 MiB a layer) and sums those
-    matmuls over the chunks in float32."""
+    """`_gathered_dots`, whose backward gathers the chunks again beside the weight-gradient
+    matmuls: autodiff would save all n chunks (the whole length) for them where the plain
+    step saves the shard (8B tp=4, --remat none: +96 MiB a layer, two inputs' 48 MiB)."""
     return _gathered_dots(eq, axis, n, x, ws)
 
 
@@ -115,18 +101,8 @@ def _gather_dots_fwd(eq, axis, n, x, ws):
 
 
 def _gather_dots_bwd(eq, axis, n, residuals, gs):
-    x, ws = residuals
-    to_x, to_w = transposed(eq)
-    me, held = jax.lax.axis_index(axis), _from_each(x, axis, n)
-    gs = [_chunks(_roll_length(g, -me, x.shape[1]), n) for g in gs]  # chunk me + by at by
-    dws = tuple(_weight_grad(to_w, held, g, w) for g, w in zip(gs, ws))
-    parts = []
-    for by in range(n):
-        part = _dot(to_x, gs[0][by], ws[0])
-        for g, w in zip(gs[1:], ws[1:]):
-            part = part + _dot(to_x, g[by], w)
-        parts.append(part)
-    return _to_each(parts, axis, n), dws
+    _, pull = jax.vjp(partial(_gathered_dots, eq, axis, n), *residuals)
+    return pull(gs)
 
 
 _gather_dots.defvjp(_gather_dots_fwd, _gather_dots_bwd)
@@ -138,45 +114,28 @@ def gather_matmul(x: jax.Array, ws: tuple, eq: str, *, mesh, axis: str, w_specs:
     over `axis`; each output has the whole length. `w_specs`/`out_specs`: how `axis` splits
     each weight and output (PartitionSpecs naming only `axis`)."""
     run = lambda x, *ws: _gather_dots(eq, axis, mesh.shape[axis], x, ws)
-    return _smap(mesh, axis)(run, in_specs=(PartitionSpec(None, axis), *w_specs),
+    x_spec = PartitionSpec(None, axis)
+    return _smap(mesh, axis)(run, in_specs=(x_spec, *w_specs),
                              out_specs=tuple(out_specs))(x, *ws)
-
-
-def _scattered_dot(eq: str, axis: str, n: int, h, w):
-    me = jax.lax.axis_index(axis)
-    held = _chunks(_roll_length(h, -me, h.shape[1] // n), n)  # chunk me + by at by
-    return _to_each([_dot(eq, chunk, w) for chunk in held], axis, n)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _scatter_dot(eq: str, axis: str, n: int, h, w):
-    """`_scattered_dot` with a backward written out, to sum its weight gradient over the
-    chunks in float32."""
-    return _scattered_dot(eq, axis, n, h, w)
-
-
-def _scatter_dot_fwd(eq, axis, n, h, w):
-    return _scattered_dot(eq, axis, n, h, w), (h, w)
-
-
-def _scatter_dot_bwd(eq, axis, n, residuals, g):
-    h, w = residuals
-    to_h, to_w = transposed(eq)
-    me, size = jax.lax.axis_index(axis), h.shape[1] // n
-    held = _chunks(_roll_length(h, -me, size), n)
-    gs = _from_each(g, axis, n)  # each partial's gradient, back from its chunk's owner
-    dh = jnp.concatenate([_dot(to_h, g, w) for g in gs], axis=1)
-    return _roll_length(dh, me, size), _weight_grad(to_w, held, gs, w)
-
-
-_scatter_dot.defvjp(_scatter_dot_fwd, _scatter_dot_bwd)
 
 
 def matmul_scatter(h: jax.Array, w: jax.Array, eq: str, *, mesh, axis: str, h_spec,
                    w_spec) -> jax.Array:
     """`einsum(eq, h, w)` [batch, length, embed], its length split over `axis`, where the
     contracted dims of h and w are split over `axis` (the partial sums reduce-scattered)."""
-    run = lambda h, w: _scatter_dot(eq, axis, mesh.shape[axis], h, w)
+    n = mesh.shape[axis]
+
+    def run(h, w):
+        me, size = jax.lax.axis_index(axis), h.shape[1] // n
+        h = _roll_length(h, -me, size)  # chunk me + by at position by
+        part = lambda by: _chunk_dot(eq, h[:, by * size:(by + 1) * size], w)
+        # Each device sends its partial sum of chunk j straight to device j, which adds
+        # the n partials of its own chunk (its own first, then by distance to the left).
+        total = part(0)
+        for by in range(1, n):
+            total = total + _shift(part(by), axis, n, by)
+        return total
+
     return _smap(mesh, axis)(run, in_specs=(h_spec, w_spec),
                              out_specs=PartitionSpec(None, axis))(h, w)
 
