@@ -11,6 +11,8 @@ and done, loops weighted; `jdist.gpu_report`) and the peak, before and after:
           (`jdist.parallel.prefetch`), vocab chunks likewise, SP's activations by
           transfers beside the projections' matmuls (`jdist.parallel.collective_matmul`),
           `jdist.target.GPU_FLAGS`
+  model   the planner's predicted exposed share of the same bytes (`jdist.plan.cost`:
+          its per-collective overlap assumption, on the profile), for the ranked layouts
   halves  after, with `--tp-halves` (`jdist.parallel.halves`), where the layout has tensor
           parallelism and at least 4 rows per device and micro-batch (else blank)
 
@@ -43,6 +45,7 @@ COLUMNS = (Column("case", "8"), Column("layout", "62"),
            Column("GiB coll", "9.1f", "collective_gib"),
            Column("exp before", "11.1%", "exposed_before"),
            Column("exp after", "10.1%", "exposed_after"),
+           Column("exp model", ">10", lambda r: _blank(r["exposed_model"], ".1%")),
            Column("exp halves", ">11", lambda r: _blank(r["exposed_halves"], ".1%")),
            Column("peak before", "12.2f", "peak_before_gib"),
            Column("peak after", "11.2f", "peak_after_gib"),
@@ -69,15 +72,16 @@ def measure(case: str, target: str, top: int) -> list[dict]:
     base = TrainConfig.of(model=model, batch_size=batch, seq_len=seq, compute_dtype="bfloat16",
                           target=target)
     ranked = search(base, devices, hosts, load_profile(target), fixed).ranked[:top]
-    configs = [(e.layout.label(), e.layout.to_config(base)) for e in ranked]
+    configs = [(e.layout.label(), e.layout.to_config(base), e) for e in ranked]
     configs += [(f"{layout} (not ranked)", parse_args(
         ["--model", model, "--batch-size", str(batch), "--seq-len", str(seq), "--target",
-         target, "--compute-dtype", "bfloat16", "--mesh", *layout.split()]))
+         target, "--compute-dtype", "bfloat16", "--mesh", *layout.split()]), None)
         for layout in EXTRA.get(case, [])]
     rows = []
-    for label, config in configs:
+    for label, config, planned in configs:
         _, plan, _ = plan_for(config.replace(hosts=hosts))
-        row = {"case": case, "layout": label}
+        row = {"case": case, "layout": label,
+               "exposed_model": planned.exposed_share if planned else None}
         local_rows = batch // plan.grad_accum // batch_split(plan.mesh.shape, plan.rules)[1]
         halves = plan.mesh.shape[TENSOR] > 1 and rows_fit(local_rows) and not plan.pipeline
         variants = [("before", dataclasses.replace(plan, prefetch="off", collective_matmul="off"),

@@ -1,6 +1,7 @@
 """Tests run on 8 simulated CPU devices (set before JAX initialises its backends)."""
 
 import os
+import tempfile
 
 # Compiling dominates the suite (a tiny step compiles in ~4-7 s and runs in ~50 ms), and
 # LLVM's optimisation of the CPU kernels is most of a compile: skip it (the HLO passes,
@@ -8,6 +9,15 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_backend_optimization_level=0"
                            + " --xla_llvm_disable_expensive_passes=true").strip()
+# Many tests compile the same programs (the tiny model's step on a layout, in-process and in
+# the CLI's subprocesses, again on resume): a compilation cache this session's processes
+# share (xdist's workers and their subprocesses inherit the controller's environment)
+# returns the same executables without compiling again (the suite: 22.8 min where it took
+# about 26). Nothing tested reads it. The GPU target's compile-only programs are written
+# but cannot be read back (jax 0.10.2: a warning, then an ordinary compile).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"jdist-tests-xla-cache-{os.getpid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)

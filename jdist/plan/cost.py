@@ -65,10 +65,19 @@ class Estimate:
     tokens_per_s: float
     mfu: float                # model FLOPs (jdist.train.throughput) over peak
     bottleneck: str
+    hidden: tuple[float, ...] = ()  # each comm row's share of time under compute
 
     @property
     def comm_s(self) -> float:
         return sum(s for _, s, _ in self.comm)
+
+    @property
+    def exposed_share(self) -> float:
+        """The predicted share of collective bytes not hidden: what `jdist.gpu_report`
+        measures on the compiled step, for comparison (`benchmarks/overlap.py`)."""
+        total = sum(row.bytes for row, _, _ in self.comm)
+        return sum(row.bytes * (1 - h) for (row, _, _), h in zip(self.comm, self.hidden)) \
+            / total if total else 0.0
 
 
 def attention_fraction(attention: str, seq_len: int) -> float:
@@ -177,10 +186,11 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
               else wanted[h] for row, _, h in comm]
     hide = sum(s * f for (_, s, _), f in zip(comm, hidden))
     scale = min(1.0, compute / hide) if hide else 0.0
+    hidden = tuple(f * scale for f in hidden)
     exposed_rows: dict[str, float] = {}
     for (row, s, _), f in zip(comm, hidden):
         name = f"{row.kind} over {','.join(row.axes)}"
-        exposed_rows[name] = exposed_rows.get(name, 0.0) + s * (1 - f * scale)
+        exposed_rows[name] = exposed_rows.get(name, 0.0) + s * (1 - f)
     exposed = sum(exposed_rows.values())
     bubble = pipeline_bubble(plan.pipeline.table(stages), plan.remat) if plan.pipeline else 0.0
     busy = compute + exposed
@@ -191,4 +201,4 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     mfu = model_flops(plan.model, seq_len, tokens) / step / devices / (profile.peak_tflops * 1e12)
     return Estimate(layout, memory, flops, compute, memory_bound, comm, bubble, step,
                     tokens / step, mfu, bottleneck(compute, memory_bound, exposed_rows,
-                                                   stretched - busy))
+                                                   stretched - busy), hidden)
