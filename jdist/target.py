@@ -52,18 +52,23 @@ GPU_FLAGS = {(0, 10): _COMBINE | _IN_FLIGHT,
 # step as jdist compiles it), by the jaxlib that spells them so (newer XLA's
 # `xla_gpu_pipeline_*` is "No such compile option" on 0.10.2): on jax 0.10.2 for H100 the
 # pipelined all-gather raises the exposed share (8B fsdp=8: 10.4% -> 41.1%), the others
-# leave it (README, "GPU scheduling flags").
+# leave it (README, "GPU scheduling flags"). XLA's analytical latency estimator hides
+# more where tensor parallelism is 2 or without SP (8B dp=2,fsdp=2,tp=2 SP: 27.7% -> 6.9%;
+# 70B fsdp=8,tp=8 without SP: 44.7% -> 30.8%) and less with collective matmuls over 4 or
+# 8 devices (8B dp=2,tp=4 SP: 4.8% -> 23.8%), whose collective-permutes it prices at a
+# kernel launch ("not implemented", jax 0.10.2): not set until chosen per layout.
+_ESTIMATOR = {"xla_gpu_enable_analytical_latency_estimator": True}
 CANDIDATE_FLAGS = {
     (0, 10): {"xla_gpu_enable_pipelined_all_gather": True,
               "xla_gpu_enable_pipelined_reduce_scatter": True,
               "xla_gpu_enable_pipelined_all_reduce": True,
-              "xla_gpu_enable_while_loop_double_buffering": True},
+              "xla_gpu_enable_while_loop_double_buffering": True} | _ESTIMATOR,
     # jaxlib 0.12 renamed the pipeliners to an enum (`CollectivePipeliningMode`): the 0.10
     # spellings are "No such compile option" there, and `on`/`true` not a valid value.
     (0, 12): {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON",
               "xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON",
               "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON",
-              "xla_gpu_enable_while_loop_double_buffering": True},
+              "xla_gpu_enable_while_loop_double_buffering": True} | _ESTIMATOR,
 }
 
 
