@@ -66,12 +66,12 @@ def test_layers_on_two_halves_of_the_rows_match_single_device(corpus, single_dev
 ])
 def test_collective_matmuls_match_single_device(corpus, single_device, mesh, flags):
     """`--collective-matmul on` (jdist.parallel.collective_matmul), as GPUs run sequence
-    parallelism: the length chunks travel around the tensor ring beside the projections'
-    matmuls. The program moves exactly those chunks: per layer and forward, two widening
-    and two narrowing projections of n-1 transfers each, as many again transposed in the
-    backward, and the widening inputs' chunks again for the weight gradients (the step
-    keeps only shards); under remat full the forward again, but for its last projection,
-    which feeds only the layer's output (the backward needs none)."""
+    parallelism: the length chunks travel over `tensor`, each straight from its owner,
+    beside the projections' matmuls. The program moves exactly those chunks: per layer and
+    forward, two widening and two narrowing projections of n-1 transfers each, as many
+    again transposed in the backward, and the widening inputs' chunks again for the weight
+    gradients (the step keeps only shards); under remat full the forward again, but for its
+    last projection, which feeds only the layer's output (the backward needs none)."""
     run = train_steps(TINY, mesh, corpus.train, config(collective_matmul="on", **flags),
                       rules=with_sequence_parallel(DEFAULT_RULES))
     assert_matches(run, single_device(TINY))

@@ -22,10 +22,7 @@ shows as bf16 here and nowhere else). Per family, one compile serves every asser
   chunks on a mesh that does not split the vocabulary: a whole-head gather is then a bug,
   not a tiny vocabulary's single chunk.
 
-A check that fails for a documented jdist shortcoming raises `KnownShortcoming` after every
-other check of the program has passed; those families are `xfail(strict=True,
-raises=KnownShortcoming)`, so a fix shows up as XPASS (a failure: drop the mark) and any
-other failure still fails. Without jax's CUDA plugin every test here fails (never skips):
+Without jax's CUDA plugin every test here fails (never skips):
 install it with `pip install -e ".[dev,cuda12]"`.
 """
 
@@ -77,10 +74,6 @@ _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 _ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64))\[([\d,]*)\]")
 REPLICA_AXES = {"data", "fsdp"}        # the step's replica axes: gradients reduced over them
 TOKEN_AXES = {"sequence", "expert"}    # the other axes that split a batch's tokens
-
-
-class KnownShortcoming(Exception):
-    """A documented jdist shortcoming the program still shows (see the family's xfail)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +236,6 @@ class Family:
     attention: str                           # cudnn, cudnn-masked (packed) or flash
     expect: tuple = ()                       # (kind, mesh axes) rows the program must have
     extra: tuple = ()                        # more check names (EXTRA_CHECKS)
-    known: str = ""                          # the check a documented shortcoming fails
-    reason: str = ""
 
 
 EXTRA_CHECKS = {"frozen base": check_frozen_base, "nf4": check_nf4_gathers,
@@ -320,22 +311,13 @@ def compile_family(fam: Family) -> Program:
 
 
 def verdict(program: Program, fam: Family) -> None:
-    """Every check; a failure other than the family's known shortcoming fails the test."""
+    """Every check; any failure fails the test."""
     checks = {**BASE_CHECKS, **{name: EXTRA_CHECKS[name] for name in fam.extra}}
     failed = {name: why for name, check in checks.items() if (why := check(program, fam))}
-    unexpected = {k: v for k, v in failed.items() if k != fam.known}
-    assert not unexpected, "\n".join(f"{k}: {v}" for k, v in unexpected.items())
-    if fam.known in failed:
-        raise KnownShortcoming(failed[fam.known])
+    assert not failed, "\n".join(f"{k}: {v}" for k, v in failed.items())
 
 
-def family_param(fam: Family):
-    marks = [pytest.mark.xfail(strict=True, raises=KnownShortcoming, reason=fam.reason)] \
-        if fam.known else []
-    return pytest.param(fam, id=fam.name, marks=marks)
-
-
-@pytest.mark.parametrize("fam", [family_param(f) for f in FAMILIES])
+@pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_gpu_program(fam):
     program = compile_family(fam)
     rep = program.report  # the GPU report reads every family's program

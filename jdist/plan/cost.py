@@ -65,7 +65,7 @@ class Estimate:
     tokens_per_s: float
     mfu: float                # model FLOPs (jdist.train.throughput) over peak
     bottleneck: str
-    hidden: tuple[float, ...] = ()  # each comm row's share of time under compute
+    hidden: tuple[float, ...]  # each comm row's share of time under compute
 
     @property
     def comm_s(self) -> float:
