@@ -34,7 +34,8 @@ def measure(case: str, target: str) -> list[dict]:
     from jdist import gpu_report
     from jdist.config import TrainConfig
     from jdist.memory import lower_step, peak
-    from jdist.target import candidate_flags, compiler_options
+    from jdist.step.build import compiler_options
+    from jdist.target import candidate_flags
     from jdist.train.setup import plan_for
 
     config = TrainConfig.of(**CASES[case], target=target)
@@ -43,7 +44,7 @@ def measure(case: str, target: str) -> list[dict]:
     lowered = lower_step(plan, b, s)  # once: each flag is another compile of it
     rows = []
     for flag, value in [("(as jdist compiles it)", None), *candidate_flags().items()]:
-        options = compiler_options(plan.mesh, plan.tp_halves)
+        options = compiler_options(plan)
         options |= {} if value is None else {flag: value}
         compiled = lowered.compile(options)
         total = gpu_report.step_report(compiled, plan, b, s).total()

@@ -10,7 +10,8 @@ and done, loops weighted; `jdist.gpu_report`) and the peak, before and after:
   after   as jdist compiles it: layer i+1 gathered while layer i computes
           (`jdist.parallel.prefetch`), vocab chunks likewise, SP's activations by
           transfers beside the projections' matmuls (`jdist.parallel.collective_matmul`),
-          `jdist.target.GPU_FLAGS`
+          `jdist.target.GPU_FLAGS` (with XLA's analytical latency estimator unless
+          collective matmuls run over more than two devices: `jdist.step.build.compiler_options`)
   model   the planner's predicted exposed share of the same bytes (`jdist.plan.cost`:
           its per-collective overlap assumption, on the profile), for the ranked layouts
   halves  after, with `--tp-halves` (`jdist.parallel.halves`), where the layout has tensor
@@ -65,7 +66,8 @@ def measure(case: str, target: str, top: int) -> list[dict]:
     from jdist.plan.profiles import load_profile
     from jdist.plan.search import search
     from jdist.rules import batch_split
-    from jdist.target import COMPILER_OPTIONS, compiler_options
+    from jdist.step.build import compiler_options
+    from jdist.target import COMPILER_OPTIONS
     from jdist.train.setup import plan_for
 
     model, devices, hosts, batch, seq, fixed = CASES[case]
@@ -81,21 +83,27 @@ def measure(case: str, target: str, top: int) -> list[dict]:
     for label, config, planned in configs:
         _, plan, _ = plan_for(config.replace(hosts=hosts))
         row = {"case": case, "layout": label,
-               "exposed_model": planned.exposed_share if planned else None}
+               "exposed_model": planned.exposed_share if planned else None,
+               "rows_model": [{"kind": r.kind, "axes": list(r.axes), "bytes": r.bytes,
+                               "exposed": 1 - h}
+                              for (r, _, _), h in zip(planned.comm, planned.hidden)]
+               if planned else None}
         local_rows = batch // plan.grad_accum // batch_split(plan.mesh.shape, plan.rules)[1]
         halves = plan.mesh.shape[TENSOR] > 1 and rows_fit(local_rows) and not plan.pipeline
         variants = [("before", dataclasses.replace(plan, prefetch="off", collective_matmul="off"),
                      dict(COMPILER_OPTIONS)),
-                    ("after", plan, compiler_options(plan.mesh))]
+                    ("after", plan, compiler_options(plan))]
         if halves:
-            variants.append(("halves", dataclasses.replace(plan, tp_halves=True),
-                             compiler_options(plan.mesh, tp_halves=True)))
+            halved = dataclasses.replace(plan, tp_halves=True)
+            variants.append(("halves", halved, compiler_options(halved)))
         row["exposed_halves"] = row["peak_halves_gib"] = None
         for when, p, options in variants:
             compiled = lower_step(p, batch, seq).compile(options)
-            total = gpu_report.step_report(compiled, p, batch, seq).total()
+            rep = gpu_report.step_report(compiled, p, batch, seq)
+            total = rep.total()
             row |= {f"exposed_{when}": total.exposed, f"peak_{when}_gib": peak(compiled) / 2**30,
-                    f"collective_{when}_gib": total.bytes / 2**30}
+                    f"collective_{when}_gib": total.bytes / 2**30,
+                    f"rows_{when}": rep.as_dict()["rows"]}  # per kind and axes (JSON)
         row["collective_gib"] = row["collective_after_gib"]
         rows.append(row)
     return rows

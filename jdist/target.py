@@ -48,27 +48,31 @@ _IN_FLIGHT = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
 GPU_FLAGS = {(0, 10): _COMBINE | _IN_FLIGHT,
              (0, 12): _COMBINE | _IN_FLIGHT}  # 0.11: not compiled with here yet
 
+# XLA's analytical latency estimator, set per step (`estimator_suits`): it hides more where
+# tensor parallelism is 2 or without SP (8B dp=2,fsdp=2,tp=2 SP: 27.7% -> 6.9%; 70B
+# fsdp=8,tp=8 without SP: 44.7% -> 30.8%), nothing changes without tensor parallelism
+# (8B fsdp=8 3.7%, dp=2,fsdp=4 7.1%), and it hides less with collective matmuls over 4 or 8
+# devices (8B dp=2,tp=4 SP: 4.8% -> 23.8%), whose collective-permutes it prices at a
+# kernel launch ("Runtime estimate for collective-permute-start not implemented", jax
+# 0.10.2; GPU compiler, H100 target). Accepted by jaxlib 0.10 and 0.12.
+_ESTIMATOR = {"xla_gpu_enable_analytical_latency_estimator": True}
+
 # Scheduling flags measured and not set (`benchmarks/gpu_flags.py` compares each with the
 # step as jdist compiles it), by the jaxlib that spells them so (newer XLA's
 # `xla_gpu_pipeline_*` is "No such compile option" on 0.10.2): on jax 0.10.2 for H100 the
 # pipelined all-gather raises the exposed share (8B fsdp=8: 10.4% -> 41.1%), the others
-# leave it (README, "GPU scheduling flags"). XLA's analytical latency estimator hides
-# more where tensor parallelism is 2 or without SP (8B dp=2,fsdp=2,tp=2 SP: 27.7% -> 6.9%;
-# 70B fsdp=8,tp=8 without SP: 44.7% -> 30.8%) and less with collective matmuls over 4 or
-# 8 devices (8B dp=2,tp=4 SP: 4.8% -> 23.8%), whose collective-permutes it prices at a
-# kernel launch ("not implemented", jax 0.10.2): not set until chosen per layout.
-_ESTIMATOR = {"xla_gpu_enable_analytical_latency_estimator": True}
+# leave it (README, "GPU scheduling flags").
 CANDIDATE_FLAGS = {
     (0, 10): {"xla_gpu_enable_pipelined_all_gather": True,
               "xla_gpu_enable_pipelined_reduce_scatter": True,
               "xla_gpu_enable_pipelined_all_reduce": True,
-              "xla_gpu_enable_while_loop_double_buffering": True} | _ESTIMATOR,
+              "xla_gpu_enable_while_loop_double_buffering": True},
     # jaxlib 0.12 renamed the pipeliners to an enum (`CollectivePipeliningMode`): the 0.10
     # spellings are "No such compile option" there, and `on`/`true` not a valid value.
     (0, 12): {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON",
               "xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON",
               "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON",
-              "xla_gpu_enable_while_loop_double_buffering": True} | _ESTIMATOR,
+              "xla_gpu_enable_while_loop_double_buffering": True},
 }
 
 
@@ -84,10 +88,21 @@ def candidate_flags() -> dict:
     return dict(CANDIDATE_FLAGS.get(_jaxlib_version(), {}))
 
 
-def gpu_flags(tp_halves: bool = False) -> dict:
+def estimator_suits(collective_matmul_devices: int) -> bool:
+    """Whether XLA's analytical latency estimator hides more of a step whose collective
+    matmuls run over this many devices (0: none) than XLA's default estimate: not over more
+    than two, where it prices their transfers at a kernel launch (`_ESTIMATOR`)."""
+    return collective_matmul_devices <= 2
+
+
+def gpu_flags(tp_halves: bool = False, estimator: bool = False) -> dict:
     """The flags jdist compiles a step with on NVIDIA GPUs, for the installed jaxlib (without
-    the combining under `--tp-halves`)."""
-    flags = dict(GPU_FLAGS.get(_jaxlib_version(), {}))
+    the combining under `--tp-halves`; with XLA's analytical latency estimator where
+    `estimator_suits` the step)."""
+    version = _jaxlib_version()
+    flags = dict(GPU_FLAGS.get(version, {}))
+    if estimator and version in GPU_FLAGS:
+        flags |= _ESTIMATOR
     return {k: v for k, v in flags.items() if k not in _COMBINE} if tp_halves else flags
 
 
@@ -210,15 +225,16 @@ def overlap_by_default(mesh) -> bool:
     return is_compile_only(device) or device.platform == "gpu"
 
 
-def compiler_options(mesh, tp_halves: bool = False) -> dict:
+def compiler_options(mesh, tp_halves: bool = False, estimator: bool = False) -> dict:
     """Options a step's compile on `mesh` gets: on NVIDIA GPUs the flags jdist sets
     (`gpu_flags`), unless the user set XLA_FLAGS (theirs rule); for a compile-only target
-    also what compiling without a device needs; none on the CPU."""
+    also what compiling without a device needs; none on the CPU. A plan's step:
+    `jdist.step.build.compiler_options`."""
     if not overlap_by_default(mesh):
         return {}
     if is_compile_only(mesh.devices.flat[0]):
-        return COMPILER_OPTIONS | gpu_flags(tp_halves)
-    return {} if os.environ.get("XLA_FLAGS") else gpu_flags(tp_halves)
+        return COMPILER_OPTIONS | gpu_flags(tp_halves, estimator)
+    return {} if os.environ.get("XLA_FLAGS") else gpu_flags(tp_halves, estimator)
 
 
 def capability_of(device) -> tuple[int, ...]:

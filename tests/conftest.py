@@ -1,6 +1,7 @@
 """Tests run on 8 simulated CPU devices (set before JAX initialises its backends)."""
 
 import os
+import shutil
 import tempfile
 
 # Compiling dominates the suite (a tiny step compiles in ~4-7 s and runs in ~50 ms), and
@@ -14,9 +15,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 # share (xdist's workers and their subprocesses inherit the controller's environment)
 # returns the same executables without compiling again (the suite: 22.8 min where it took
 # about 26). Nothing tested reads it. The GPU target's compile-only programs are written
-# but cannot be read back (jax 0.10.2: a warning, then an ordinary compile).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), f"jdist-tests-xla-cache-{os.getpid()}"))
+# but cannot be read back (jax 0.10.2: a warning, then an ordinary compile). The session
+# that made the cache removes it (CI's disk also holds two installs of the CUDA plugin).
+_CACHE = os.path.join(tempfile.gettempdir(), f"jdist-tests-xla-cache-{os.getpid()}")
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import jax
 
@@ -25,6 +28,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 import pytest
 
 from jdist import data
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the controller, not a worker
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -449,7 +449,7 @@ def test_scheduling_flags_are_spelled_as_the_installed_jaxlib_spells_them():
     flags = target.candidate_flags()
     assert flags, f"no scheduling flags listed for jaxlib {jax.__version__}; measure them"
     assert target.gpu_flags(), f"no GPU flags for jaxlib {jax.__version__}; measure them"
-    flags |= target.gpu_flags()  # the ones jdist sets, too
+    flags |= target.gpu_flags(estimator=True)  # the ones jdist sets, too
     mesh = build_mesh("fsdp=2", list(target.devices(TARGET, 2)))
     x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P(ax.FSDP)))
     lowered = jax.jit(lambda a: a @ a.T).lower(x)
@@ -457,6 +457,26 @@ def test_scheduling_flags_are_spelled_as_the_installed_jaxlib_spells_them():
         lowered.compile({**target.compiler_options(mesh), flag: value})
     with pytest.raises(Exception, match="No such compile option"):
         lowered.compile({**target.compiler_options(mesh), "xla_gpu_no_such_flag": True})
+
+
+def test_xla_latency_estimator_is_chosen_per_step():
+    """jdist sets XLA's analytical latency estimator where it hid more of the measured steps
+    (collective matmuls over two devices, none, dense and without stages) and not where it
+    hid less or crashed the compiler (`jdist.step.build.compiler_options`)."""
+    from jdist.step.build import compiler_options
+
+    def options(**config) -> dict:
+        _, plan, _ = plan_for(TrainConfig.of(**{**COMMON, **config}))
+        return compiler_options(plan)
+
+    flag = "xla_gpu_enable_analytical_latency_estimator"
+    assert options(mesh="fsdp=4,tp=2", sequence_parallel=True).get(flag)
+    assert options(mesh="fsdp=2,tp=4").get(flag)  # no sequence parallelism: no transfers
+    assert flag not in options(mesh="fsdp=2,tp=4", sequence_parallel=True)
+    assert flag not in options(mesh="dp=2,pp=2,tp=2", pp_schedule="gpipe")
+    assert flag not in options(model="moe-tiny", mesh="dp=2,ep=4")
+    assert options(mesh="fsdp=4,tp=2", sequence_parallel=True)[
+        "xla_gpu_experimental_parallel_collective_overlap_limit"] == 4  # beside jdist's flags
 
 
 def test_jax_stays_on_the_cpu():

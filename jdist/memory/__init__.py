@@ -418,7 +418,7 @@ def _prefix(part, full):
 
 def lower_step(plan, batch_size: int, seq_len: int):
     """The training step lowered on abstract inputs (nothing allocated), ready to compile
-    (with the target's options: `jdist.target.compiler_options`)."""
+    (with the target's options: `jdist.step.build.compiler_options`)."""
     import jax
     import jax.numpy as jnp
 
@@ -431,14 +431,14 @@ def lower_step(plan, batch_size: int, seq_len: int):
 def compile_step(plan, batch_size: int, seq_len: int, breakdown: list | None = None):
     """The training step compiled ahead of time on abstract inputs (nothing allocated).
     A `breakdown` list receives the compiler's account of the peak (`jdist.memory.breakdown`)."""
-    from jdist.target import compiler_options
+    from jdist.step.build import compiler_options
 
     lowered = lower_step(plan, batch_size, seq_len)
     if breakdown is None:
-        return lowered.compile(compiler_options(plan.mesh, plan.tp_halves) or None)
+        return lowered.compile(compiler_options(plan) or None)
     from jdist.memory.breakdown import compile_with_breakdown
 
-    compiled, lines = compile_with_breakdown(lowered, compiler_options(plan.mesh, plan.tp_halves))
+    compiled, lines = compile_with_breakdown(lowered, compiler_options(plan))
     breakdown.extend(lines)
     return compiled
 
@@ -451,8 +451,7 @@ def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
     import jax
     import jax.numpy as jnp
 
-    from jdist.step.build import gradients
-    from jdist.target import compiler_options
+    from jdist.step.build import compiler_options, gradients
 
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
@@ -463,7 +462,7 @@ def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
                        in_shardings=(plan.shardings.params, batch_sh),
                        out_shardings=plan.grad_shardings)
     grads = grads_fn.lower(plan.abstract.params, batch).compile(
-        compiler_options(plan.mesh, plan.tp_halves) or None).memory_analysis()
+        compiler_options(plan) or None).memory_analysis()
 
     arguments = stats.argument_size_in_bytes + stats.host_argument_size_in_bytes
     batch_bytes = per_device_bytes(batch, batch_sh)

@@ -10,6 +10,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jdist import axes as ax
+from jdist import target
+from jdist.parallel import collective_matmul
 from jdist.sharding import replicated
 from jdist.step import trainable
 from jdist.step.grads import step_eval, step_grads
@@ -30,6 +33,21 @@ def gradients(plan: Plan, params: dict, batch: Batch):
     if plan.pipeline is not None:  # stages run their schedule (jdist.parallel.pipeline)
         return pipeline_grads(plan, params, batch)
     return step_grads(plan, params, batch)
+
+
+def compiler_options(plan: Plan) -> dict:
+    """The compile options of `plan`'s step (`jdist.target.compiler_options`): on NVIDIA GPUs
+    jdist's flags, with XLA's analytical latency estimator unless the step's collective
+    matmuls run over more than two devices (`target.estimator_suits`). Only on dense steps
+    without pipeline stages, where it was measured: with stages XLA's GPU compiler crashed
+    (segmentation fault, jax 0.10.2, the pp-gpipe program of tests/test_gpu_target.py), and
+    it prices MoE's all-to-alls at a kernel launch ("not implemented")."""
+    runs = collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules,
+                                     plan.pipeline is not None)
+    width = plan.mesh.shape[ax.TENSOR] if runs else 0
+    suits = (plan.pipeline is None and not plan.model.n_experts
+             and target.estimator_suits(width))
+    return target.compiler_options(plan.mesh, plan.tp_halves, suits)
 
 
 def make_train_step(plan: Plan, schedule: optax.Schedule | None = None, *,

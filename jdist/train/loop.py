@@ -10,9 +10,8 @@ from pathlib import Path
 from jdist import data
 from jdist.distributed import is_main_process
 from jdist.parallel.pipeline import show_schedule
-from jdist.step.build import make_eval_step, make_train_step
+from jdist.step.build import compiler_options, make_eval_step, make_train_step
 from jdist.step.state import TrainState
-from jdist.target import compiler_options
 from jdist.train import fit, report, resume
 from jdist.train.goodput import Goodput
 from jdist.train.run import Run
@@ -68,7 +67,7 @@ def compile_step(setup: Setup, state: TrainState):
     step_fn = make_train_step(setup.plan, setup.schedule,
                               inject_nan_at_step=setup.config.checkpoint.inject_nan_at_step)
     # jdist's GPU flags (jdist.target)
-    options = compiler_options(setup.plan.mesh, setup.plan.tp_halves)
+    options = compiler_options(setup.plan)
     step_fn = step_fn.lower(state, setup.batch(0)).compile(options or None)
     if is_main_process():
         print(f"compiled train step in {time.perf_counter() - start:.1f}s", flush=True)
