@@ -54,8 +54,11 @@ GPU_FLAGS = {(0, 10): _COMBINE | _IN_FLIGHT,
 # (8B fsdp=8 3.7%, dp=2,fsdp=4 7.1%), and it hides less with collective matmuls over 4 or 8
 # devices (8B dp=2,tp=4 SP: 4.8% -> 23.8%), whose collective-permutes it prices at a
 # kernel launch ("Runtime estimate for collective-permute-start not implemented", jax
-# 0.10.2; GPU compiler, H100 target). Accepted by jaxlib 0.10 and 0.12.
+# 0.10.2; GPU compiler, H100 target). Set with jaxlib 0.10 only: jaxlib 0.12 accepts it
+# but its GPU compiler aborts on jdist's dense steps with it ("Check failed: buffer !=
+# nullptr", shape.h, on tests/test_gpu_target.py's zero1-accum-remat program).
 _ESTIMATOR = {"xla_gpu_enable_analytical_latency_estimator": True}
+ESTIMATOR_FLAGS = {(0, 10): _ESTIMATOR}
 
 # Scheduling flags measured and not set (`benchmarks/gpu_flags.py` compares each with the
 # step as jdist compiles it), by the jaxlib that spells them so (newer XLA's
@@ -72,7 +75,7 @@ CANDIDATE_FLAGS = {
     (0, 12): {"xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON",
               "xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON",
               "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON",
-              "xla_gpu_enable_while_loop_double_buffering": True},
+              "xla_gpu_enable_while_loop_double_buffering": True} | _ESTIMATOR,
 }
 
 
@@ -101,8 +104,8 @@ def gpu_flags(tp_halves: bool = False, estimator: bool = False) -> dict:
     `estimator_suits` the step)."""
     version = _jaxlib_version()
     flags = dict(GPU_FLAGS.get(version, {}))
-    if estimator and version in GPU_FLAGS:
-        flags |= _ESTIMATOR
+    if estimator:
+        flags |= ESTIMATOR_FLAGS.get(version, {})
     return {k: v for k, v in flags.items() if k not in _COMBINE} if tp_halves else flags
 
 
