@@ -37,16 +37,12 @@ def gradients(plan: Plan, params: dict, batch: Batch):
 
 def compiler_options(plan: Plan) -> dict:
     """The compile options of `plan`'s step (`jdist.target.compiler_options`): on NVIDIA GPUs
-    jdist's flags, with XLA's analytical latency estimator unless the step's collective
-    matmuls run over more than two devices (`target.estimator_suits`). Only on dense steps
-    without pipeline stages, where it was measured: with stages XLA's GPU compiler crashed
-    (segmentation fault, jax 0.10.2, the pp-gpipe program of tests/test_gpu_target.py), and
-    it prices MoE's all-to-alls at a kernel launch ("not implemented")."""
-    runs = collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules,
-                                     plan.pipeline is not None)
+    jdist's flags, with XLA's analytical latency estimator where it suits the step
+    (`target.estimator_suits`)."""
+    pipelined = plan.pipeline is not None
+    runs = collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules, pipelined)
     width = plan.mesh.shape[ax.TENSOR] if runs else 0
-    suits = (plan.pipeline is None and not plan.model.n_experts
-             and target.estimator_suits(width))
+    suits = target.estimator_suits(width, pipelined, bool(plan.model.n_experts))
     return target.compiler_options(plan.mesh, plan.tp_halves, suits)
 
 
