@@ -40,8 +40,11 @@ CASES = {  # model, devices, hosts, batch, sequence, fixed axes
 }
 # Layouts measured beside the planner's, by case: the 70B planner's first choice before
 # the prefetching loop counted under tensor parallelism (its memory model now puts it over
-# budget), the one with 4 rows per device and micro-batch, where `--tp-halves` applies.
-EXTRA = {"70b": ["fsdp=32,tp=2 --remat full --grad-accum 4 --sequence-parallel"]}
+# budget), the one with 4 rows per device and micro-batch, where `--tp-halves` applies; the
+# fixed fsdp=8,tp=8 mesh without sequence parallelism (Megatron's whole all-reduces), which
+# the planner ranked second before it left such layouts to their sequence-parallel twin.
+EXTRA = {"70b": ["fsdp=32,tp=2 --remat full --grad-accum 4 --sequence-parallel"],
+         "70b-tp8": ["fsdp=8,tp=8 --remat full --grad-accum 32"]}
 COLUMNS = (Column("case", "8"), Column("layout", "62"),
            Column("GiB coll", "9.1f", "collective_gib"),
            Column("exp before", "11.1%", "exposed_before"),

@@ -103,6 +103,20 @@ def test_fixed_axes_are_respected(capsys):
     assert all("tp=2" in r["layout"] and "pp=2" in r["layout"] for r in out["layouts"])
 
 
+@pytest.mark.parametrize("accelerator, without_sp", [("cpu-sim", True), ("h100-80gb", False)])
+def test_tensor_layouts_without_sp_give_way_to_collective_matmuls(accelerator, without_sp, capsys):
+    """On GPUs a tensor-parallel layout with sequence parallelism runs its activation
+    collectives as collective matmuls, beside its matmuls: the same layout without SP (whole
+    all-reduces, more activation memory) is left out of the ranking there. The CPU simulation
+    runs no collective matmuls, so both stay."""
+    assert plan_main(["--model", "small", "--devices", "8", "--accelerator", accelerator,
+                      "--batch-size", "16", "--seq-len", "128", "--fix", "tp=2,pp=1,sp=1",
+                      "--json", "--top", "100"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    sp = ["--sequence-parallel" in r["flags"] for r in rows]
+    assert any(sp) and (not all(sp)) == without_sp
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--accelerator", "tpu-v9"], ["unknown accelerator profile 'tpu-v9'", "h100-80gb"]),
     (["--accelerator", "a100-80gb", "--model", "llama3.1-8b", "--devices", "1",
