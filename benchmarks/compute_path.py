@@ -36,12 +36,12 @@ from jdist.config import TrainConfig
 from jdist.loss import cross_entropy
 from jdist.memory import compile_step, peak, predict
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
+from jdist.models.layers import dot_product_attention
 from jdist.parallel.attention import cudnn_attention
 from jdist.parallel.flash import flash_attention
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
 from jdist.train.setup import plan_for
-from models import get_preset
-from models.layers import dot_product_attention
 
 MODEL = "llama3-8b"
 BF16 = jnp.bfloat16

@@ -27,12 +27,12 @@ from jdist import data
 from jdist.config.groups import MemoryFlags
 from jdist.memory import peak as peak_bytes
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.parallel.attention import CUDNN, FLASH, XLA, accelerator, cudnn_refusal
 from jdist.rules import DEFAULT_RULES
 from jdist.step import init_state, make_optimizer, make_plan
 from jdist.step.build import make_train_step
 from jdist.train.throughput import PEAK_TFLOPS, flops_per_token, peak_tflops
-from models import get_preset
 
 GPU_RUNS = {"llama3.2-1b": (8, 4096), "llama3-8b": (1, 4096)}  # batch, sequence length
 TINY_RUNS = {"tiny": (4, 64)}
@@ -60,9 +60,9 @@ def measured_peak_tflops(dtype, n: int, repeats: int) -> float:
 def attention_errors(dtype) -> dict[str, float]:
     """Max relative error (output and dq, dk, dv) of each runnable attention against the
     dense float32 reference, on 8B-shaped heads (GQA 32/8, head_dim 128), causal."""
+    from jdist.models.layers import dot_product_attention
     from jdist.parallel.attention import cudnn_attention
     from jdist.parallel.flash import flash_attention
-    from models.layers import dot_product_attention
 
     keys = jax.random.split(jax.random.key(0), 4)
     s = 64 if jax.default_backend() == "cpu" else 2048

@@ -38,8 +38,8 @@ def write_checkpoint(model: str, out: Path) -> None:
     import numpy as np
 
     from jdist.hf.export import write_hf
-    from models import get_preset
-    from models.config import ModelConfig
+    from jdist.models import get_preset
+    from jdist.models.config import ModelConfig
 
     cfg = get_preset(model)
     cfg = ModelConfig(**{**cfg.__dict__, "shape_only": False})

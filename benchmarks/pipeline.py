@@ -25,10 +25,10 @@ import jax.numpy as jnp
 
 from jdist.hlo import executed_collective_bytes
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.step import make_train_step
 from jdist.step.state import with_pipeline
-from models import get_preset
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
 COLUMNS = (Column("P", ">2", "stages"), Column("M", ">3", "micro"),

@@ -18,9 +18,9 @@ import jax
 from jdist import data
 from jdist.memory import compile_step, predict
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.remat import NAMES
 from jdist.step import init_state
-from models import get_preset
 
 COLUMNS = (Column("remat", "34"), Column("temp MiB", "9.1f", "temp_bytes", MiB),
            Column("vs none", "8.3f", "temp_vs_none"),

@@ -41,9 +41,9 @@ from jdist.config.groups import MemoryFlags
 from jdist.hlo import collective_bytes, collective_counts
 from jdist.memory import compile_step, measure, peak, predict
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.step import init_state
 from jdist.step.forward import attention_of
-from models import get_preset
 
 SHAPES = {"small": (16, 128), "1b": (8, 1024)}  # global batch, sequence length
 LAYOUTS = [("dp=8", 0), ("dp=8", 1), ("dp=8", 2), ("dp=8", 3), ("fsdp=8", 0)]

@@ -18,13 +18,13 @@ import numpy as np
 from jdist import data
 from jdist.config import TrainConfig
 from jdist.mesh import build_mesh, parse_mesh
+from jdist.models import ModelConfig
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES, Rules
 from jdist.step.build import make_train_step
 from jdist.step.layer_order import to_model_order
 from jdist.step.optim import make_optimizer
 from jdist.step.state import init_state, make_plan, state_from_params, with_pipeline
-from models import ModelConfig
 
 RTOL = 1e-5  # float32: losses, gradient norms and each gradient leaf, relative
 

@@ -38,10 +38,10 @@ def checkpoint_reader(found):
     from flax import nnx
 
     from jdist.checkpoint import restore_leaf
+    from jdist.models.config import config_from_dict
+    from jdist.models.names import BLOCKS
     from jdist.step.layer_order import CHECKPOINT_KEY
     from jdist.step.state import build_model
-    from models.config import config_from_dict
-    from models.names import BLOCKS
 
     cfg = config_from_dict(found.meta["model"])
     require(not cfg.n_experts, f"{found.path}: a mixture-of-experts checkpoint; Hugging Face "
@@ -67,8 +67,8 @@ def hf_reader(hf_dir: str | Path, cfg):
 
     from jdist.hf import layout
     from jdist.hf.load import Source
+    from jdist.models.names import BLOCKS
     from jdist.step.state import build_model
-    from models.names import BLOCKS
 
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0))))
     source = Source(hf_dir)
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             import dataclasses
 
             from jdist.hf.peft import merged_reader
-            from models.lora import is_adapter
+            from jdist.models.lora import is_adapter
 
             base = lora_base_reader(found, cfg, read_leaf)
             combined = lambda path: read_leaf(path) if is_adapter(path) else base(path)

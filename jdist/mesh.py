@@ -119,7 +119,7 @@ def parse_axes(text: str) -> dict[str, int]:
 
 def preset_names() -> list[str]:
     """Names of the mesh presets shipped in `meshes/`."""
-    files = resources.files("meshes").iterdir()
+    files = resources.files("jdist.meshes").iterdir()
     return sorted(f.name.removesuffix(".toml") for f in files if f.name.endswith(".toml"))
 
 
@@ -127,7 +127,7 @@ def load_preset(name: str) -> MeshSpec:
     """Load `meshes/NAME.toml`: `mesh = "dp=2,fsdp=8"`, optionally `dcn = "dp=2"` (the
     part across hosts) and the links: `ici_gbps`, `dcn_gbps` (GB/s per device per
     direction), `ici_latency_us`, `dcn_latency_us` (microseconds per collective step)."""
-    path = resources.files("meshes") / f"{name}.toml"
+    path = resources.files("jdist.meshes") / f"{name}.toml"
     require(path.is_file(), f"unknown mesh preset {name!r}; use AXIS=SIZE pairs like dp=2,tp=4 "
                             f"or one of: {', '.join(preset_names())}")
     table = tomllib.loads(path.read_text())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.errors import require
-from models.lora import LoraConfig, lora_from_dict
+from jdist.models.lora import LoraConfig, lora_from_dict
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.projection import project
+from jdist.models.projection import project
 
 
 def _identity(x, *_):

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jdist.axes import NORM
-from models.config import RopeScaling
+from jdist.models.config import RopeScaling
 
 INIT_STD = 0.02
 

@@ -28,11 +28,18 @@ from jdist.axes import (
     MLP,
     VOCAB,
 )
-from models.config import ModelConfig
-from models.context import LOCAL, ModelContext
-from models.layers import RMSNorm, apply_rotary, dot_product_attention, param, rotary_tables, weight
-from models.lora import adapted, adapter
-from models.moe import MoE
+from jdist.models.config import ModelConfig
+from jdist.models.context import LOCAL, ModelContext
+from jdist.models.layers import (
+    RMSNorm,
+    apply_rotary,
+    dot_product_attention,
+    param,
+    rotary_tables,
+    weight,
+)
+from jdist.models.lora import adapted, adapter
+from jdist.models.moe import MoE
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
 # Keys (or values) of every layer while decoding: [layers, batch, max_len, kv_heads, head_dim].

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdist.axes import EMBED, EXPERTS, MLP
-from models.config import ModelConfig
-from models.layers import INIT_STD, param
+from jdist.models.config import ModelConfig
+from jdist.models.layers import INIT_STD, param
 
 DROPLESS, CAPACITY = "dropless", "capacity"
 STATS = ("counts", "prob_sum", "z_sum", "tokens", "dropped")  # additive balance statistics

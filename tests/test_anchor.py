@@ -19,13 +19,13 @@ from flax import nnx
 
 import jdist.loss
 from jdist.mesh import build_mesh
+from jdist.models import Llama, get_preset
+from jdist.models.context import LOCAL
+from jdist.models.layers import rotary_tables
 from jdist.rules import DEFAULT_RULES
 from jdist.step.build import make_train_step
 from jdist.step.optim import make_optimizer
 from jdist.step.state import init_state, make_plan
-from models import Llama, get_preset
-from models.context import LOCAL
-from models.layers import rotary_tables
 
 MODEL = get_preset("tiny")
 BATCH, SEQ = 4, 32

@@ -137,7 +137,7 @@ def test_same_size_tampering_is_found_by_a_full_validation(ref, tmp_path):
 
 
 def ref_model():
-    from models import get_preset
+    from jdist.models import get_preset
 
     return get_preset("tiny")
 

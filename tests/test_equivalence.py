@@ -17,9 +17,9 @@ from jdist.equivalence import (
     train_steps,
 )
 from jdist.mesh import build_mesh, parse_mesh
+from jdist.models import get_preset
 from jdist.parallel import grad_sync
 from jdist.rules import DEFAULT_RULES, with_sequence_parallel
-from models import get_preset
 
 TINY = get_preset("tiny")
 

@@ -17,8 +17,8 @@ from jdist.generate import cache_bytes, generate, init_cache, left_pad
 from jdist.generate.sample import Sampling, nucleus
 from jdist.generate.weights import find_checkpoint, inference_plan, restore_params
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.step.state import build_model
-from models import get_preset
 
 TINY = get_preset("tiny")
 NEW = 8

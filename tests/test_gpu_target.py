@@ -55,11 +55,11 @@ from jdist.generate.weights import inference_plan
 from jdist.gpu_report import executions, step_report
 from jdist.memory import compile_step
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.rules import DEFAULT_RULES, resolve
 from jdist.step import trainable
 from jdist.step.forward import attention_of
 from jdist.train.setup import plan_for
-from models import get_preset
 
 TARGET = "h100-80gb"
 VOCAB = 131_072  # two loss chunks of the head where the vocabulary is not split (module doc)

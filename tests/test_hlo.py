@@ -6,10 +6,10 @@ import pytest
 
 from jdist.hlo import collective_counts, collective_shapes, loop_bodies, partitioned
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.parallel import embedding
 from jdist.rules import DEFAULT_RULES
 from jdist.step import make_eval_step, make_optimizer, make_plan, make_train_step
-from models import get_preset
 
 TOKENS = jax.ShapeDtypeStruct((16, 32), jnp.int32)
 BATCH = {"inputs": TOKENS, "targets": TOKENS}

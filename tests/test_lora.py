@@ -13,12 +13,12 @@ from jdist import hlo
 from jdist.config.groups import FinetuneFlags, MemoryFlags
 from jdist.equivalence import assert_matches, config, train_steps
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
+from jdist.models.lora import LoraConfig, is_adapter
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.rules import DEFAULT_RULES
 from jdist.step.optim import make_optimizer
 from jdist.step.state import build_model, init_state, make_plan
-from models import get_preset
-from models.lora import LoraConfig, is_adapter
 
 # 4 layers so that an interleaved pipeline has two chunks per stage.
 LORA = dataclasses.replace(get_preset("tiny"), n_layers=4, lora=LoraConfig(4, 8.0))

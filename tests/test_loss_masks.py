@@ -9,9 +9,9 @@ import pytest
 from jdist import data
 from jdist.equivalence import assert_matches, config, train_steps
 from jdist.loss import IGNORE, cross_entropy
+from jdist.models import get_preset
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.step.state import build_model
-from models import get_preset
 
 TINY = get_preset("tiny")
 BATCH, SEQ = 16, 32

@@ -15,10 +15,10 @@ from jdist import loss as objective
 from jdist.equivalence import assert_matches, train_steps
 from jdist.hlo import collective_counts, loop_bodies
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.parallel.moe import moe_ffn
 from jdist.rules import DEFAULT_RULES
 from jdist.step import make_optimizer, make_plan, make_train_step
-from models import get_preset
 
 MOE = get_preset("moe-tiny")
 

@@ -262,8 +262,8 @@ def test_export_merges_into_the_nf4_base(tmp_path, capsys, save_base):
     the checkpoint's own NF4 fields (--save-base); norms and the embedding are kept."""
     pytest.importorskip("jdist.nf4")
     from jdist.export import nf4_round_trip
+    from jdist.models.lora import LoraConfig
     from jdist.step import trainable
-    from models.lora import LoraConfig
 
     # head_dim 64: NF4 blocks of 64 run along the last dimension of every projection.
     base_cfg = dataclasses.replace(model_config(TIED), d_model=128, n_heads=2, n_kv_heads=1,

@@ -18,6 +18,7 @@ from jdist.equivalence import assert_matches, config, train_steps
 from jdist.errors import ConfigError
 from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
 from jdist.mesh import build_mesh, parse_mesh
+from jdist.models import get_preset
 from jdist.parallel import layer_shuffle
 from jdist.parallel import schedule as sched
 from jdist.parallel.pipeline import PipelineConfig, check_pipeline
@@ -32,7 +33,6 @@ from jdist.step.layer_order import (
 )
 from jdist.step.optim import make_optimizer
 from jdist.step.state import init_state, make_plan, with_pipeline
-from models import get_preset
 
 LOSS_RTOL = 1e-5
 DEEP = get_preset("tiny", n_layers=8)  # 8 layers: pp=4 x 2 virtual stages still divides

@@ -13,11 +13,11 @@ import pytest
 from jdist import axes as ax
 from jdist.config import parse_args
 from jdist.errors import ConfigError
+from jdist.models import get_preset
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.plan import cost, layouts
 from jdist.plan.__main__ import main as plan_main
 from jdist.plan.profiles import load_profile
-from models import get_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.projection import project
+from jdist.models.projection import project
 
 EQUATIONS = {  # the model's: q/k/v, attention output, gate/up, down
     "bsd,dhk->bshk": ((2, 8, 16), (16, 4, 8)),

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jdist.errors import ConfigError
-from models import PRESETS, get_preset
-from models.config import ALIASES, RopeScaling
-from models.layers import rope_inv_freq, rotary_tables
+from jdist.models import PRESETS, get_preset
+from jdist.models.config import ALIASES, RopeScaling
+from jdist.models.layers import rope_inv_freq, rotary_tables
 
 
 def reference_inv_freq(head_dim, theta, factor=None, low=1.0, high=4.0, orig=8192):

@@ -80,8 +80,8 @@ def test_constrainer_shards_activations_by_their_logical_names():
 
 def test_a_rule_that_puts_a_replica_axis_second_is_refused_before_compiling():
     """The step is manual over data and fsdp, which must lead a dimension's sharding."""
+    from jdist.models import get_preset
     from jdist.step import make_optimizer, make_plan
-    from models import get_preset
 
     rules = override(DEFAULT_RULES, {"mlp": [], "embed": [["tensor", "fsdp"]]})
     tx, _ = make_optimizer(1e-3, 10, 1)

@@ -5,10 +5,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.rules import DEFAULT_RULES
 from jdist.sharding import per_device_bytes
 from jdist.step import init_state, make_optimizer, make_plan
-from models import get_preset
 
 
 def test_no_device_holds_a_full_copy_of_a_sharded_parameter():

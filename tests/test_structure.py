@@ -6,11 +6,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("jdist", "models")
+# Directories of the project's code and the package each installs as (jdist/models links to
+# models/, which rglob does not follow).
+PACKAGES = {"jdist": "jdist", "models": "jdist.models"}
 
 
 def test_models_import_nothing_from_the_parallel_or_training_code():
-    code = ("import sys, models; print(sorted(m for m in sys.modules "
+    code = ("import sys, jdist.models; print(sorted(m for m in sys.modules "
             "if m.startswith(('jdist.parallel', 'jdist.train', 'jdist.step'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT, timeout=120).stdout.strip()
@@ -19,6 +21,7 @@ def test_models_import_nothing_from_the_parallel_or_training_code():
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = (PACKAGES[parts[0]], *parts[1:])
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -74,8 +77,8 @@ def test_parameter_tree_names_are_the_models():
     the attributes `models.Llama` actually has (tied: no head)."""
     from flax import nnx
 
-    from models import Llama, get_preset
-    from models.names import BLOCKS, EMBED, FINAL_NORM, HEAD
+    from jdist.models import Llama, get_preset
+    from jdist.models.names import BLOCKS, EMBED, FINAL_NORM, HEAD
 
     for tied in (False, True):
         cfg = get_preset("tiny", tie_embeddings=tied)

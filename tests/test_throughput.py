@@ -5,9 +5,9 @@ import json
 import pytest
 
 from jdist.config import TrainConfig
+from jdist.models import get_preset
 from jdist.train.loop import train
 from jdist.train.throughput import flops_per_token, peak_tflops, utilisation
-from models import get_preset
 
 
 def test_flops_per_token_counts_what_each_token_multiplies():

@@ -12,9 +12,9 @@ from jdist.config.groups import MemoryFlags
 from jdist.equivalence import assert_matches, config, train_steps
 from jdist.hlo import collective_counts, collective_dtypes, loop_bodies, partitioned
 from jdist.mesh import build_mesh
+from jdist.models import get_preset
 from jdist.rules import DEFAULT_RULES
 from jdist.step import make_optimizer, make_plan, make_train_step
-from models import get_preset
 
 TINY = get_preset("tiny")
 BATCH = 32  # divisible by data x micro-batches on every mesh below

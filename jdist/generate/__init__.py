@@ -30,11 +30,11 @@ from jdist.generate.cache import (
     init_cache,
 )
 from jdist.generate.sample import GREEDY, Sampling, sample
+from jdist.models import Llama, ModelConfig
+from jdist.models.context import ModelContext
+from jdist.models.names import EMBED
 from jdist.parallel import embedding
 from jdist.rules import DEFAULT_RULES, Rules, constrainer, mesh_axes_of, resolve
-from models import Llama, ModelConfig
-from models.context import ModelContext
-from models.names import EMBED
 
 __all__ = ["KVCache", "Sampling", "cache_bytes", "forward", "generate", "init_cache",
            "left_pad", "stream"]

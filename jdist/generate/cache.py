@@ -19,10 +19,10 @@ from jax.sharding import NamedSharding
 
 from jdist import axes as ax
 from jdist.errors import require
+from jdist.models import ModelConfig
+from jdist.models.llama import KV_CACHE
 from jdist.rules import DEFAULT_RULES, Rules, batch_split, resolve
 from jdist.sharding import check_divisible
-from models import ModelConfig
-from models.llama import KV_CACHE
 
 
 class KVCache(NamedTuple):

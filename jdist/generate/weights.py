@@ -14,11 +14,11 @@ import optax
 from jdist import checkpoint as ckpt
 from jdist.config.groups import MemoryFlags
 from jdist.errors import ConfigError, require
+from jdist.models import ModelConfig
+from jdist.models.config import config_from_dict
 from jdist.rules import DEFAULT_RULES, Rules
 from jdist.step.layer_order import CHECKPOINT_KEY, permute
 from jdist.step.state import Plan, make_plan
-from models import ModelConfig
-from models.config import config_from_dict
 
 DEFAULT_CONTEXT = 2048  # tokens of prompt plus completion, unless the model says otherwise
 

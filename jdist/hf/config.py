@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from jdist.errors import require
-from models.config import ModelConfig, RopeScaling
+from jdist.models.config import ModelConfig, RopeScaling
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"

@@ -22,8 +22,8 @@ from jdist.errors import require
 from jdist.hf import layout
 from jdist.hf.config import CONFIG, GENERATION_CONFIG, generation_config, hf_config
 from jdist.hf.load import INDEX
-from models.config import ModelConfig
-from models.names import BLOCKS, HEAD
+from jdist.models.config import ModelConfig
+from jdist.models.names import BLOCKS, HEAD
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30  # as transformers' save_pretrained

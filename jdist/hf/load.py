@@ -21,8 +21,8 @@ from jdist import nf4
 from jdist.errors import require
 from jdist.hf import layout
 from jdist.hf.config import model_config
+from jdist.models.names import BLOCKS
 from jdist.step.layer_order import order_of
-from models.names import BLOCKS
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 

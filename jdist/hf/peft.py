@@ -28,9 +28,9 @@ from safetensors.numpy import save_file
 from jdist.errors import require
 from jdist.hf import layout
 from jdist.hf.export import staged
-from models.config import ModelConfig
-from models.lora import SUFFIX, TARGETS, LoraConfig
-from models.names import BLOCKS
+from jdist.models.config import ModelConfig
+from jdist.models.lora import SUFFIX, TARGETS, LoraConfig
+from jdist.models.names import BLOCKS
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> LlamaForCausalLM

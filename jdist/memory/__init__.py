@@ -139,7 +139,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
 def _grad_bytes(plan, blocks_only: bool = False) -> int:
     """Per device, the float32 gradients of the trained parameters (of the stacked blocks
     only) in their gradient layout."""
-    from models.names import BLOCKS
+    from jdist.models.names import BLOCKS
 
     grads = trainable.select(plan.model, plan.abstract.params)
     shardings = plan.grad_shardings
@@ -270,7 +270,7 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     backward produces it: the largest counts), and the shared parameters the step gathers
     whole (none with an untied table and the chunked loss) with their full float32
     gradients."""
-    from models.names import BLOCKS, EMBED, HEAD
+    from jdist.models.names import BLOCKS, EMBED, HEAD
 
     params, grad = _gathered_layer(plan, compute_bytes)
     # An untied table is looked up where it lies (jdist.parallel.embedding), never gathered;
@@ -294,9 +294,9 @@ def prefetches(plan) -> bool:
     import jax
 
     from jdist import axes as ax
+    from jdist.models.names import BLOCKS
     from jdist.parallel import prefetch
     from jdist.step.grads import syncs
-    from models.names import BLOCKS
 
     layers = plan.model.n_layers
     if plan.pipeline is not None:
@@ -311,7 +311,7 @@ def _table_scatter(plan) -> int:
     A tied table's sits beside the loss's gradient of the same weight (that one counted in
     the gradients); an untied one's is its gradient, bigger only where ZeRO-2 reduces it
     to a smaller block."""
-    from models.names import EMBED
+    from jdist.models.names import EMBED
 
     if trainable.select(plan.model, plan.abstract.params).get(EMBED) is None:
         return 0  # frozen: no gradient
@@ -346,9 +346,9 @@ def transposed_stacks(plan) -> int:
     transposition out of the layer loop onto the whole stack as stored (float32)."""
     import jax
 
+    from jdist.models.names import BLOCKS
     from jdist.parallel.grad_sync import manual_part
     from jdist.step.grads import MANUAL
-    from models.names import BLOCKS
 
     blocks = plan.abstract.params[BLOCKS]
     shardings = jax.tree.leaves(plan.shardings.params[BLOCKS],
@@ -387,7 +387,7 @@ def _layer_parts(plan, compute_bytes: int):
     import jax
 
     from jdist import nf4
-    from models.names import BLOCKS
+    from jdist.models.names import BLOCKS
 
     blocks, shardings = plan.abstract.params[BLOCKS], plan.shardings.params[BLOCKS]
     is_nf4 = lambda x: isinstance(x, nf4.Nf4)

@@ -16,9 +16,9 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jdist import axes as ax
+from jdist.models.moe import STATS, moe_group
 from jdist.parallel import kernel_mesh
 from jdist.rules import Rules, mesh_axes_of, resolve
-from models.moe import STATS, moe_group
 
 X_NAMES = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
 WEIGHT_NAMES = {"router": (None, None), "w_gate": (ax.EXPERTS, None, ax.MLP),

@@ -35,6 +35,9 @@ from jax.sharding import PartitionSpec
 from jdist import axes as ax
 from jdist import loss as objective
 from jdist import packing, remat
+from jdist.models.context import ModelContext
+from jdist.models.layers import weight
+from jdist.models.names import BLOCKS, EMBED, HEAD
 from jdist.parallel import attention as attn
 from jdist.parallel import collective_matmul, embedding, halves, prefetch
 from jdist.parallel import grad_sync as gs
@@ -44,9 +47,6 @@ from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
 from jdist.rules import Rules, as_candidate, constrainer, mesh_axes_of, resolve, without_axis
 from jdist.step import trainable
-from models.context import ModelContext
-from models.layers import weight
-from models.names import BLOCKS, EMBED, HEAD
 
 # --------------------------------------------------------------- the forward, composed once
 

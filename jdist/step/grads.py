@@ -22,11 +22,11 @@ from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
 from jdist import loss as objective
+from jdist.models.names import BLOCKS, EMBED
 from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
 from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk
-from models.names import BLOCKS, EMBED
 
 MANUAL = ax.REPLICA_AXES
 

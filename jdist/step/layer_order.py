@@ -22,8 +22,8 @@ import numpy as np
 
 from jdist import axes as ax
 from jdist.errors import require
+from jdist.models.names import BLOCKS
 from jdist.parallel.layer_shuffle import shuffle
-from models.names import BLOCKS
 
 CHECKPOINT_KEY = "layer_order"  # in checkpoint metadata: stored position -> model layer
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
 from jdist import loss as objective
+from jdist.models.names import BLOCKS
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program
 from jdist.step import trainable
@@ -33,7 +34,6 @@ from jdist.step.grads import (
     syncs,
     trained_primal,
 )
-from models.names import BLOCKS
 
 PIPE_MANUAL = (ax.STAGE, *MANUAL)
 

@@ -19,12 +19,12 @@ from jdist import sharding as sh
 from jdist.config.groups import FinetuneFlags, MemoryFlags, ParallelFlags, compute_dtype_name
 from jdist.errors import require
 from jdist.loss import CHUNKED
+from jdist.models import Llama, ModelConfig
 from jdist.parallel.grad_sync import manual_part
 from jdist.rules import Rules, mesh_axes_of, resolve
 from jdist.step import trainable
 from jdist.step.layer_order import in_model_order, store
 from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, zero_shardings
-from models import Llama, ModelConfig
 
 
 class TrainState(NamedTuple):

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from jdist import nf4
 from jdist.axes import NF4_BLOCKS
-from models.lora import TARGETS, is_adapter
-from models.names import BLOCKS
+from jdist.models.lora import TARGETS, is_adapter
+from jdist.models.names import BLOCKS
 
 NONE, NF4 = "none", "nf4"  # --quantize-base
 QUANTIZATIONS = (NONE, NF4)

@@ -19,6 +19,8 @@ from jdist.data.tokenizer import load_tokenizer
 from jdist.distributed import mesh_devices
 from jdist.errors import require
 from jdist.mesh import build_mesh, parse_mesh
+from jdist.models import ModelConfig, get_preset
+from jdist.models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
 from jdist.parallel import collective_matmul
 from jdist.parallel.context import check_context_parallel
 from jdist.parallel.pipeline import pipeline_for
@@ -34,8 +36,6 @@ from jdist.step.forward import attention_of
 from jdist.step.optim import make_optimizer
 from jdist.step.state import Plan, make_plan, with_pipeline
 from jdist.train import faults
-from models import ModelConfig, get_preset
-from models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -15,6 +15,7 @@ import dataclasses
 
 from jdist import axes as ax
 from jdist import loss as objective
+from jdist.models.names import BLOCKS, EMBED, FINAL_NORM
 from jdist.parallel.vocab import chunk_size
 from jdist.plan.traffic import partitioner
 from jdist.plan.traffic.layout import (
@@ -37,7 +38,6 @@ from jdist.plan.traffic.layout import (
 from jdist.rules import mesh_axes_of, resolve
 from jdist.step.forward import inner_rules
 from jdist.step.grads import MANUAL
-from models.names import BLOCKS, EMBED, FINAL_NORM
 
 # ---------------------------------------------------------------------------------------
 # Parameters: gathered just in time, gradients reduced as produced (grad_sync)

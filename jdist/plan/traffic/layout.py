@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jdist import axes as ax
 from jdist import sharding as sh
 from jdist.hlo import COLLECTIVES
+from jdist.models.names import BLOCKS, EMBED, HEAD
 from jdist.parallel import collective_matmul
 from jdist.parallel.grad_sync import Sync
 from jdist.rules import mesh_axes_of, resolve
@@ -21,7 +22,6 @@ from jdist.step import trainable
 from jdist.step.forward import context_parallel_of, inner_rules
 from jdist.step.grads import MANUAL, syncs
 from jdist.zero import zero_dim
-from models.names import BLOCKS, EMBED, HEAD
 
 AR, AG, RS, PERMUTE, A2A = COLLECTIVES
 F32, S32 = "f32", "s32"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdist import axes as ax
+from jdist.models.names import EMBED
 from jdist.parallel.context import RING
 from jdist.plan.traffic.layout import (
     AG,
@@ -29,7 +30,6 @@ from jdist.plan.traffic.layout import (
     embed_split,
     vocab_axes,
 )
-from models.names import EMBED
 
 # ---------------------------------------------------------------------------------------
 # GSPMD inside the layers

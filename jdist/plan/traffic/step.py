@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jdist import axes as ax
+from jdist.models.names import FINAL_NORM
 from jdist.parallel import prefetch
 from jdist.plan.traffic import exact, partitioner
 from jdist.plan.traffic.exact import gather, reduce
@@ -18,7 +19,6 @@ from jdist.plan.traffic.kernels import (
 )
 from jdist.plan.traffic.layout import PIPE_MANUAL, Collective, Leaf, Step, step_of
 from jdist.step.grads import MANUAL
-from models.names import FINAL_NORM
 
 
 def collectives(plan, batch_size: int, seq_len: int, executed: bool = True) -> list[Collective]:
