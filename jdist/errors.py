@@ -13,12 +13,35 @@ class ConfigError(ValueError):
     """
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends each flag's default, unless its help already says what the default means, or
+    it is a switch (off unless given) or empty."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.nargs == 0 or action.default in ("", None, [])
+                or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are ConfigErrors: one line, exit 2, like every jdist
-    usage error (argparse's own would print usage and exit with its own status)."""
+    usage error (argparse's own would print usage and exit with its own status); `--help`
+    shows each flag's default (`HelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:
         raise ConfigError(f"{message}; see --help")
+
+
+def first_paragraph(doc: str) -> str:
+    """A command module's docstring up to its first blank line, as one line: its `--help`
+    description (a docstring's first line may stop mid-sentence)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
 
 
 def require(condition: bool, message: str) -> None:

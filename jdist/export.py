@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the base with the adapters merged in to --hf OUT")
     parser.add_argument("--peft", default="", help="LoRA checkpoint: output directory (new "
                         "or empty) for the adapters alone, as PEFT saves them")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of the written safetensors")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file")
     parser.add_argument("--tokenizer", default="", help="copy tokenizer files from this dir "
                         "(default: the tokenizer the run trained with; bytes is written as an "

@@ -40,6 +40,7 @@ from jdist.errors import (
     EXIT_PREEMPTED,
     ArgumentParser,
     ConfigError,
+    first_paragraph,
 )
 
 NOT_RETRIED = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED)
@@ -241,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
         if "--" in argv else (argv, [])
-    parser = ArgumentParser(prog="python -m jdist.launch", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(
+        prog="python -m jdist.launch", usage="%(prog)s --nproc N [--max-restarts K] -- "
+        "<python -m jdist.train flags>", description=first_paragraph(__doc__),
+        epilog="Training flags go after --, e.g. python -m jdist.launch --nproc 2 -- --mesh "
+               "dp=2,fsdp=4 --steps 100 --run-dir runs/two (one --run-dir, which all "
+               "processes share). " + " ".join(__doc__.strip().split("\n\n")[-1].split()))
     parser.add_argument("--nproc", type=int, required=True, help="processes to start")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the group from its newest checkpoint up to K times")

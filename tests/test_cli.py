@@ -182,3 +182,31 @@ def test_process_split_counts_accelerators_as_they_are(monkeypatch):
     monkeypatch.setattr(jax, "device_count", lambda: 10)
     with pytest.raises(ConfigError, match="10 devices cannot be split evenly over 3"):
         check_process_split(8, 3)
+
+
+COMMANDS = {"train": "jdist.train.__main__", "generate": "jdist.generate.__main__",
+            "launch": "jdist.launch", "plan": "jdist.plan.__main__",
+            "memory": "jdist.memory.__main__", "export": "jdist.export",
+            "data": "jdist.data.__main__"}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_describes_every_flag_in_whole_sentences(command, capsys):
+    """`--help` of every command: exit 0, a description that ends its sentence (a
+    docstring's first line stopped mid-sentence: "streaming the text of a"), and help text
+    for every flag."""
+    import importlib
+
+    main = importlib.import_module(COMMANDS[command]).main
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1]
+    assert description.rstrip().endswith((".", ")")), description
+    lines = text.splitlines()
+    for i, line in enumerate(lines):  # help beside the flag, or on the next line, indented
+        flag = re.match(r"  (?:-\w, )?(--[\w-]+)(?: \S+)?( {2,}\S.*)?$", line)
+        if flag:
+            beneath = i + 1 < len(lines) and re.match(r" {20,}\S", lines[i + 1])
+            assert flag.group(2) or beneath, (command, flag.group(1))

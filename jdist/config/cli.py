@@ -3,7 +3,6 @@ one argparse group per concern, each flag's type from its field's annotation."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import types
@@ -11,18 +10,6 @@ import typing
 
 from jdist.config.fields import flag_name
 from jdist.errors import ArgumentParser
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Appends each flag's default, unless its help already says what the default means, or
-    it is a switch (off unless given) or empty."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if ("default" in text or action.nargs == 0 or action.default in ("", None)
-                or action.default is argparse.SUPPRESS):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 def add_flag(parser, field: dataclasses.Field, hint) -> None:
@@ -48,7 +35,7 @@ def make_parser(prog: str = "python -m jdist.train",
     (one line, exit 2)."""
     from jdist.config import TrainConfig
 
-    parser = ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog=prog, description=description)
     for group in dataclasses.fields(TrainConfig):
         kind = group.default_factory
         title = (kind.__doc__ or "").strip().splitlines()[0]

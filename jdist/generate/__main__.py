@@ -9,7 +9,7 @@ import itertools
 import sys
 import time
 
-from jdist.errors import ArgumentParser, require, run_cli
+from jdist.errors import ArgumentParser, first_paragraph, require, run_cli
 
 # Generation runs on the data, fsdp and tensor axes: the others shard what decoding lacks
 # (pipeline stages, the sequence of a one-token step, experts).
@@ -17,23 +17,34 @@ SUPPORTED_AXES = ("data", "fsdp", "tensor")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m jdist.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default="", help="a jdist run directory or checkpoint step")
-    p.add_argument("--init-from", default="", help="a Hugging Face checkpoint directory")
-    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    p.add_argument("--prompts-file", default="", help="a file of prompts, one per line")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    p.add_argument("--seed", type=int, default=0, help="sampling key")
-    p.add_argument("--mesh", default="", help="e.g. tp=2 (default: one device)")
-    p.add_argument("--tokenizer", default=None,
-                   help="bytes, a Hugging Face tokenizer directory or tokenizer.json "
-                        "(default: the checkpoint's or the --init-from directory's)")
-    p.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--max-context", type=int, default=0,
-                   help="longest prompt plus --max-new-tokens, in tokens (default: an HF "
-                        "model's max_position_embeddings, else 2048)")
+    p = ArgumentParser(prog="python -m jdist.generate", description=first_paragraph(__doc__))
+    source = p.add_argument_group("model", "what to load (exactly one of the first two)")
+    source.add_argument("--checkpoint", default="",
+                        help="a jdist run directory (its newest checkpoint) or a step directory")
+    source.add_argument("--init-from", default="", help="a Hugging Face checkpoint directory")
+    source.add_argument("--tokenizer", default=None,
+                        help="bytes, a Hugging Face tokenizer directory or tokenizer.json "
+                             "(default: the checkpoint's or the --init-from directory's)")
+    prompts = p.add_argument_group("prompts", "what to complete (one or both)")
+    prompts.add_argument("--prompt", action="append", default=[],
+                         help="prompt text (repeatable)")
+    prompts.add_argument("--prompts-file", default="", help="a file of prompts, one per line")
+    decoding = p.add_argument_group("decoding")
+    decoding.add_argument("--max-new-tokens", type=int, default=64,
+                          help="tokens generated per prompt")
+    decoding.add_argument("--temperature", type=float, default=0.0,
+                          help="sampling temperature; 0 decodes greedily")
+    decoding.add_argument("--top-p", type=float, default=1.0,
+                          help="nucleus sampling mass, in (0, 1]")
+    decoding.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
+    decoding.add_argument("--max-context", type=int, default=0,
+                          help="longest prompt plus --max-new-tokens, in tokens (default: an "
+                               "HF model's max_position_embeddings, else 2048)")
+    devices = p.add_argument_group("devices")
+    devices.add_argument("--mesh", default="",
+                         help="data, fsdp and tensor axes, e.g. tp=2 (default: one device)")
+    devices.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
+                         help="the dtype of the matmuls (weights stay as loaded)")
     return p
 
 

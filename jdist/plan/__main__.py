@@ -28,7 +28,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="profile: h100-80gb, h200-141gb, a100-80gb, cpu-sim (jdist/plan/"
                         "profiles.toml)")
     p.add_argument("--batch-size", type=int, required=True, help="global batch in sequences")
-    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--fix", action="append", default=[],
                    help="pin axis sizes, e.g. --fix tp=8 --fix pp=1 (repeatable)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -39,8 +39,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="per-device memory a process may use, in GB (1e9 bytes; default: the "
                         "profile's memory_gb x usable_memory_fraction)")
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning")
-    p.add_argument("--quantize-base", choices=["none", "nf4"], default="none", help="QLoRA")
-    p.add_argument("--double-quant", action="store_true")
+    p.add_argument("--quantize-base", choices=["none", "nf4"], default="none",
+                   help="nf4: plan QLoRA (a 4-bit base)")
+    p.add_argument("--double-quant", action="store_true",
+                   help="with --quantize-base nf4: also quantize the block maxima")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="compile the best layouts for the accelerator with the GPU compiler "
                         "(deviceless; needs the cuda12 extra) until K fit: compiled memory "
