@@ -91,14 +91,17 @@ def candidate_flags() -> dict:
     return dict(CANDIDATE_FLAGS.get(_jaxlib_version(), {}))
 
 
-def estimator_suits(collective_matmul_devices: int, pipelined: bool, experts: bool) -> bool:
+def estimator_suits(collective_matmul_devices: int, pipelined: bool, experts: bool,
+                    halves: bool) -> bool:
     """Whether XLA's analytical latency estimator hides more of a step whose collective
     matmuls run over this many devices (0: none) than XLA's default estimate: not over more
-    than two, where it prices their transfers at a kernel launch (`_ESTIMATOR`). Only on
-    dense steps without pipeline stages, where it was measured: with stages XLA's GPU
-    compiler crashed (segmentation fault, jax 0.10.2, the pp-gpipe program of
-    tests/test_gpu_target.py), and it prices MoE's all-to-alls at a kernel launch too."""
-    return collective_matmul_devices <= 2 and not pipelined and not experts
+    than two, where it prices their transfers at a kernel launch (`_ESTIMATOR`), nor under
+    `--tp-halves` (70B fsdp=32,tp=2 SP accum 4 halves: 0.9% exposed without it, 29.4% with;
+    GPU compiler, H100 target, jax 0.10.2). Only on dense steps without pipeline stages,
+    where it was measured: with stages XLA's GPU compiler crashed (segmentation fault, jax
+    0.10.2, the pp-gpipe program of tests/test_gpu_target.py), and it prices MoE's
+    all-to-alls at a kernel launch too."""
+    return collective_matmul_devices <= 2 and not (pipelined or experts or halves)
 
 
 def gpu_flags(tp_halves: bool = False, estimator: bool = False) -> dict:

@@ -462,7 +462,8 @@ def test_scheduling_flags_are_spelled_as_the_installed_jaxlib_spells_them():
 def test_xla_latency_estimator_is_chosen_per_step():
     """jdist sets XLA's analytical latency estimator where it hid more of the measured steps
     (collective matmuls over two devices, none, dense and without stages) and not where it
-    hid less or crashed the compiler (`jdist.step.build.compiler_options`)."""
+    hid less (wider collective matmuls, `--tp-halves`) or crashed the compiler
+    (`jdist.step.build.compiler_options`)."""
     from jdist.step.build import compiler_options
 
     def options(**config) -> dict:
@@ -474,6 +475,8 @@ def test_xla_latency_estimator_is_chosen_per_step():
     assert options(mesh="fsdp=4,tp=2", sequence_parallel=True).get(flag, False) == on
     assert options(mesh="fsdp=2,tp=4").get(flag, False) == on  # no SP: no transfers
     assert flag not in options(mesh="fsdp=2,tp=4", sequence_parallel=True)
+    assert flag not in options(mesh="fsdp=4,tp=2", sequence_parallel=True, tp_halves=True,
+                               batch_size=16)  # 4 rows per device: halves of 2
     assert flag not in options(mesh="dp=2,pp=2,tp=2", pp_schedule="gpipe")
     assert flag not in options(model="moe-tiny", mesh="dp=2,ep=4")
     assert options(mesh="fsdp=4,tp=2", sequence_parallel=True)[

@@ -42,7 +42,8 @@ def compiler_options(plan: Plan) -> dict:
     pipelined = plan.pipeline is not None
     runs = collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules, pipelined)
     width = plan.mesh.shape[ax.TENSOR] if runs else 0
-    suits = target.estimator_suits(width, pipelined, bool(plan.model.n_experts))
+    suits = target.estimator_suits(width, pipelined, bool(plan.model.n_experts),
+                                   plan.tp_halves)
     return target.compiler_options(plan.mesh, plan.tp_halves, suits)
 
 
