@@ -43,6 +43,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
     shape_only: bool = False  # too big to allocate on a CPU: planning and AOT compiles only
     # Mixture of experts (n_experts = 0: dense SwiGLU MLP in every block).
     n_experts: int = 0
@@ -64,7 +65,8 @@ class ModelConfig:
         hd = self.dim_per_head
         attn = self.d_model * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.d_model * self.d_ff * max(1, self.n_experts)
-        block = attn + mlp + self.d_model * self.n_experts + 2 * self.d_model
+        norms = 2 * self.d_model + (2 * hd if self.qk_norm else 0)
+        block = attn + mlp + self.d_model * self.n_experts + norms
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
         return self.n_layers * block + self.vocab_size * self.d_model + head + self.d_model
 
@@ -146,6 +148,18 @@ PRESETS: dict[str, ModelConfig] = {
                                n_kv_heads=8, d_ff=8192, rope_theta=500_000.0,
                                rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
                                shape_only=True),
+    # Public Qwen3 dense shapes (HF config.json), for planning only: Llama's decoder with
+    # RMSNorm on each query and key head, head_dim 128 whatever d_model / n_heads is.
+    "qwen3-0.6b": ModelConfig(vocab_size=151_936, d_model=1024, n_layers=28, n_heads=16,
+                              n_kv_heads=8, d_ff=3072, head_dim=128, rope_theta=1_000_000.0,
+                              norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
+                              shape_only=True),
+    "qwen3-8b": ModelConfig(vocab_size=151_936, d_model=4096, n_layers=36, n_heads=32,
+                            n_kv_heads=8, d_ff=12_288, head_dim=128, rope_theta=1_000_000.0,
+                            norm_eps=1e-6, qk_norm=True, shape_only=True),
+    "qwen3-32b": ModelConfig(vocab_size=151_936, d_model=5120, n_layers=64, n_heads=64,
+                             n_kv_heads=8, d_ff=25_600, head_dim=128, rope_theta=1_000_000.0,
+                             norm_eps=1e-6, qk_norm=True, shape_only=True),
 }
 
 

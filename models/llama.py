@@ -57,6 +57,9 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, cfg.n_kv_heads, hd), (EMBED, KV_HEADS, HEAD_DIM))
         self.wv = param(rngs, (d, cfg.n_kv_heads, hd), (EMBED, KV_HEADS, HEAD_DIM))
         self.wo = param(rngs, (cfg.n_heads, hd, d), (HEADS, HEAD_DIM, EMBED), std=out_std)
+        # Qwen3 normalises each query and key head (its own scale over head_dim) before RoPE.
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         # LoRA adapters (None unless cfg.lora targets them), drawn from their own rng stream
         # so the base weights are the same with and without them.
         self.q_lora = adapter(cfg.lora, "q", self.wq, 1, rngs)
@@ -75,6 +78,8 @@ class Attention(nnx.Module):
         q = c(_named(adapted(x, q, self.q_lora), remat.QUERY), q_names)
         k = c(_named(adapted(x, k, self.k_lora), remat.KEY), kv_names)
         v = c(_named(adapted(x, v, self.v_lora), remat.VALUE), kv_names)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             return self.cached_attention(q, k, v, cache, ctx)

@@ -123,3 +123,12 @@ def test_tied_embeddings_match_single_device(corpus, single_device):
     run = train_steps(tied, "fsdp=2,tp=4", corpus.train)
     assert_matches(run, single_device(tied))
     assert "head" not in run.params
+
+
+def test_query_key_norms_match_single_device(corpus, single_device):
+    """Qwen3's RMSNorm of each query and key head (`qk_norm`), heads split over tensor, the
+    scales' gradients summed over the replicas."""
+    qwen = get_preset("tiny", qk_norm=True)
+    run = train_steps(qwen, "dp=2,fsdp=2,tp=2", corpus.train)
+    assert_matches(run, single_device(qwen))
+    assert {"q_norm", "k_norm"} <= set(run.params["blocks"]["attn"])

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out (`jdist.hf`, `python -m jdist.export`), checked
 against fixtures that `transformers` wrote (tests/fixtures/make_hf_fixtures.py): the
 logits of `LlamaForCausalLM`, its tensors bitwise, and sharded loading that reads only
-what each process holds."""
+what each process holds. `qwen3` is a `Qwen3ForCausalLM` (Llama's decoder with RMSNorm on
+each query and key head, `ModelConfig.qk_norm`)."""
 
 import dataclasses
 import json
@@ -27,6 +28,7 @@ from jdist.train.setup import plan_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 UNTIED, TIED = FIXTURES / "llama-untied", FIXTURES / "llama-tied"
+QWEN3 = FIXTURES / "qwen3"
 RTOL = 1e-5
 
 
@@ -49,9 +51,12 @@ def test_config_json_becomes_the_model():
     assert untied.rope_scaling.factor == 8.0 and untied.rope_scaling.original_max_position == 256
     assert not untied.tie_embeddings and tied.tie_embeddings
     assert (tied.n_kv_heads, tied.rope_scaling, tied.norm_eps) == (2, None, 1e-6)
+    assert not untied.qk_norm and not tied.qk_norm
+    qwen3 = model_config(QWEN3)
+    assert qwen3.qk_norm and (qwen3.dim_per_head, qwen3.rope_theta) == (16, 1_000_000.0)
 
 
-@pytest.mark.parametrize("hf_dir", [UNTIED, TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("hf_dir", [UNTIED, TIED, QWEN3], ids=["untied", "tied", "qwen3"])
 def test_logits_equal_transformers(hf_dir):
     plan, params = loaded(hf_dir)
     ref = np.load(hf_dir / "reference.npz")
@@ -90,7 +95,7 @@ def _at(tree, path):
     return tree
 
 
-@pytest.mark.parametrize("hf_dir", [UNTIED, TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("hf_dir", [UNTIED, TIED, QWEN3], ids=["untied", "tied", "qwen3"])
 def test_round_trip_is_bitwise(tmp_path, hf_dir):
     plan, params = loaded(hf_dir)
     host = jax.tree.map(np.asarray, params)
@@ -179,6 +184,8 @@ def _copy_with_config(tmp_path, **changes) -> Path:
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"num_key_value_heads": 2}, "shape"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+      "use_sliding_window": True}, "use_sliding_window"),
 ])
 def test_unsupported_checkpoints_are_refused(tmp_path, changes, says):
     d = _copy_with_config(tmp_path, **changes)

@@ -45,6 +45,8 @@ class ModelFlags:
     vocab_size: int | None = flag(None, "vocabulary size (default: the preset's)")
     tie_embeddings: bool | None = flag(None, "share the input embedding with the output "
                                        "projection (default: the preset's)")
+    qk_norm: bool | None = flag(None, "RMSNorm each query and key head before RoPE, as Qwen3 "
+                                "does (default: the preset's)")
     n_experts: int | None = flag(None, "experts per MoE layer (0: dense MLP); presets "
                                  "moe-tiny, moe-small, 8x7b")
     top_k: int | None = flag(None, "experts per token (1 or 2 typical)")

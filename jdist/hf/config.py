@@ -1,7 +1,8 @@
 """Hugging Face `config.json` <-> `ModelConfig` for the Llama family (Llama 2, 3, 3.1, 3.2,
-3.3): GQA, tied or untied embeddings, `rope_theta`, `rope_scaling` of type `llama3`,
-`rms_norm_eps`, `head_dim`. A field the model cannot represent (biases, another rope type,
-another activation) is refused in one line that names it."""
+3.3) and Qwen3 (dense: Llama's decoder with RMSNorm on each query and key head): GQA, tied
+or untied embeddings, `rope_theta`, `rope_scaling` of type `llama3`, `rms_norm_eps`,
+`head_dim`. A field the model cannot represent (biases, another rope type, another
+activation, Qwen3's sliding window) is refused in one line that names it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ GENERATION_CONFIG = "generation_config.json"
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 DEFAULT_MAX_POSITION = 8192  # when no source says (a run trained from scratch)
 ARCHITECTURE = "LlamaForCausalLM"
+# model_type -> the architecture transformers builds for it; Qwen3's is `qk_norm`.
+ARCHITECTURES = {"llama": ARCHITECTURE, "qwen3": "Qwen3ForCausalLM"}
 # HF LlamaConfig's defaults where config.json leaves a field out.
 HF_DEFAULT_EPS, HF_DEFAULT_THETA = 1e-6, 10_000.0
 
@@ -60,10 +63,13 @@ def rope_fields(c: dict) -> tuple[float, dict]:
 
 
 def _refuse_unsupported(c: dict, where: str) -> None:
-    archs = c.get("architectures") or [ARCHITECTURE]
-    require(c.get("model_type", "llama") == "llama" and archs == [ARCHITECTURE],
-            f"{where}: architecture {archs} (model_type {c.get('model_type')!r}) is not "
-            f"supported; only {ARCHITECTURE} checkpoints can be imported")
+    kind = c.get("model_type", "llama")
+    archs = c.get("architectures") or [ARCHITECTURES.get(kind, "")]
+    require(kind in ARCHITECTURES and archs == [ARCHITECTURES[kind]],
+            f"{where}: architecture {archs} (model_type {kind!r}) is not supported; only "
+            f"{' and '.join(ARCHITECTURES.values())} checkpoints can be imported")
+    require(not c.get("use_sliding_window", False), f"{where}: use_sliding_window=true is "
+            "not supported (jdist attends over the whole context); use a checkpoint without it")
     for field in ("attention_bias", "mlp_bias"):
         require(not c.get(field, False), f"{where}: {field}=true is not supported (jdist's "
                                          "Llama has no biases); use a checkpoint without them")
@@ -104,7 +110,8 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
         head_dim=0 if head_dim * heads == int(c["hidden_size"]) else head_dim,
         rope_theta=theta, rope_scaling=rope,
         norm_eps=float(c.get("rms_norm_eps", HF_DEFAULT_EPS)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qk_norm=c.get("model_type") == "qwen3")
     cfg.validate()
     return cfg
 
@@ -133,17 +140,22 @@ def generation_config(config: dict) -> dict:
 
 def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
               carried: dict | None = None) -> dict:
-    """config.json for `cfg`, as `LlamaConfig` writes it, with the `carried` fields (CARRIED:
-    special token ids, max_position_embeddings) of the model it came from."""
-    require(not cfg.n_experts, "export to Hugging Face supports dense Llama models only; this "
-                               "model has experts")
+    """config.json for `cfg`, as `LlamaConfig` (or, with `qk_norm`, `Qwen3Config`) writes
+    it, with the `carried` fields (CARRIED: special token ids, max_position_embeddings) of
+    the model it came from."""
+    require(not cfg.n_experts, "export to Hugging Face supports dense Llama and Qwen3 models "
+                               "only; this model has experts")
     rope = None
     if (s := cfg.rope_scaling) is not None:
         rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position}
+    kind = "qwen3" if cfg.qk_norm else "llama"
+    family = {"use_sliding_window": False, "sliding_window": None,
+              "max_window_layers": cfg.n_layers} if cfg.qk_norm else \
+        {"mlp_bias": False, "pretraining_tp": 1}
     return {
-        "architectures": [ARCHITECTURE], "model_type": "llama",
+        "architectures": [ARCHITECTURES[kind]], "model_type": kind,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
@@ -151,8 +163,8 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
         "rope_theta": cfg.rope_theta, "rope_scaling": rope,
         "max_position_embeddings": max(DEFAULT_MAX_POSITION,
                                        rope["original_max_position_embeddings"] if rope else 0),
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02, **family,
         "use_cache": True, "torch_dtype": torch_dtype,
         **{k: v for k, v in (carried or {}).items() if k in CARRIED},
     }

@@ -34,7 +34,8 @@ BYTES = "bytes"  # jdist's byte-level tokenizer (jdist.data.tokenizer), written 
 
 def leaf_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
     """The parameters of `cfg` in the order they are written."""
-    skip = {(HEAD,)} if cfg.tie_embeddings else set()
+    skip = ({(HEAD,)} if cfg.tie_embeddings else set()) | \
+        (set() if cfg.qk_norm else layout.QK_NORMS)
     return [p for p in layout.TENSORS if p not in skip]
 
 

@@ -14,7 +14,8 @@ import numpy as np
 SAME, TRANSPOSE, HEADS_IN, HEADS_OUT = "same", "transpose", "heads_in", "heads_out"
 LAYER = "model.layers.{i}."
 
-# jdist parameter path -> (HF tensor name, layout). Names under `blocks` are per layer.
+# jdist parameter path -> (HF tensor name, layout). Names under `blocks` are per layer; the
+# q/k norms exist only with `ModelConfig.qk_norm` (`QK_NORMS`).
 TENSORS: dict[tuple[str, ...], tuple[str, str]] = {
     ("embed",): ("model.embed_tokens.weight", SAME),
     ("head",): ("lm_head.weight", TRANSPOSE),
@@ -25,10 +26,15 @@ TENSORS: dict[tuple[str, ...], tuple[str, str]] = {
     ("blocks", "attn", "wk"): (LAYER + "self_attn.k_proj.weight", HEADS_IN),
     ("blocks", "attn", "wv"): (LAYER + "self_attn.v_proj.weight", HEADS_IN),
     ("blocks", "attn", "wo"): (LAYER + "self_attn.o_proj.weight", HEADS_OUT),
+    ("blocks", "attn", "q_norm", "scale"): (LAYER + "self_attn.q_norm.weight", SAME),  # Qwen3
+    ("blocks", "attn", "k_norm", "scale"): (LAYER + "self_attn.k_norm.weight", SAME),
     ("blocks", "mlp", "w_gate"): (LAYER + "mlp.gate_proj.weight", TRANSPOSE),
     ("blocks", "mlp", "w_up"): (LAYER + "mlp.up_proj.weight", TRANSPOSE),
     ("blocks", "mlp", "w_down"): (LAYER + "mlp.down_proj.weight", TRANSPOSE),
 }
+
+
+QK_NORMS = {("blocks", "attn", "q_norm", "scale"), ("blocks", "attn", "k_norm", "scale")}
 
 
 def hf_name(path: tuple[str, ...], layer: int | None = None) -> str:
