@@ -112,26 +112,28 @@ def _load(variant: str, hf_dir: str, plan):
     from safetensors.numpy import load_file
 
     from jdist.hf import Source, load_params
-    from jdist.hf.layout import TENSORS, hf_name
+    from jdist.hf.layout import hf_name, tensors
 
     if variant == "jdist":
         source = Source(hf_dir)
         params = load_params(hf_dir, plan, source)
         read = source.bytes_read
     else:  # every file whole into host memory, converted, then placed
-        tensors = {}
+        files = {}
         for f in sorted(Path(hf_dir).glob("*.safetensors")):
-            tensors.update(load_file(f))
-        read = sum(t.nbytes for t in tensors.values())
+            files.update(load_file(f))
+        read = sum(t.nbytes for t in files.values())
+
+        table = tensors(plan.model)  # a dense model: one HF tensor per layer
 
         def leaf(path, abstract, sharding):
             keys = tuple(k.key for k in path)
-            kind = TENSORS[keys][1]
+            kind = table[keys][1]
             if keys[0] == "blocks":
-                layers = [tensors[hf_name(keys, i)] for i in range(abstract.shape[0])]
+                layers = [files[hf_name(table, keys, i)] for i in range(abstract.shape[0])]
                 value = np.stack([_whole(kind, x, abstract.shape[1:]) for x in layers])
             else:
-                value = _whole(kind, tensors[hf_name(keys)], abstract.shape)
+                value = _whole(kind, files[hf_name(table, keys)], abstract.shape)
             return jax.device_put(value.astype(np.float32), sharding)
         params = jax.tree_util.tree_map_with_path(leaf, plan.abstract.params,
                                                   plan.shardings.params)

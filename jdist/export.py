@@ -66,24 +66,25 @@ def hf_reader(hf_dir: str | Path, cfg):
     from flax import nnx
 
     from jdist.hf import layout
-    from jdist.hf.load import Source
+    from jdist.hf.load import Source, tensor_reader
     from jdist.models.names import BLOCKS
     from jdist.step.state import build_model
 
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0))))
     source = Source(hf_dir)
+    table = layout.tensors(cfg)
 
     def read_leaf(path: tuple[str, ...]) -> np.ndarray:
         leaf = abstract
         for k in path:
             leaf = leaf[k]
-        _, kind = layout.TENSORS[tuple(path)]
+        _, kind = table[tuple(path)]
         stacked = path[0] == BLOCKS
         shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
         whole = tuple(slice(None) for _ in shape)
 
         def one(layer):
-            get = source.reader(layout.hf_name(tuple(path), layer), layout.hf_shape(kind, shape))
+            get = tensor_reader(source, table, tuple(path), kind, shape, layer)
             return layout.read(get, kind, shape, whole)
         return np.stack([one(i) for i in range(cfg.n_layers)]) if stacked else one(None)
     return read_leaf

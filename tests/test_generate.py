@@ -120,7 +120,8 @@ def test_sampling_is_reproducible_from_the_seed(params):
 
 @pytest.mark.parametrize("name, mesh, n", [("llama-untied", "", 1), ("llama-tied", "", 1),
                                            ("llama-untied", "tp=2", 2), ("qwen3", "", 1),
-                                           ("qwen3", "tp=2", 2)])
+                                           ("qwen3", "tp=2", 2), ("mixtral", "", 1),
+                                           ("qwen3-moe", "tp=2", 2)])
 def test_greedy_matches_transformers(name, mesh, n):
     """`reference.npz`: transformers' `generate(max_new_tokens=32, do_sample=False)`."""
     ref = np.load(FIXTURES / name / "reference.npz")

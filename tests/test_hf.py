@@ -28,7 +28,9 @@ from jdist.train.setup import plan_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 UNTIED, TIED = FIXTURES / "llama-untied", FIXTURES / "llama-tied"
-QWEN3 = FIXTURES / "qwen3"
+QWEN3, MIXTRAL, QWEN3_MOE = FIXTURES / "qwen3", FIXTURES / "mixtral", FIXTURES / "qwen3-moe"
+FAMILIES = [UNTIED, TIED, QWEN3, MIXTRAL, QWEN3_MOE]
+FAMILY_IDS = ["untied", "tied", "qwen3", "mixtral", "qwen3-moe"]
 RTOL = 1e-5
 
 
@@ -54,9 +56,13 @@ def test_config_json_becomes_the_model():
     assert not untied.qk_norm and not tied.qk_norm
     qwen3 = model_config(QWEN3)
     assert qwen3.qk_norm and (qwen3.dim_per_head, qwen3.rope_theta) == (16, 1_000_000.0)
+    mixtral, qwen3_moe = model_config(MIXTRAL), model_config(QWEN3_MOE)
+    assert (mixtral.n_experts, mixtral.top_k, mixtral.d_ff, mixtral.qk_norm) == (4, 2, 128, False)
+    assert (qwen3_moe.n_experts, qwen3_moe.top_k, qwen3_moe.d_ff, qwen3_moe.qk_norm) == \
+        (8, 2, 32, True)  # the experts' own width, moe_intermediate_size
 
 
-@pytest.mark.parametrize("hf_dir", [UNTIED, TIED, QWEN3], ids=["untied", "tied", "qwen3"])
+@pytest.mark.parametrize("hf_dir", FAMILIES, ids=FAMILY_IDS)
 def test_logits_equal_transformers(hf_dir):
     plan, params = loaded(hf_dir)
     ref = np.load(hf_dir / "reference.npz")
@@ -95,7 +101,7 @@ def _at(tree, path):
     return tree
 
 
-@pytest.mark.parametrize("hf_dir", [UNTIED, TIED, QWEN3], ids=["untied", "tied", "qwen3"])
+@pytest.mark.parametrize("hf_dir", FAMILIES, ids=FAMILY_IDS)
 def test_round_trip_is_bitwise(tmp_path, hf_dir):
     plan, params = loaded(hf_dir)
     host = jax.tree.map(np.asarray, params)
@@ -185,7 +191,12 @@ def _copy_with_config(tmp_path, **changes) -> Path:
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"num_key_value_heads": 2}, "shape"),
     ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-      "use_sliding_window": True}, "use_sliding_window"),
+      "use_sliding_window": True}, "sliding attention window"),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
+      "num_experts_per_tok": 2, "sliding_window": 4096}, "sliding attention window"),
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False},
+     "norm_topk_prob"),
 ])
 def test_unsupported_checkpoints_are_refused(tmp_path, changes, says):
     d = _copy_with_config(tmp_path, **changes)

@@ -21,7 +21,9 @@ CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddi
 DEFAULT_MAX_POSITION = 8192  # when no source says (a run trained from scratch)
 ARCHITECTURE = "LlamaForCausalLM"
 # model_type -> the architecture transformers builds for it; Qwen3's is `qk_norm`.
-ARCHITECTURES = {"llama": ARCHITECTURE, "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": ARCHITECTURE, "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+QK_NORM_TYPES, MOE_TYPES = ("qwen3", "qwen3_moe"), ("mixtral", "qwen3_moe")
 # HF LlamaConfig's defaults where config.json leaves a field out.
 HF_DEFAULT_EPS, HF_DEFAULT_THETA = 1e-6, 10_000.0
 
@@ -68,8 +70,15 @@ def _refuse_unsupported(c: dict, where: str) -> None:
     require(kind in ARCHITECTURES and archs == [ARCHITECTURES[kind]],
             f"{where}: architecture {archs} (model_type {kind!r}) is not supported; only "
             f"{' and '.join(ARCHITECTURES.values())} checkpoints can be imported")
-    require(not c.get("use_sliding_window", False), f"{where}: use_sliding_window=true is "
-            "not supported (jdist attends over the whole context); use a checkpoint without it")
+    window = c.get("use_sliding_window", kind == "mixtral" and c.get("sliding_window"))
+    require(not window, f"{where}: a sliding attention window is not supported (jdist attends "
+            "over the whole context); use a checkpoint without one")
+    if kind == "qwen3_moe":
+        require(c.get("norm_topk_prob", False), f"{where}: norm_topk_prob=false is not "
+                "supported (jdist renormalises the top-k routing weights)")
+        require(c.get("decoder_sparse_step", 1) == 1 and not c.get("mlp_only_layers"),
+                f"{where}: dense layers between the MoE ones (decoder_sparse_step, "
+                "mlp_only_layers) are not supported; every block must be MoE")
     for field in ("attention_bias", "mlp_bias"):
         require(not c.get(field, False), f"{where}: {field}=true is not supported (jdist's "
                                          "Llama has no biases); use a checkpoint without them")
@@ -103,15 +112,24 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
                                scaling["original_max_position_embeddings"]))
     heads = int(c["num_attention_heads"])
     head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
+    kind = c.get("model_type", "llama")
+    moe = {}
+    if kind in MOE_TYPES:  # HF trains with the auxiliary loss alone: no router z-loss
+        # Qwen3-MoE's hub configs say num_experts; transformers 5 writes num_local_experts.
+        moe = dict(n_experts=int(c.get("num_local_experts") or c["num_experts"]),
+                   top_k=int(c["num_experts_per_tok"]), moe_routing="dropless",
+                   aux_loss_weight=float(c.get("router_aux_loss_coef", 0.01)),
+                   z_loss_weight=0.0)
+    d_ff = int(c["moe_intermediate_size" if kind == "qwen3_moe" else "intermediate_size"])
     cfg = ModelConfig(
         vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]),
         n_layers=int(c["num_hidden_layers"]), n_heads=heads,
-        n_kv_heads=int(c.get("num_key_value_heads") or heads), d_ff=int(c["intermediate_size"]),
+        n_kv_heads=int(c.get("num_key_value_heads") or heads), d_ff=d_ff,
         head_dim=0 if head_dim * heads == int(c["hidden_size"]) else head_dim,
         rope_theta=theta, rope_scaling=rope,
         norm_eps=float(c.get("rms_norm_eps", HF_DEFAULT_EPS)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qk_norm=c.get("model_type") == "qwen3")
+        qk_norm=kind in QK_NORM_TYPES, **moe)
     cfg.validate()
     return cfg
 
@@ -143,17 +161,25 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
     """config.json for `cfg`, as `LlamaConfig` (or, with `qk_norm`, `Qwen3Config`) writes
     it, with the `carried` fields (CARRIED: special token ids, max_position_embeddings) of
     the model it came from."""
-    require(not cfg.n_experts, "export to Hugging Face supports dense Llama and Qwen3 models "
-                               "only; this model has experts")
     rope = None
     if (s := cfg.rope_scaling) is not None:
         rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position}
-    kind = "qwen3" if cfg.qk_norm else "llama"
+    kind = {(False, False): "llama", (True, False): "qwen3", (False, True): "mixtral",
+            (True, True): "qwen3_moe"}[cfg.qk_norm, bool(cfg.n_experts)]
     family = {"use_sliding_window": False, "sliding_window": None,
               "max_window_layers": cfg.n_layers} if cfg.qk_norm else \
-        {"mlp_bias": False, "pretraining_tp": 1}
+        {"sliding_window": None} if cfg.n_experts else {"mlp_bias": False, "pretraining_tp": 1}
+    if cfg.n_experts:
+        require(cfg.gating == "softmax", "export to Hugging Face needs softmax gating (Mixtral "
+                "and Qwen3-MoE route so); this model's is sigmoid")
+        experts = "num_experts" if cfg.qk_norm else "num_local_experts"
+        family |= {experts: cfg.n_experts, "num_experts_per_tok": cfg.top_k,
+                   "router_aux_loss_coef": cfg.aux_loss_weight, "output_router_logits": False}
+        if cfg.qk_norm:  # Qwen3-MoE: every block sparse, the experts' width its own field
+            family |= {"moe_intermediate_size": cfg.d_ff, "norm_topk_prob": True,
+                       "decoder_sparse_step": 1, "mlp_only_layers": []}
     return {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,

@@ -23,7 +23,7 @@ from jdist.hf import layout
 from jdist.hf.config import CONFIG, GENERATION_CONFIG, generation_config, hf_config
 from jdist.hf.load import INDEX
 from jdist.models.config import ModelConfig
-from jdist.models.names import BLOCKS, HEAD
+from jdist.models.names import BLOCKS
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30  # as transformers' save_pretrained
@@ -34,19 +34,24 @@ BYTES = "bytes"  # jdist's byte-level tokenizer (jdist.data.tokenizer), written 
 
 def leaf_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
     """The parameters of `cfg` in the order they are written."""
-    skip = ({(HEAD,)} if cfg.tie_embeddings else set()) | \
-        (set() if cfg.qk_norm else layout.QK_NORMS)
-    return [p for p in layout.TENSORS if p not in skip]
+    return list(layout.tensors(cfg))
 
 
-def hf_tensors(path: tuple[str, ...], value: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, HF array) of one jdist parameter in model layer order."""
-    _, kind = layout.TENSORS[path]
+def hf_tensors(table: dict, path: tuple[str, ...],
+               value: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, HF array) of one jdist parameter in model layer order (`table`:
+    `layout.tensors` of the model); a stack of experts gives one tensor per expert."""
+    _, kind = table[path]
     if path[0] != BLOCKS:
-        yield layout.hf_name(path), layout.write(kind, value)
+        yield layout.hf_name(table, path), layout.write(kind, value)
         return
     for i, layer in enumerate(value):
-        yield layout.hf_name(path, i), layout.write(kind, layer)
+        hf = layout.write(kind, layer)
+        if kind == layout.EXPERTS:
+            for e, expert in enumerate(hf):
+                yield layout.hf_name(table, path, i, e), expert
+        else:
+            yield layout.hf_name(table, path, i), hf
 
 
 def write_hf(out_dir: str | Path, cfg: ModelConfig, read_leaf: Callable, *,
@@ -161,8 +166,9 @@ def _write_tensors(staging: Path, cfg: ModelConfig, read_leaf, dtype,
             files.append((name, list(pending)))
             pending, size = {}, 0
 
+    table = layout.tensors(cfg)
     for path in leaf_paths(cfg):
-        for name, tensor in hf_tensors(path, read_leaf(path)):
+        for name, tensor in hf_tensors(table, path, read_leaf(path)):
             tensor = np.ascontiguousarray(tensor.astype(dtype))
             if pending and size + tensor.nbytes > max_shard_bytes:
                 flush()

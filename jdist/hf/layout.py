@@ -1,6 +1,7 @@
-"""Where each jdist parameter lives in a Hugging Face Llama checkpoint, and how its layout
-differs: HF stores `Linear.weight` as [out, in] with heads flattened into rows or columns;
-jdist keeps [in, out] with heads as their own dimension (`models.llama`). Both use
+"""Where each jdist parameter lives in a Hugging Face checkpoint (Llama, Qwen3, Mixtral,
+Qwen3-MoE: `tensors`), and how its layout differs: HF stores `Linear.weight` as [out, in]
+with heads flattened into rows or columns, and each expert's weights as its own tensor;
+jdist keeps [in, out] with heads (and experts) as their own dimension. Both use
 rotate-half rotary embeddings, so q/k need no permutation, and query head h uses kv head
 h // group in both.
 
@@ -12,11 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 SAME, TRANSPOSE, HEADS_IN, HEADS_OUT = "same", "transpose", "heads_in", "heads_out"
+# A stack of experts' Linear weights: jdist [experts, in, out] <- one HF tensor [out, in] per
+# expert (its name formatted with `e`).
+EXPERTS = "experts"
 LAYER = "model.layers.{i}."
 
-# jdist parameter path -> (HF tensor name, layout). Names under `blocks` are per layer; the
-# q/k norms exist only with `ModelConfig.qk_norm` (`QK_NORMS`).
-TENSORS: dict[tuple[str, ...], tuple[str, str]] = {
+# jdist parameter path -> (HF tensor name, layout). Names under `blocks` are per layer.
+# Every model has these; `tensors` adds what its config says.
+_COMMON: dict[tuple[str, ...], tuple[str, str]] = {
     ("embed",): ("model.embed_tokens.weight", SAME),
     ("head",): ("lm_head.weight", TRANSPOSE),
     ("final_norm", "scale"): ("model.norm.weight", SAME),
@@ -26,20 +30,49 @@ TENSORS: dict[tuple[str, ...], tuple[str, str]] = {
     ("blocks", "attn", "wk"): (LAYER + "self_attn.k_proj.weight", HEADS_IN),
     ("blocks", "attn", "wv"): (LAYER + "self_attn.v_proj.weight", HEADS_IN),
     ("blocks", "attn", "wo"): (LAYER + "self_attn.o_proj.weight", HEADS_OUT),
-    ("blocks", "attn", "q_norm", "scale"): (LAYER + "self_attn.q_norm.weight", SAME),  # Qwen3
+}
+_QK_NORMS = {  # Qwen3, Qwen3-MoE
+    ("blocks", "attn", "q_norm", "scale"): (LAYER + "self_attn.q_norm.weight", SAME),
     ("blocks", "attn", "k_norm", "scale"): (LAYER + "self_attn.k_norm.weight", SAME),
+}
+_MLP = {
     ("blocks", "mlp", "w_gate"): (LAYER + "mlp.gate_proj.weight", TRANSPOSE),
     ("blocks", "mlp", "w_up"): (LAYER + "mlp.up_proj.weight", TRANSPOSE),
     ("blocks", "mlp", "w_down"): (LAYER + "mlp.down_proj.weight", TRANSPOSE),
 }
 
 
-QK_NORMS = {("blocks", "attn", "q_norm", "scale"), ("blocks", "attn", "k_norm", "scale")}
+def _experts(module: str, gate: str, up: str, down: str) -> dict:
+    experts = LAYER + module + ".experts.{e}."
+    return {("blocks", "mlp", "router"): (LAYER + module + ".gate.weight", TRANSPOSE),
+            ("blocks", "mlp", "w_gate"): (experts + gate + ".weight", EXPERTS),
+            ("blocks", "mlp", "w_up"): (experts + up + ".weight", EXPERTS),
+            ("blocks", "mlp", "w_down"): (experts + down + ".weight", EXPERTS)}
 
 
-def hf_name(path: tuple[str, ...], layer: int | None = None) -> str:
-    name, _ = TENSORS[path]
-    return name.format(i=layer) if layer is not None else name
+LLAMA = _COMMON | _MLP  # a dense Llama's (PEFT adapters name their modules from it)
+_MIXTRAL = _experts("block_sparse_moe", "w1", "w3", "w2")
+_QWEN3_MOE = _experts("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+def tensors(cfg) -> dict[tuple[str, ...], tuple[str, str]]:
+    """The HF tensor name and layout of each parameter of `cfg` (a `ModelConfig`), in the
+    order an export writes them. Its HF family follows from the config: experts with q/k
+    norms are Qwen3-MoE, experts without Mixtral; q/k norms alone Qwen3, else Llama."""
+    table = dict(_COMMON)
+    if cfg.tie_embeddings:
+        del table[("head",)]
+    if cfg.qk_norm:
+        table |= _QK_NORMS
+    if cfg.n_experts:
+        return table | (_QWEN3_MOE if cfg.qk_norm else _MIXTRAL)
+    return table | _MLP
+
+
+def hf_name(table: dict, path: tuple[str, ...], layer: int | None = None,
+            expert: int | None = None) -> str:
+    name, _ = table[path]
+    return name.format(i=layer, e=expert) if layer is not None else name
 
 
 def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -50,18 +83,24 @@ def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape[::-1]
     if kind == HEADS_IN:  # [embed, heads, head_dim] <- [heads * head_dim, embed]
         return (shape[1] * shape[2], shape[0])
+    if kind == EXPERTS:  # each expert's: [experts, in, out] <- [out, in] per expert
+        return (shape[2], shape[1])
     return (shape[2], shape[0] * shape[1])  # HEADS_OUT: [heads, head_dim, embed]
 
 
 def read(get, kind: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
     """The block `index` (slices of the per-layer jdist `shape`) of one tensor, in jdist's
-    layout; `get(slices)` reads slices of the HF tensor."""
+    layout; `get(slices)` reads slices of the HF tensor (for EXPERTS, of the experts' HF
+    tensors stacked: [experts, out, in])."""
     r = [range(*s.indices(n)) for s, n in zip(index, shape)]
     span = lambda x: slice(x.start, x.stop)
     if kind == SAME:
         return get(tuple(span(x) for x in r))
     if kind == TRANSPOSE:
         return get((span(r[1]), span(r[0]))).T
+    if kind == EXPERTS:
+        e, a, b = r
+        return get((span(e), span(b), span(a))).transpose(0, 2, 1)
     if kind == HEADS_IN:
         d, h, e = r
         hd = shape[2]
@@ -74,7 +113,10 @@ def read(get, kind: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np
 
 
 def write(kind: str, x: np.ndarray) -> np.ndarray:
-    """A whole per-layer jdist array in HF's layout (the inverse of `read`)."""
+    """A whole per-layer jdist array in HF's layout (the inverse of `read`; for EXPERTS the
+    experts' HF tensors stacked)."""
+    if kind == EXPERTS:
+        return np.ascontiguousarray(x.transpose(0, 2, 1))
     if kind == SAME:
         return x
     if kind == TRANSPOSE:

@@ -81,11 +81,23 @@ class Source:
         return total
 
 
-def _leaf(source: Source, path: tuple[str, ...], abstract, sharding, order,
+def tensor_reader(source: Source, table: dict, path: tuple[str, ...], kind: str,
+            shape: tuple[int, ...], layer: int | None):
+    """`get(slices)` over the HF tensor of `path` (of one layer); for EXPERTS over the
+    experts' tensors stacked, each expert's read only where the slices take it."""
+    hf_shape = layout.hf_shape(kind, shape)
+    if kind != layout.EXPERTS:
+        return source.reader(layout.hf_name(table, path, layer), hf_shape)
+    per = [source.reader(layout.hf_name(table, path, layer, e), hf_shape)
+           for e in range(shape[0])]
+    return lambda s: np.stack([per[e](s[1:]) for e in range(*s[0].indices(shape[0]))])
+
+
+def _leaf(source: Source, table: dict, path: tuple[str, ...], abstract, sharding, order,
           layer: int | None = None) -> jax.Array:
     """One parameter (a stacked one in the stored `order`; or, with `layer`, that layer
     of a stacked one alone) in `abstract`'s dtype, read block by block."""
-    _, kind = layout.TENSORS[path]
+    _, kind = table[path]
     stacked = path[0] == BLOCKS and layer is None
     shape = abstract.shape[1:] if stacked else abstract.shape
     readers: dict[int | None, object] = {}
@@ -93,8 +105,7 @@ def _leaf(source: Source, path: tuple[str, ...], abstract, sharding, order,
 
     def read_layer(layer, index):
         if layer not in readers:
-            readers[layer] = source.reader(layout.hf_name(path, layer),
-                                           layout.hf_shape(kind, shape))
+            readers[layer] = tensor_reader(source, table, path, kind, shape, layer)
         return layout.read(readers[layer], kind, shape, index)
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
@@ -110,7 +121,7 @@ def _leaf(source: Source, path: tuple[str, ...], abstract, sharding, order,
     return jax.make_array_from_callback(abstract.shape, sharding, block)
 
 
-def _quantized_leaf(source: Source, path: tuple[str, ...], stack: nf4.Nf4,
+def _quantized_leaf(source: Source, table: dict, path: tuple[str, ...], stack: nf4.Nf4,
                     sharding: nf4.Nf4, order, double_quant: bool) -> nf4.Nf4:
     """An NF4-stored stack of weights (QLoRA), quantized on the devices one layer at a time:
     each device reads and holds only its shard of one float32 layer (blocks never straddle
@@ -128,7 +139,7 @@ def _quantized_leaf(source: Source, path: tuple[str, ...], stack: nf4.Nf4,
     put = jax.jit(put, out_shardings=sharding, donate_argnums=0)
     layer_abstract = jax.ShapeDtypeStruct(shape, np.float32)
     for position, layer in enumerate(order):
-        w = _leaf(source, path, layer_abstract, layer_sharding, None, layer=int(layer))
+        w = _leaf(source, table, path, layer_abstract, layer_sharding, None, layer=int(layer))
         stack = put(stack, w, position)
     return stack
 
@@ -146,6 +157,7 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None, seed: in
             f"--init-from {hf_dir}: its config.json describes a different model than this "
             "run's; drop the model shape flags")
     source = source or Source(hf_dir)
+    table = layout.tensors(cfg)
     order = order_of(plan)
     adapters = dict(jax.tree_util.tree_leaves_with_path(init_adapters(plan, seed)))
     is_nf4 = lambda x: isinstance(x, nf4.Nf4)
@@ -162,8 +174,8 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None, seed: in
             return adapters[path]
         keys = tuple(k.key for k in path)
         if quantized(path, plan.quantize):
-            return _quantized_leaf(source, keys, stacks[path], sharding, order,
+            return _quantized_leaf(source, table, keys, stacks[path], sharding, order,
                                    plan.double_quant)
-        return _leaf(source, keys, abstract, sharding, order)
+        return _leaf(source, table, keys, abstract, sharding, order)
     return jax.tree_util.tree_map_with_path(one, plan.abstract.params, plan.shardings.params,
                                             is_leaf=is_nf4)

@@ -35,7 +35,8 @@ from jdist.models.names import BLOCKS
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> LlamaForCausalLM
 # jdist target -> the HF module it adapts (the last part of its name).
-MODULES = {t: layout.hf_name((BLOCKS, *TARGETS[t]), 0).split(".")[-2] for t in TARGETS}
+MODULES = {t: layout.hf_name(layout.LLAMA, (BLOCKS, *TARGETS[t]), 0).split(".")[-2]
+           for t in TARGETS}
 # Fields of the LoRA variants jdist's adapters cannot represent, with their plain values
 # (written into adapter_config.json; on reading, any empty value counts as plain).
 PLAIN = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none",
@@ -73,7 +74,7 @@ def weight_dims(cfg: ModelConfig, target: str) -> tuple[tuple[int, ...], tuple[i
 
 def peft_name(target: str, layer: int, which: str) -> str:
     """PEFT's tensor name of factor `which` ("A" or "B") of `target` in `layer`."""
-    module = layout.hf_name(base_path(target), layer).removesuffix(".weight")
+    module = layout.hf_name(layout.LLAMA, base_path(target), layer).removesuffix(".weight")
     return f"{PREFIX}{module}.lora_{which}.weight"
 
 
