@@ -128,9 +128,19 @@ PRESETS: dict[str, ModelConfig] = {
                             n_kv_heads=4, d_ff=64, n_experts=8, top_k=2),
     "moe-small": ModelConfig(vocab_size=BYTE_VOCAB, d_model=256, n_layers=4, n_heads=8,
                              n_kv_heads=4, d_ff=384, n_experts=8, top_k=2),
-    "8x7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                        d_ff=14_336, rope_theta=1_000_000.0, n_experts=8, top_k=2,
-                        shape_only=True),
+    # Public MoE shapes (HF config.json), for planning only: Mixtral (8 experts, top-2) and
+    # Qwen3-MoE (128 fine-grained experts, top-8; d_ff is moe_intermediate_size).
+    "mixtral-8x7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32,
+                                n_kv_heads=8, d_ff=14_336, rope_theta=1_000_000.0, n_experts=8,
+                                top_k=2, shape_only=True),
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151_936, d_model=2048, n_layers=48, n_heads=32,
+                                 n_kv_heads=4, d_ff=768, head_dim=128, rope_theta=1_000_000.0,
+                                 norm_eps=1e-6, qk_norm=True, n_experts=128, top_k=8,
+                                 shape_only=True),
+    "qwen3-235b-a22b": ModelConfig(vocab_size=151_936, d_model=4096, n_layers=94, n_heads=64,
+                                   n_kv_heads=4, d_ff=1536, head_dim=128,
+                                   rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
+                                   n_experts=128, top_k=8, shape_only=True),
     # Public Llama shapes (HF config.json), for planning only. HF's head_dim (64 for
     # llama3.2-1b, 128 for the rest) is d_model // n_heads, so it is left to the default.
     "llama2-7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32,
@@ -171,7 +181,8 @@ def config_from_dict(fields: dict) -> ModelConfig:
 
 
 # Older short names, kept for scripts and tests that use them.
-ALIASES: dict[str, str] = {"1b": "llama3.2-1b", "7b": "llama2-7b", "70b": "llama3.1-70b"}
+ALIASES: dict[str, str] = {"1b": "llama3.2-1b", "7b": "llama2-7b", "70b": "llama3.1-70b",
+                           "8x7b": "mixtral-8x7b"}
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:

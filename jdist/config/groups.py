@@ -31,10 +31,12 @@ class ModelFlags:
     preset: str = flag("small", "model preset: tiny, small, qlora-tiny (head_dim 64: whole NF4 "
                        "blocks for --quantize-base), moe-tiny, moe-small; shape-only "
                        "llama2-7b, llama3-8b, llama3.1-8b, llama3.1-70b, llama3.2-1b, "
-                       "llama3.2-3b, 8x7b (aliases 1b, 7b, 70b)", name="model")
-    init_from: str = flag("", "start from a Hugging Face Llama directory (config.json + "
-                          "safetensors): the model shape comes from its config.json, each "
-                          "process reads only its shards", result=True)
+                       "llama3.2-3b, qwen3-0.6b, qwen3-8b, qwen3-32b, mixtral-8x7b, "
+                       "qwen3-30b-a3b, qwen3-235b-a22b (aliases 1b, 7b, 70b, 8x7b)",
+                       name="model")
+    init_from: str = flag("", "start from a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE "
+                          "directory (config.json + safetensors): the model shape comes from "
+                          "its config.json, each process reads only its shards", result=True)
     # Shape overrides; None keeps the preset's value.
     n_layers: int | None = flag(None, "transformer blocks (default: the preset's)")
     d_model: int | None = flag(None, "width of the residual stream (default: the preset's)")
@@ -48,7 +50,7 @@ class ModelFlags:
     qk_norm: bool | None = flag(None, "RMSNorm each query and key head before RoPE, as Qwen3 "
                                 "does (default: the preset's)")
     n_experts: int | None = flag(None, "experts per MoE layer (0: dense MLP); presets "
-                                 "moe-tiny, moe-small, 8x7b")
+                                 "moe-tiny, moe-small, mixtral-8x7b, qwen3-30b-a3b")
     top_k: int | None = flag(None, "experts per token (1 or 2 typical)")
     moe_routing: str | None = flag(None, "dropless (nothing dropped) or capacity (overflow "
                                    "tokens skip the MLP)")
