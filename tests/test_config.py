@@ -30,7 +30,7 @@ OLD_CONFIG_JSON = {
     "lora_rank": None, "lora_alpha": 16.0, "lora_targets": "", "quantize_base": "none",
     "double_quant": False, "save_base": False, "n_layers": None, "d_model": None,
     "n_heads": None, "n_kv_heads": None, "d_ff": None, "vocab_size": None,
-    "tie_embeddings": None, "n_experts": None, "top_k": None, "moe_routing": None,
+    "tie_embeddings": None, "qk_norm": None, "n_experts": None, "top_k": None, "moe_routing": None,
     "capacity_factor": None, "aux_loss_weight": None, "z_loss_weight": None,
     "coordinator": "", "num_processes": 0, "process_id": -1, "checkpoint_every": 3,
     "no_final_checkpoint": False, "keep": 3, "resume": "auto", "on_nan": "stop",
