@@ -36,9 +36,14 @@ def import_closure(start: str) -> set[str]:
 
 
 def path_of(module: str) -> str:
+    """The module's file in the repository (jdist.models is the link jdist/models ->
+    models/, which the page names)."""
     base = ROOT / Path(*module.split("."))
-    return str((base / "__init__.py" if base.is_dir() else base.with_suffix(".py"))
-               .relative_to(ROOT))
+    return repository_path(base / "__init__.py" if base.is_dir() else base.with_suffix(".py"))
+
+
+def repository_path(path: Path) -> str:
+    return str(path.resolve().relative_to(ROOT))
 
 
 def test_spine_is_at_most_nine_files_on_the_builders_path():
@@ -61,7 +66,7 @@ def test_spine_holds_what_a_dense_step_runs():
             loss.piece_cross_entropy]
     spine, _ = sections()
     for obj in runs:
-        where = str(Path(inspect.getsourcefile(inspect.unwrap(obj))).relative_to(ROOT))
+        where = repository_path(Path(inspect.getsourcefile(inspect.unwrap(obj))))
         assert where in spine, f"{obj.__qualname__} is defined in {where}, not on the spine"
 
 
