@@ -247,7 +247,7 @@ def export_source(found, tokenizer: str) -> dict:
     return {**source, "config": config}
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jdist.export", description=__doc__)
     parser.add_argument("checkpoint", help="checkpoint step directory or run directory")
     parser.add_argument("--hf", default="", help="output directory (new or empty) for a "
@@ -262,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default="", help="copy tokenizer files from this dir "
                         "(default: the tokenizer the run trained with; bytes is written as an "
                         "equivalent Hugging Face tokenizer)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         from jdist.checkpoint import resolve_explicit
         from jdist.hf.export import write_hf

@@ -238,10 +238,8 @@ def start_group(nproc: int, train_args: list[str], devices: list[dict[str, str]]
     return group
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
-        if "--" in argv else (argv, [])
+def make_parser() -> ArgumentParser:
+    """The launcher's own flags (the training flags go after `--`)."""
     parser = ArgumentParser(
         prog="python -m jdist.launch", usage="%(prog)s --nproc N [--max-restarts K] -- "
         "<python -m jdist.train flags>", description=first_paragraph(__doc__),
@@ -251,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, required=True, help="processes to start")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the group from its newest checkpoint up to K times")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
+        if "--" in argv else (argv, [])
+    parser = make_parser()
     try:
         args, unknown = parser.parse_known_args(ours)
     except ConfigError as e:

@@ -31,7 +31,7 @@ COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 # XLA flags jdist sets on NVIDIA GPUs (compile options of the step, unless the user set
 # XLA_FLAGS), by the jaxlib that accepts them; each kept for its measured effect on the
-# GPU-compiled step (`benchmarks/gpu_flags.py`, README "GPU scheduling flags"). XLA's
+# GPU-compiled step (`benchmarks/gpu_flags.py`, docs/gpu.md "GPU scheduling flags"). XLA's
 # latency-hiding scheduler keeps one collective in flight at a time and gives each one the
 # matmuls scheduled while it runs: a layer's nine weight gathers (or gradient reductions)
 # each took one matmul, and the last had none left. Combined into one collective per kind
@@ -64,7 +64,7 @@ ESTIMATOR_FLAGS = {(0, 10): _ESTIMATOR}
 # step as jdist compiles it), by the jaxlib that spells them so (newer XLA's
 # `xla_gpu_pipeline_*` is "No such compile option" on 0.10.2): on jax 0.10.2 for H100 the
 # pipelined all-gather raises the exposed share (8B fsdp=8: 10.4% -> 41.1%), the others
-# leave it (README, "GPU scheduling flags").
+# leave it (docs/gpu.md, "GPU scheduling flags").
 CANDIDATE_FLAGS = {
     (0, 10): {"xla_gpu_enable_pipelined_all_gather": True,
               "xla_gpu_enable_pipelined_reduce_scatter": True,

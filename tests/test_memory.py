@@ -45,7 +45,7 @@ def test_prediction_matches_the_compiler(mesh, zero):
         assert abs(a - b) <= 0.05 * b, (key, a, b)
 
 
-# The README: in float32 the activation estimate lands within 5% of the compiled step.
+# docs/memory.md: in float32 the activation estimate lands within 5% of the compiled step.
 ACTIVATIONS_RTOL = 0.05
 
 
@@ -53,7 +53,7 @@ ACTIVATIONS_RTOL = 0.05
 def test_pipeline_activations_follow_the_schedule(schedule, micro):
     """Pipelined, a stage keeps its schedule's stashed micro-batch inputs (all M under gpipe,
     about P under 1f1b) and recomputes one chunk: the estimate, and so the total, land within
-    the README's 5% of the compiler's numbers instead of counting every layer's activations
+    docs/memory.md's 5% of the compiler's numbers instead of counting every layer's activations
     (activations measured 2.6% (1f1b) and 2.4% (gpipe) above it, jax 0.10.2 on CPU)."""
     tx, _ = make_optimizer(1e-3, 10, 1)
     deep = get_preset("tiny", n_layers=8)

@@ -12,20 +12,27 @@ from jdist.comm import comm_table, step_report
 from jdist.memory import compile_step, gib, measure, peak, predict, table
 
 
-def main(argv: list[str] | None = None) -> int:
-    from jdist.config import make_parser
-    from jdist.distributed import configure_devices
-    from jdist.errors import ConfigError, require
-    from jdist.target import prepare_target
+def make_parser():
+    """The training flags (`jdist.config.make_parser`) and this command's own."""
+    from jdist import config
 
-    parser = make_parser("python -m jdist.memory",
-                         "Per-device memory plan of a training configuration.")
+    parser = config.make_parser("python -m jdist.memory",
+                                "Per-device memory plan of a training configuration.")
     parser.add_argument("--measure", action="store_true",
                         help="also compile the step ahead of time and read the compiler's bytes")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--peak-breakdown", action="store_true",
                         help="with --measure: what the compiler keeps at the peak, by the "
                              "operation that made it (XLA's live-range report)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jdist.distributed import configure_devices
+    from jdist.errors import ConfigError, require
+    from jdist.target import prepare_target
+
+    parser = make_parser()
     try:
         args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
         do_measure, as_json = args.pop("measure"), args.pop("json")

@@ -6,7 +6,7 @@ without it) feeds, or is fed by, the next matmul: XLA can only wait for it. Acro
 they are independent, so the GPU scheduler can run one half's collective beside the other
 half's matmuls. On the GPU compiler (H100 target, jax 0.10.2) this took the exposed share of
 llama3.1-70b `fsdp=32,tp=2 --sequence-parallel --grad-accum 4` from 67.9% to 30.3%
-(README, "Hiding communication").
+(docs/gpu.md, "Hiding communication").
 
 The same function: rows are independent through a block (attention and MLP per row, norms
 per token), and each weight's gradient is the sum of the two halves'. Each half keeps at
