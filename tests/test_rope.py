@@ -101,6 +101,19 @@ def test_presets_have_the_public_shapes(name, params):
     assert cfg.n_params() == pytest.approx(params, rel=5e-3)
 
 
+# Published totals (model cards): Qwen3 0.6B/8.2B/32.8B, Mixtral 46.7B, Qwen3-MoE 30.5B and
+# 235B; Qwen3's RMSNorm epsilon is 1e-6.
+@pytest.mark.parametrize("name, params, eps", [
+    ("qwen3-0.6b", 0.6e9, 1e-6), ("qwen3-8b", 8.2e9, 1e-6), ("qwen3-32b", 32.8e9, 1e-6),
+    ("mixtral-8x7b", 46.7e9, 1e-5), ("qwen3-30b-a3b", 30.5e9, 1e-6),
+    ("qwen3-235b-a22b", 235e9, 1e-6),
+])
+def test_qwen3_and_moe_presets_have_the_public_sizes(name, params, eps):
+    cfg = get_preset(name)
+    assert cfg.shape_only and cfg.norm_eps == eps and cfg.qk_norm == name.startswith("qwen3")
+    assert cfg.n_params() == pytest.approx(params, rel=1e-2)
+
+
 def test_preset_details_and_aliases():
     one_b, three_b = get_preset("llama3.2-1b"), get_preset("llama3.2-3b")
     assert (one_b.dim_per_head, three_b.dim_per_head) == (64, 128)
@@ -108,7 +121,8 @@ def test_preset_details_and_aliases():
     assert not get_preset("llama3.1-70b").tie_embeddings
     assert get_preset("llama3.1-8b") == dataclasses.replace(
         get_preset("llama3-8b"), rope_scaling=RopeScaling(factor=8.0))
-    assert ALIASES == {"1b": "llama3.2-1b", "7b": "llama2-7b", "70b": "llama3.1-70b"}
+    assert ALIASES == {"1b": "llama3.2-1b", "7b": "llama2-7b", "70b": "llama3.1-70b",
+                       "8x7b": "mixtral-8x7b"}
     for alias, target in ALIASES.items():
         assert alias not in PRESETS and get_preset(alias) == get_preset(target)
     assert get_preset("1b", n_layers=2).n_layers == 2
