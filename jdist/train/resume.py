@@ -61,9 +61,13 @@ def _plain(x):
 
 def check_compatible(found: ckpt.Found, config, model, data_fingerprint: str = "") -> None:
     saved_model, saved = found.meta.get("model", {}), found.meta.get("config", {})
+    # A model field newer than the checkpoint (say qk_norm) had its default when it was written.
+    model_defaults = _plain({f.name: f.default for f in dataclasses.fields(model)
+                             if f.default is not dataclasses.MISSING})
     for key, value in _plain(dataclasses.asdict(model)).items():
-        require(saved_model.get(key) == value,
-                f"--resume: checkpoint {found.path} is of a model with {key}={saved_model.get(key)}"
+        was = saved_model.get(key, model_defaults.get(key))
+        require(was == value,
+                f"--resume: checkpoint {found.path} is of a model with {key}={was}"
                 f" but this run's model has {key}={value}; pass the same --model and shape flags "
                 "to resume it, or choose a new --run-dir")
     current = _plain(config.flat())
