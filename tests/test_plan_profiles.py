@@ -114,9 +114,18 @@ def test_ring_fit_recovers_a_link():
 
 
 def test_quick_calibration_has_positive_finite_fits(tmp_path, monkeypatch):
-    result = cal.calibrate(8, matmuls={"step-4k": (16, 32, 64), "large": (32, 64, 64)},
-                           memory_bytes=256 * 1024, collective_bytes=(4096, 256 * 1024),
-                           groups=(2, 8), repeats=2, target_s=0.002, step_model=False)
+    # Timings of microsecond collectives: on a loaded 2-core machine noise can leave a kind
+    # too few positive ones to fit, and calibrate says to rerun it (a clean-clone .ci/run
+    # hit it on 2026-12-04). Rerun it, as a user would, up to three times.
+    for attempt in range(3):
+        try:
+            result = cal.calibrate(8, matmuls={"step-4k": (16, 32, 64), "large": (32, 64, 64)},
+                                   memory_bytes=256 * 1024, collective_bytes=(4096, 256 * 1024),
+                                   groups=(2, 8), repeats=2, target_s=0.002, step_model=False)
+            break
+        except ConfigError as e:
+            if "too few positive collective timings" not in str(e) or attempt == 2:
+                raise
     assert len(result["raw"]["collectives"]) == len(RING) * 2 * 2
     profile = result["profile"]
     # A latency of 0 is the documented fallback when noise makes the joint fit's
