@@ -38,6 +38,5 @@ def test_wheel_installs_jdist_alone_and_trains(tmp_path):
                           "--mesh", "cpu-8", "--run-dir", str(tmp_path / "run")],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()
-             if '"loss"' in line]
-    assert [s["step"] for s in steps if "loss" in s][-1] == 2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "loss" in r][-1] == 2
