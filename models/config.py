@@ -48,7 +48,7 @@ class ModelConfig:
     # Mixture of experts (n_experts = 0: dense SwiGLU MLP in every block).
     n_experts: int = 0
     top_k: int = 2
-    moe_routing: str = "dropless"  # or "capacity"
+    moe_routing: str = "dropless"  # or "grouped" (dropless at the routed FLOPs), "capacity"
     capacity_factor: float = 1.25
     gating: str = "softmax"        # or "sigmoid"
     aux_loss_weight: float = 0.01
@@ -82,8 +82,9 @@ class ModelConfig:
         if self.n_experts:
             require(1 <= self.top_k <= self.n_experts,
                     f"--top-k {self.top_k} must be between 1 and --n-experts {self.n_experts}")
-            require(self.moe_routing in ("dropless", "capacity"),
-                    f"unknown --moe-routing {self.moe_routing!r}; use dropless or capacity")
+            require(self.moe_routing in ("dropless", "grouped", "capacity"),
+                    f"unknown --moe-routing {self.moe_routing!r}; use dropless, grouped or "
+                    "capacity")
             require(self.capacity_factor > 0,
                     f"--capacity-factor {self.capacity_factor} must be positive")
             require(self.gating in ("softmax", "sigmoid"),

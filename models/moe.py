@@ -6,10 +6,12 @@ dispatch into per-expert buffers, expert compute, combine). Expert parallelism w
 the step passes that in as `ModelContext.moe`.
 
 Routing policies:
+- grouped: nothing is dropped, and the experts run the routed FLOPs: assignments are sorted
+  by expert into blocks and each block meets its expert's weights (`models.grouped`). Not
+  yet with expert parallelism.
 - dropless: nothing is dropped: each (source device, expert) buffer has room for every
   local token, since a token picks an expert at most once. The price is compute on the
-  empty slots (E/k times the useful FLOPs); a grouped matmul (`lax.ragged_dot`) would skip
-  them.
+  empty slots (E/k times the useful FLOPs).
 - capacity: each expert takes at most ceil(factor x tokens x k / E) tokens per group
   (first choices before second choices); overflow is dropped and its token passes
   through the residual stream unchanged.
@@ -25,9 +27,10 @@ from flax import nnx
 
 from jdist.axes import EMBED, EXPERTS, MLP
 from jdist.models.config import ModelConfig
+from jdist.models.grouped import grouped_swiglu
 from jdist.models.layers import INIT_STD, param
 
-DROPLESS, CAPACITY = "dropless", "capacity"
+GROUPED, DROPLESS, CAPACITY = "grouped", "dropless", "capacity"
 STATS = ("counts", "prob_sum", "z_sum", "tokens", "dropped")  # additive balance statistics
 
 
@@ -76,13 +79,24 @@ def combine(out, experts, slots, weights, capacity: int) -> jax.Array:
     return jnp.einsum("tkd,tk->td", picked, weights.astype(out.dtype) * kept)
 
 
-def balance_sums(probs, experts, logits, slots, capacity: int, n_experts: int) -> dict:
+def balance_sums(probs, experts, logits, dropped, n_experts: int) -> dict:
     """Additive statistics of one group: summing them over groups gives the global ones."""
     return {"counts": jax.nn.one_hot(experts, n_experts).sum((0, 1)),
             "prob_sum": probs.sum(0),
             "z_sum": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
             "tokens": jnp.asarray(probs.shape[0], jnp.float32),
-            "dropped": jnp.sum(slots >= capacity).astype(jnp.float32)}
+            "dropped": jnp.asarray(dropped, jnp.float32)}
+
+
+def grouped_group(x, weights, experts, w, tp_axes=()):
+    """The grouped dropless path for one group on one expert-parallel rank: every assignment
+    computed at the routed FLOPs, then mixed by the router weights."""
+    gate, up, down = (w[k].astype(x.dtype) for k in ("w_gate", "w_up", "w_down"))
+    y = jnp.einsum("tkd,tk->td", grouped_swiglu(x, experts, gate, up, down),
+                   weights.astype(x.dtype))
+    # Hidden units split over tensor: summing the mixed [T, d] moves k times fewer bytes
+    # than summing each assignment's output.
+    return jax.lax.psum(y, tp_axes) if tp_axes else y
 
 
 def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1):
@@ -92,6 +106,9 @@ def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1):
     experts' hidden units are split and the down projection is summed over them."""
     n_experts = cfg.n_experts
     weights, experts, probs, logits = route(x, w["router"], cfg)
+    if cfg.moe_routing == GROUPED:  # the step refuses it with expert parallelism (n_ep > 1)
+        return (grouped_group(x, weights, experts, w, tp_axes),
+                balance_sums(probs, experts, logits, 0, n_experts))
     dropless = cfg.moe_routing == DROPLESS
     capacity = capacity_of(x.shape[0], cfg, dropless)
     slots = positions_in_experts(experts, n_experts)
@@ -107,7 +124,7 @@ def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1):
     if n_ep > 1:
         out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
     y = combine(out, experts, slots, weights, capacity)
-    return y, balance_sums(probs, experts, logits, slots, capacity, n_experts)
+    return y, balance_sums(probs, experts, logits, jnp.sum(slots >= capacity), n_experts)
 
 
 def local_moe(x: jax.Array, w: dict, cfg):

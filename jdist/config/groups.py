@@ -52,8 +52,10 @@ class ModelFlags:
     n_experts: int | None = flag(None, "experts per MoE layer (0: dense MLP); presets "
                                  "moe-tiny, moe-small, mixtral-8x7b, qwen3-30b-a3b")
     top_k: int | None = flag(None, "experts per token (1 or 2 typical)")
-    moe_routing: str | None = flag(None, "dropless (nothing dropped) or capacity (overflow "
-                                   "tokens skip the MLP)")
+    moe_routing: str | None = flag(None, "dropless (nothing dropped; every expert has room "
+                                   "for every token), grouped (nothing dropped, at the routed "
+                                   "FLOPs; not yet with ep) or capacity (overflow tokens skip "
+                                   "the MLP)")
     capacity_factor: float | None = flag(None, "capacity routing: each expert takes factor x "
                                          "tokens x k / E tokens")
     aux_loss_weight: float | None = flag(None, "weight of the Switch load-balancing loss")

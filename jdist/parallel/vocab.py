@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jdist.parallel import CHECK_VMA, kernel_mesh, varying, vma
+from jdist.parallel import CHECK_VMA, kernel_mesh
 from jdist.parallel import grad_sync as gs
 from jdist.rules import mesh_axes_of
+from jdist.varying import varying, vma
 
 # Bytes of one float32 [tokens, chunk] logits block: bounds the loss's temporaries (a few
 # such blocks are live) whatever the vocabulary.

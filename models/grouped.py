@@ -1,0 +1,132 @@
+"""Grouped matmuls over expert-sorted rows: a dropless MoE's expert compute at the routed FLOPs.
+
+Each expert's assignments are laid out contiguously, its group padded to whole blocks of
+`block` rows, so every block belongs to one expert. One matmul per block, with the weights of
+that block's expert, then runs (routed rows + at most one partial block per expert) x d x f,
+where a buffer per expert with room for every token runs E/k times the routed FLOPs.
+
+Why not `jax.lax.ragged_dot`: the GPU compiler (H100 target, jax 0.10.2 and 0.12) lowers it
+to a dense matmul over every group, 128x the routed FLOPs on a Qwen3-30B-A3B layer
+(benchmarks/expert_matmuls.py), and its Pallas-Triton lowering is missing from jax 0.10.2
+and gone in 0.12. The blocks run in a loop, `chunk` blocks at a time, so only a few experts'
+weights are gathered at once; a custom VJP keeps the backward from saving them per iteration.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jdist.varying import varying, vma, zeros
+
+GATHER_BYTES = 64 * 2**20  # weights gathered per loop iteration (bounds the chunk)
+CHUNK_ROWS = 512           # rows per loop iteration when the weights are small
+
+
+def block_rows(assignments: int, n_experts: int) -> int:
+    """Rows per block: the largest power of two in 8..128 whose padding (at most one partial
+    block per expert) stays within an eighth of the routed rows."""
+    block = 8
+    while block < 128 and n_experts * block * 2 * 8 <= assignments:
+        block *= 2
+    return block
+
+
+def chunk_blocks(block: int, weight_bytes: int) -> int:
+    """Blocks per loop iteration: CHUNK_ROWS rows, or fewer where their weights are large."""
+    return max(1, min(CHUNK_ROWS // block, GATHER_BYTES // max(1, weight_bytes)))
+
+
+class Layout(NamedTuple):
+    rows: jax.Array          # [N] each assignment's row in the blocked buffer
+    block_expert: jax.Array  # [n_blocks] the expert whose weights each block uses
+    block: int               # rows per block
+
+
+def layout(experts: jax.Array, n_experts: int, chunk_of) -> Layout:
+    """Place N assignments (expert ids [N]) in expert order, each expert's group padded to
+    whole blocks; the block count is the static bound sum_e ceil(n_e / block) <=
+    (N + E (block - 1)) / block, rounded up to whole chunks (`chunk_of(block)` blocks)."""
+    n = experts.shape[0]
+    block = block_rows(n, n_experts)
+    chunk = chunk_of(block)
+    n_blocks = -(-((n + n_experts * (block - 1)) // block) // chunk) * chunk
+    counts = jnp.zeros(n_experts, jnp.int32).at[experts].add(1)
+    blocks = (counts + block - 1) // block
+    order = jnp.argsort(experts, stable=True)
+    ranked = experts[order]
+    rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[ranked]
+    first_row = (jnp.cumsum(blocks) - blocks) * block
+    rows = jnp.zeros(n, jnp.int32).at[order].set(first_row[ranked] + rank)
+    block_expert = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(n_blocks), side="right")
+    return Layout(rows, jnp.minimum(block_expert, n_experts - 1).astype(jnp.int32), block)
+
+
+def _chunks(a: jax.Array, chunk: int) -> jax.Array:
+    return a.reshape(a.shape[0] // chunk, chunk, *a.shape[1:])
+
+
+def _blockwise(x, w, ids, chunk: int, spec: str) -> jax.Array:
+    """x [n_blocks, block, .] against the weights w[ids] of each block, `chunk` at a time."""
+    def body(_, xs):
+        xc, ic = xs
+        return None, jnp.einsum(spec, xc, w[ic])
+
+    _, y = jax.lax.scan(body, None, (_chunks(x, chunk), _chunks(ids, chunk)))
+    return y.reshape(-1, *y.shape[2:])
+
+
+def gmm(x: jax.Array, w: jax.Array, block_expert: jax.Array, chunk: int) -> jax.Array:
+    """x [n_blocks, block, d] @ w[block_expert] ([E, d, f]) -> [n_blocks, block, f]."""
+    # Inside a shard_map, both operands vary over the axes either does before the custom
+    # VJP sees them, so autodiff, not the VJP, sums a gradient an axis shares (tensor).
+    axes = tuple(sorted(set(vma(x)) | set(vma(w))))
+    return _gmm(varying(x, axes), varying(w, axes), block_expert, chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm(x, w, block_expert, chunk):
+    return _blockwise(x, w, block_expert, chunk, "gbd,gdf->gbf")
+
+
+def _gmm_fwd(x, w, block_expert, chunk):
+    return _gmm(x, w, block_expert, chunk), (x, w, block_expert)
+
+
+def _gmm_bwd(chunk, res, g):
+    x, w, block_expert = res
+    dx = _blockwise(g, w, block_expert, chunk, "gbf,gdf->gbd")
+
+    def weight_grad(dw, xs):  # float32 sums: a block's share must not round away
+        xc, gc, ic = xs
+        part = jnp.einsum("gbd,gbf->gdf", xc, gc, preferred_element_type=jnp.float32)
+        return dw.at[ic].add(part), None
+
+    dw, _ = jax.lax.scan(weight_grad, zeros(w.shape, jnp.float32, like=g),
+                         (_chunks(x, chunk), _chunks(g, chunk), _chunks(block_expert, chunk)))
+    return dx, dw.astype(w.dtype), None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def grouped_swiglu(x, experts, gate, up, down) -> jax.Array:
+    """Tokens x [T, d] through their experts (ids [T, k]) -> each assignment's output
+    [T, k, d]; the weights gate/up [E, d, f] and down [E, f, d] are in the compute dtype."""
+    t, k = experts.shape
+    n_experts, d, f = gate.shape
+    weight_bytes = d * f * gate.dtype.itemsize
+    lay = layout(experts.reshape(-1), n_experts, lambda b: chunk_blocks(b, weight_bytes))
+    chunk = chunk_blocks(lay.block, weight_bytes)
+    n_rows = lay.block_expert.shape[0] * lay.block
+    # Which token each row holds (T: none, a padding row of zeros).
+    token_of_row = jnp.full(n_rows, t, jnp.int32).at[lay.rows].set(
+        jnp.arange(t * k, dtype=jnp.int32) // k)
+    rows = x.at[token_of_row].get(mode="fill", fill_value=0).reshape(-1, lay.block, d)
+    a = gmm(rows, gate, lay.block_expert, chunk)
+    b = gmm(rows, up, lay.block_expert, chunk)
+    out = gmm(jax.nn.silu(a) * b, down, lay.block_expert, chunk).reshape(n_rows, d)
+    return out[lay.rows].reshape(t, k, d)
