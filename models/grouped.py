@@ -125,6 +125,9 @@ def grouped_swiglu(x, experts, gate, up, down) -> jax.Array:
     # Which token each row holds (T: none, a padding row of zeros).
     token_of_row = jnp.full(n_rows, t, jnp.int32).at[lay.rows].set(
         jnp.arange(t * k, dtype=jnp.int32) // k)
+    # Hidden units split over tensor: the tokens vary over it before the gather, so the
+    # backward sums their gradient once, [T, d], not each projection's [rows, d].
+    x = varying(x, vma(gate))
     rows = x.at[token_of_row].get(mode="fill", fill_value=0).reshape(-1, lay.block, d)
     a = gmm(rows, gate, lay.block_expert, chunk)
     b = gmm(rows, up, lay.block_expert, chunk)

@@ -60,7 +60,10 @@ LAYOUTS = {  # id: (mesh, flags)
     "dp=2,sp=4 ulysses": ("dp=2,sp=4", {"cp_strategy": "ulysses"}),
     "pp=2,dp=4 1f1b": ("pp=2,dp=4", {"batch": 16}),
     "moe fsdp=2,ep=2,tp=2": ("fsdp=2,ep=2,tp=2", {"model": "moe-tiny"}),
+    "moe grouped dp=2,fsdp=2,tp=2": ("dp=2,fsdp=2,tp=2",
+                                     {"model": "moe-tiny", "moe_routing": "grouped"}),
 }
+
 @pytest.mark.parametrize("mesh,flags", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_step_traffic_matches_the_compiled_report(mesh, flags):
     flags = dict(flags)

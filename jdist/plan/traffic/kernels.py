@@ -107,10 +107,14 @@ def _moe_moves(st: Step, backward: bool) -> list[Collective]:
     """jdist.parallel.moe: the dispatch buffer all-to-all'ed to the experts' devices and
     back over the expert axes, the experts' output summed over the tensor axes splitting
     their hidden units; backward the same reversed, with gate's and up's input gradients
-    summed separately (as jax 0.10.2 transposes the kernel)."""
+    summed separately (as jax 0.10.2 transposes the kernel). Grouped routing sums the
+    tokens [T, d] once each way (`models.grouped`)."""
     ep = resolved(st.plan, (ax.EXPERTS,), 0)
     tp = resolved(st.plan, (ax.EXPERTS, ax.EMBED, ax.MLP), 2)
     out = []
+    if st.model.moe_routing == "grouped":  # never with ep; the mixed tokens summed over tp
+        tokens = st.rows * st.seq // st.size(st.cp + st.sp) * st.model.d_model
+        return [Collective(AR, tp, 1, tokens, st.dtype, "moe: expert hidden units")] if tp else []
     if ep:
         out.append(Collective(A2A, ep, 2, _moe_buffer(st), st.dtype, "moe: dispatch, combine"))
     if tp:
