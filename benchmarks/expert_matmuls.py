@@ -1,17 +1,23 @@
-"""What a mixture-of-experts layer's expert matmuls execute on a GPU, from the GPU compiler
-(deviceless, `--target`): for one expert projection of a layer's routed tokens, the
-executed matmul FLOPs (`jdist.gpu_report`) against the routed FLOPs, and the compiled
-temporaries, for
+"""What a mixture-of-experts layer's experts execute on a GPU, from the GPU compiler
+(deviceless, `--target`): one device's routed tokens of one layer through the experts' three
+projections, forward and backward, for
 
-  padded   jdist's dropless path today (`models.moe`): every expert gets a buffer with room
-           for every token, [E, T, d] x [E, d, f]
-  ragged   `jax.lax.ragged_dot` over the tokens sorted by expert, [T x k, d] x [E, d, f]
-           with group sizes: the grouped matmul a dropless MoE wants
+  padded   `--moe-routing dropless`: every expert gets a buffer with room for every token,
+           [E, T, d] (`models.moe`)
+  ragged   `jax.lax.ragged_dot` over the assignments sorted by expert, [T k, d] x [E, d, f]
+           with group sizes
+  grouped  `--moe-routing grouped`: the assignments sorted into one-expert blocks, a
+           blocked grouped matmul (`models.grouped`)
+
+Columns: routed and executed matmul TFLOP of the experts (forward + backward, loops counted
+by their trip counts; the router's matmul left out); the dispatch buffer (tokens in expert
+order: [E, T, d] padded, [T k, d] ragged, the blocked rows grouped; its shape is looked up in
+the compiled HLO) over the routed activations [T k, d]; the compiled forward's temporaries.
 
     python benchmarks/expert_matmuls.py [--json] [--target h100-80gb]
 
-Shapes (one device's tokens of one layer, bf16): Qwen3-30B-A3B (8192 tokens, top-8 of 128
-experts, d 2048, f 768) and Mixtral 8x7B (8192 tokens, top-2 of 8, d 4096, f 14336).
+Shapes (bf16): Qwen3-30B-A3B (8192 tokens, top-8 of 128 experts, d 2048, f 768) and
+Mixtral 8x7B (8192 tokens, top-2 of 8, d 4096, f 14336).
 """
 
 from __future__ import annotations
@@ -26,9 +32,40 @@ SHAPES = {  # tokens, experts, top-k, d, f
     "mixtral-8x7b": (8192, 8, 2, 4096, 14336),
 }
 COLUMNS = (Column("shape", "14"), Column("path", "7"),
-           Column("routed TFLOP", "13.3f", "routed_tflop"),
-           Column("executed TFLOP", "15.3f", "executed_tflop"),
-           Column("x routed", "9.1f", "ratio"), Column("temp GiB", "9.2f", "temp_gib"))
+           Column("routed TFLOP", "13.2f", "routed_tflop"),
+           Column("executed TFLOP", "15.2f", "executed_tflop"),
+           Column("x routed", "9.2f", "flops_ratio"),
+           Column("dispatch x routed", "18.3f", "dispatch_ratio"),
+           Column("fwd temp GiB", "13.2f", "forward_temp_gib"))
+
+
+def programs(tokens: int, experts: int, k: int, d: int, f: int):
+    """path -> (expert outputs [T, k, d] of tokens x [T, d] routed to ids [T, k] with
+    weights gate, up, down; the dispatch buffer's shape)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jdist.models import grouped, moe
+
+    def padded(x, ids, gate, up, down):
+        slots = moe.positions_in_experts(ids, experts)
+        buf = moe.dispatch(x, ids, slots, tokens, experts)
+        return moe.swiglu(buf, gate, up, down).at[ids, slots].get(mode="fill", fill_value=0)
+
+    def ragged(x, ids, gate, up, down):
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.zeros(experts, jnp.int32).at[flat].add(1)
+        rows = x[order // k]
+        h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * \
+            jax.lax.ragged_dot(rows, up, sizes)
+        out = jax.lax.ragged_dot(h, down, sizes)
+        return jnp.zeros_like(out).at[order].set(out).reshape(tokens, k, d)
+
+    shape = grouped.blocks_for(tokens * k, experts, d * f * 2)
+    return {"padded": (padded, (experts, tokens, d)), "ragged": (ragged, (tokens * k, d)),
+            "grouped": (lambda x, ids, *w: grouped.grouped_swiglu(x, ids, *w),
+                        (shape.n_blocks // shape.chunk, shape.chunk, shape.block, d))}
 
 
 def measure(name: str, target: str) -> list[dict]:
@@ -38,27 +75,37 @@ def measure(name: str, target: str) -> list[dict]:
     from jax.sharding import Mesh, SingleDeviceSharding
 
     from jdist import gpu_report
+    from jdist.models import grouped
     from jdist.target import COMPILER_OPTIONS, devices
 
     tokens, experts, k, d, f = SHAPES[name]
     device = devices(target, 1)[0]
     spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
         shape, dtype, sharding=SingleDeviceSharding(device))
-    programs = {
-        "padded": (lambda h, w: jnp.einsum("etd,edf->etf", h, w),
-                   (spec(experts, tokens, d), spec(experts, d, f))),
-        "ragged": (lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes),
-                   (spec(tokens * k, d), spec(experts, d, f), spec(experts, dtype=jnp.int32))),
-    }
-    routed = 2.0 * tokens * k * d * f
+    args = (spec(tokens, d), spec(tokens, k, dtype=jnp.int32), spec(experts, d, f),
+            spec(experts, d, f), spec(experts, f, d))
+    routed = 3 * 2.0 * tokens * k * d * f * 3  # 3 projections; forward, input, weight grads
+    routed_bytes = tokens * k * d * 2
+    paths = programs(tokens, experts, k, d, f)
     rows = []
-    for path, (fn, args) in programs.items():
-        compiled = jax.jit(fn).lower(*args).compile(dict(COMPILER_OPTIONS))
+    for path, (fn, dispatch_shape) in paths.items():
+        def loss(x, ids, *w, fn=fn):
+            return jnp.sum(fn(x, ids, *w).astype(jnp.float32) ** 2)
+
+        both = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4)))
+        compiled = both.lower(*args).compile(dict(COMPILER_OPTIONS))
         rep = gpu_report.report(compiled.as_text(), Mesh(np.array([device]), ("data",)))
+        forward = jax.jit(fn).lower(*args).compile(dict(COMPILER_OPTIONS))
+        text = f"bf16[{','.join(map(str, dispatch_shape))}]"
+        in_hlo = text in forward.as_text()
         rows.append({"shape": name, "path": path, "routed_tflop": routed / 1e12,
                      "executed_tflop": rep.executed_flops / 1e12,
-                     "ratio": rep.executed_flops / routed,
-                     "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30})
+                     "flops_ratio": rep.executed_flops / routed,
+                     "dispatch_shape": text, "dispatch_in_hlo": in_hlo,
+                     "dispatch_ratio": np.prod(dispatch_shape) * 2 / routed_bytes
+                     if in_hlo else float("nan"),
+                     "forward_temp_gib": forward.memory_analysis().temp_size_in_bytes / 2**30,
+                     "block_rows": grouped.block_rows(tokens * k, experts)})
     return rows
 
 

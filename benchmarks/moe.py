@@ -7,8 +7,12 @@
 2. Step time of expert parallelism (ep=8) against experts replicated on every device
    (dp=8), timed in one run.
 3. The fraction of dropped assignments as the capacity factor varies.
+4. At today's scale, from the GPU compiler (`--target`, deviceless): one device's layer of
+   Qwen3-30B-A3B (8192 tokens, top-8 of 128) and Mixtral 8x7B through the experts, padded
+   dropless against grouped (and `lax.ragged_dot`): executed over routed FLOPs, the dispatch
+   buffer over the routed activations (benchmarks/expert_matmuls.py; `--target none` skips).
 
-    python benchmarks/moe.py [--batch-size 32] [--seq-len 128] [--json]
+    python benchmarks/moe.py [--batch-size 32] [--seq-len 128] [--target h100-80gb] [--json]
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 import common
+import expert_matmuls
 from common import Column, MiB
 
-common.setup_devices(8)
+common.setup_devices(8, cpu_only=True)  # the GPU target compiles without a GPU backend
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +82,7 @@ def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--target", default="h100-80gb")
     args = parser.parse_args()
     base = get_preset("moe-small")
     corpus = data.load_corpus(None, args.seq_len)
@@ -88,13 +94,17 @@ def main() -> None:
     drops = [{"capacity_factor": c, "dropped_fraction": dropped_fraction(
         dataclasses.replace(base, moe_routing="capacity", capacity_factor=c), batch)}
         for c in (0.5, 1.0, 1.25, 1.5, 2.0)]
+    scale = [] if args.target == "none" else [
+        r for name in expert_matmuls.SHAPES for r in expert_matmuls.measure(name, args.target)]
     result = {"all_to_all": volume, "ep_steps_per_sec": ep, "replicated_steps_per_sec": replicated,
-              "ep_vs_replicated": ep / replicated, "dropped": drops}
+              "ep_vs_replicated": ep / replicated, "dropped": drops, "at_scale": scale}
     common.emit(result, args.json, lambda: [
         f"moe-small: E={base.n_experts}, k={base.top_k}, {N} devices, batch "
         f"{args.batch_size} x {args.seq_len}", "", *common.table(volume, VOLUME),
         f"\nsteps/s: expert-parallel ep={N} {ep:.3f}, experts replicated dp={N} "
-        f"{replicated:.3f}, ratio {ep / replicated:.2f}", "", *common.table(drops, DROPS)])
+        f"{replicated:.3f}, ratio {ep / replicated:.2f}", "", *common.table(drops, DROPS),
+        *([f"\nexperts of one layer on one {args.target} (GPU compiler), forward + backward:",
+           *common.table(scale, expert_matmuls.COLUMNS)] if scale else [])])
 
 
 if __name__ == "__main__":

@@ -40,20 +40,31 @@ def chunk_blocks(block: int, weight_bytes: int) -> int:
     return max(1, min(CHUNK_ROWS // block, GATHER_BYTES // max(1, weight_bytes)))
 
 
+class Blocks(NamedTuple):
+    """The static shape of the blocked buffer: n_blocks of `block` rows, `chunk` per loop."""
+    n_blocks: int
+    block: int
+    chunk: int
+
+
+def blocks_for(assignments: int, n_experts: int, weight_bytes: int) -> Blocks:
+    """The block count is the static bound sum_e ceil(n_e / block) <= (N + E (block - 1)) /
+    block, whatever the routing, rounded up to whole chunks."""
+    block = block_rows(assignments, n_experts)
+    chunk = chunk_blocks(block, weight_bytes)
+    bound = (assignments + n_experts * (block - 1)) // block
+    return Blocks(-(-bound // chunk) * chunk, block, chunk)
+
+
 class Layout(NamedTuple):
     rows: jax.Array          # [N] each assignment's row in the blocked buffer
     block_expert: jax.Array  # [n_blocks] the expert whose weights each block uses
-    block: int               # rows per block
 
 
-def layout(experts: jax.Array, n_experts: int, chunk_of) -> Layout:
+def layout(experts: jax.Array, n_experts: int, shape: Blocks) -> Layout:
     """Place N assignments (expert ids [N]) in expert order, each expert's group padded to
-    whole blocks; the block count is the static bound sum_e ceil(n_e / block) <=
-    (N + E (block - 1)) / block, rounded up to whole chunks (`chunk_of(block)` blocks)."""
-    n = experts.shape[0]
-    block = block_rows(n, n_experts)
-    chunk = chunk_of(block)
-    n_blocks = -(-((n + n_experts * (block - 1)) // block) // chunk) * chunk
+    whole blocks."""
+    n, block = experts.shape[0], shape.block
     counts = jnp.zeros(n_experts, jnp.int32).at[experts].add(1)
     blocks = (counts + block - 1) // block
     order = jnp.argsort(experts, stable=True)
@@ -61,8 +72,9 @@ def layout(experts: jax.Array, n_experts: int, chunk_of) -> Layout:
     rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[ranked]
     first_row = (jnp.cumsum(blocks) - blocks) * block
     rows = jnp.zeros(n, jnp.int32).at[order].set(first_row[ranked] + rank)
-    block_expert = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(n_blocks), side="right")
-    return Layout(rows, jnp.minimum(block_expert, n_experts - 1).astype(jnp.int32), block)
+    block_expert = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(shape.n_blocks),
+                                    side="right")
+    return Layout(rows, jnp.minimum(block_expert, n_experts - 1).astype(jnp.int32))
 
 
 def _chunks(a: jax.Array, chunk: int) -> jax.Array:
@@ -118,17 +130,16 @@ def grouped_swiglu(x, experts, gate, up, down) -> jax.Array:
     [T, k, d]; the weights gate/up [E, d, f] and down [E, f, d] are in the compute dtype."""
     t, k = experts.shape
     n_experts, d, f = gate.shape
-    weight_bytes = d * f * gate.dtype.itemsize
-    lay = layout(experts.reshape(-1), n_experts, lambda b: chunk_blocks(b, weight_bytes))
-    chunk = chunk_blocks(lay.block, weight_bytes)
-    n_rows = lay.block_expert.shape[0] * lay.block
+    shape = blocks_for(t * k, n_experts, d * f * gate.dtype.itemsize)
+    lay = layout(experts.reshape(-1), n_experts, shape)
+    n_rows, chunk = shape.n_blocks * shape.block, shape.chunk
     # Which token each row holds (T: none, a padding row of zeros).
     token_of_row = jnp.full(n_rows, t, jnp.int32).at[lay.rows].set(
         jnp.arange(t * k, dtype=jnp.int32) // k)
     # Hidden units split over tensor: the tokens vary over it before the gather, so the
     # backward sums their gradient once, [T, d], not each projection's [rows, d].
     x = varying(x, vma(gate))
-    rows = x.at[token_of_row].get(mode="fill", fill_value=0).reshape(-1, lay.block, d)
+    rows = x.at[token_of_row].get(mode="fill", fill_value=0).reshape(-1, shape.block, d)
     a = gmm(rows, gate, lay.block_expert, chunk)
     b = gmm(rows, up, lay.block_expert, chunk)
     out = gmm(jax.nn.silu(a) * b, down, lay.block_expert, chunk).reshape(n_rows, d)

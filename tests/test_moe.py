@@ -90,11 +90,12 @@ def test_grouped_layout_gives_each_block_one_expert():
     skews = {"random": jax.random.randint(jax.random.key(0), (n,), 0, n_experts),
              "one expert": jnp.full((n,), 3), "two experts": jnp.arange(n) % 2 * 15}
     for name, experts in skews.items():
-        lay = grouped.layout(experts.astype(jnp.int32), n_experts, lambda block: 1)
+        shape = grouped.blocks_for(n, n_experts, 1)
+        lay = grouped.layout(experts.astype(jnp.int32), n_experts, shape)
         rows, owner = np.asarray(lay.rows), np.asarray(lay.block_expert)
         assert len(set(rows.tolist())) == n, name
-        assert (owner[rows // lay.block] == np.asarray(experts)).all(), name
-        assert lay.block_expert.shape[0] * lay.block <= n + n_experts * lay.block, name
+        assert (owner[rows // shape.block] == np.asarray(experts)).all(), name
+        assert shape.n_blocks * shape.block <= n + n_experts * shape.block, name
 
 
 def test_grouped_experts_run_the_routed_flops():
