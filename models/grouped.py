@@ -49,11 +49,12 @@ class Blocks(NamedTuple):
 
 def blocks_for(assignments: int, n_experts: int, weight_bytes: int) -> Blocks:
     """The block count is the static bound sum_e ceil(n_e / block) <= (N + E (block - 1)) /
-    block, whatever the routing, rounded up to whole chunks."""
+    block, whatever the routing, rounded up to whole chunks of (nearly) the largest size."""
     block = block_rows(assignments, n_experts)
-    chunk = chunk_blocks(block, weight_bytes)
     bound = (assignments + n_experts * (block - 1)) // block
-    return Blocks(-(-bound // chunk) * chunk, block, chunk)
+    loops = -(-bound // chunk_blocks(block, weight_bytes))
+    chunk = -(-bound // loops)  # as even as the loop count allows: < `loops` blocks over
+    return Blocks(loops * chunk, block, chunk)
 
 
 class Layout(NamedTuple):

@@ -7,8 +7,8 @@ the step passes that in as `ModelContext.moe`.
 
 Routing policies:
 - grouped: nothing is dropped, and the experts run the routed FLOPs: assignments are sorted
-  by expert into blocks and each block meets its expert's weights (`models.grouped`). Not
-  yet with expert parallelism.
+  by expert into blocks and each block meets its expert's weights (`models.grouped`); with
+  expert parallelism tokens travel in bounded rounds (`jdist.parallel.expert_rounds`).
 - dropless: nothing is dropped: each (source device, expert) buffer has room for every
   local token, since a token picks an expert at most once. The price is compute on the
   empty slots (E/k times the useful FLOPs).
@@ -88,26 +88,31 @@ def balance_sums(probs, experts, logits, dropped, n_experts: int) -> dict:
             "dropped": jnp.asarray(dropped, jnp.float32)}
 
 
-def grouped_group(x, weights, experts, w, tp_axes=()):
-    """The grouped dropless path for one group on one expert-parallel rank: every assignment
-    computed at the routed FLOPs, then mixed by the router weights."""
+def local_experts(x, experts, w) -> jax.Array:
+    """Each assignment's expert output [T, k, d], all experts on this device."""
     gate, up, down = (w[k].astype(x.dtype) for k in ("w_gate", "w_up", "w_down"))
-    y = jnp.einsum("tkd,tk->td", grouped_swiglu(x, experts, gate, up, down),
-                   weights.astype(x.dtype))
+    return grouped_swiglu(x, experts, gate, up, down)
+
+
+def grouped_group(x, weights, experts, w, tp_axes=(), experts_run=local_experts):
+    """The grouped dropless path for one group: every assignment computed at the routed
+    FLOPs by `experts_run` (here, or across expert-parallel devices), mixed by the router."""
+    y = jnp.einsum("tkd,tk->td", experts_run(x, experts, w), weights.astype(x.dtype))
     # Hidden units split over tensor: summing the mixed [T, d] moves k times fewer bytes
     # than summing each assignment's output.
     return jax.lax.psum(y, tp_axes) if tp_axes else y
 
 
-def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1):
+def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=local_experts):
     """One group of tokens x [T, d] through the MoE; returns (y [T, d], balance sums).
     With `ep_axes` (inside a shard_map over them) each device holds E/n_ep experts and
     tokens travel to their experts' devices and back by all-to-all; with `tp_axes` the
-    experts' hidden units are split and the down projection is summed over them."""
+    experts' hidden units are split and the down projection is summed over them. Grouped
+    routing runs its experts with `experts_run` (the expert-parallel kernel passes its own)."""
     n_experts = cfg.n_experts
     weights, experts, probs, logits = route(x, w["router"], cfg)
-    if cfg.moe_routing == GROUPED:  # the step refuses it with expert parallelism (n_ep > 1)
-        return (grouped_group(x, weights, experts, w, tp_axes),
+    if cfg.moe_routing == GROUPED:
+        return (grouped_group(x, weights, experts, w, tp_axes, experts_run),
                 balance_sums(probs, experts, logits, 0, n_experts))
     dropless = cfg.moe_routing == DROPLESS
     capacity = capacity_of(x.shape[0], cfg, dropless)

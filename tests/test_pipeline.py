@@ -2,6 +2,7 @@
 stage count trained against one device, the collectives that move activations, and the
 one-line errors."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -134,11 +135,13 @@ def moe_reference(single_device):
     return single_device(MOE, batch_size=16, grad_accum=MOE_MICRO)
 
 
-@pytest.mark.parametrize("mesh, schedule", [("pp=2,ep=2", "interleaved"),
-                                            ("dp=2,pp=2,ep=2", "1f1b")])
+@pytest.mark.parametrize("mesh, schedule, routing", [("pp=2,ep=2", "interleaved", "dropless"),
+                                                     ("dp=2,pp=2,ep=2", "1f1b", "dropless"),
+                                                     ("pp=2,ep=2", "1f1b", "grouped")])
 def test_moe_pipeline_with_expert_parallelism_matches_single_device(corpus, moe_reference,
-                                                                     mesh, schedule):
-    run = train_steps(MOE, mesh, corpus.train, config(batch_size=16),
+                                                                     mesh, schedule, routing):
+    model = dataclasses.replace(MOE, moe_routing=routing)  # against the padded reference
+    run = train_steps(model, mesh, corpus.train, config(batch_size=16),
                       pipeline=PipelineConfig(schedule, MOE_MICRO, 1 + (schedule == "interleaved")))
     assert_matches(run, moe_reference)
     # Tokens reach their experts inside the stage: dispatch and return, forward and backward.

@@ -16,8 +16,9 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jdist import axes as ax
-from jdist.models.moe import STATS, moe_group
+from jdist.models.moe import GROUPED, STATS, local_experts, moe_group
 from jdist.parallel import kernel_mesh
+from jdist.parallel.expert_rounds import routed_rounds
 from jdist.rules import Rules, mesh_axes_of, resolve
 
 X_NAMES = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
@@ -35,10 +36,14 @@ def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules):
     ep_axes = mesh_axes_of(w_specs["w_gate"][0])
     tp_axes = mesh_axes_of(w_specs["w_gate"][2])
     n_ep = math.prod(mesh.shape[a] for a in ep_axes)
+    run = local_experts
+    if n_ep > 1 and cfg.moe_routing == GROUPED:
+        def run(x, experts, w):
+            return routed_rounds(x, w, experts, ep_axes, n_ep).reshape(*experts.shape, d)
 
     def kernel(x, w):
         lb, ls, _ = x.shape
-        y, sums = moe_group(x.reshape(lb * ls, d), w, cfg, ep_axes, tp_axes, n_ep)
+        y, sums = moe_group(x.reshape(lb * ls, d), w, cfg, ep_axes, tp_axes, n_ep, run)
         if token_axes:
             sums = jax.lax.psum(sums, token_axes)
         return y.reshape(lb, ls, d), sums

@@ -96,14 +96,6 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)))
 
 
-def check_grouped_experts(cfg: ModelConfig, mesh, rules: Rules) -> None:
-    """Grouped routing has no expert-parallel exchange yet: its experts must be whole."""
-    split = mesh_axes_of(resolve((ax.EXPERTS,), rules, mesh)[0]) if cfg.n_experts else ()
-    require(cfg.moe_routing != "grouped" or not split,
-            f"--moe-routing grouped does not run with experts split over {'x'.join(split)} "
-            "yet; use --moe-routing dropless with expert parallelism, or a mesh without ep")
-
-
 def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransformation,
               memory: MemoryFlags | None = None, parallel: ParallelFlags | None = None,
               finetune: FinetuneFlags | None = None, eod_id: int | None = None) -> Plan:
@@ -123,7 +115,6 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     require(quantize == "none" or trainable.frozen_base(cfg),
             f"--quantize-base {quantize} quantizes a frozen base, which only LoRA has; add "
             "--lora-rank R")
-    check_grouped_experts(cfg, mesh, rules)
     names = sh.logical_names(abstract_vars)
     model_params = nnx.to_pure_dict(abstract_vars)
     check_quantizable(model_params, names, mesh, rules, quantize)
