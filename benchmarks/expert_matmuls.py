@@ -18,6 +18,13 @@ the compiled HLO) over the routed activations [T k, d]; the compiled forward's t
 
 Shapes (bf16): Qwen3-30B-A3B (8192 tokens, top-8 of 128 experts, d 2048, f 768) and
 Mixtral 8x7B (8192 tokens, top-2 of 8, d 4096, f 14336).
+
+Then the whole MoE layer on 8 GPUs with ep=8 (`jdist.parallel.moe`, 8192 tokens per
+device), dropless against grouped (whose tokens travel in bounded rounds,
+`jdist.parallel.expert_rounds`; the numbers are the first round's, which is all of it when
+routing is near balance: the loop of later rounds is counted 0 times): the forward's all-to-all
+bytes per device over the routed tokens' bytes there and back, and the executed expert
+FLOPs of forward + backward over the routed ones.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import common
 from common import Column
 
-common.setup_devices(1, cpu_only=True)
+common.setup_devices(8, cpu_only=True)
 
 SHAPES = {  # tokens, experts, top-k, d, f
     "qwen3-30b-a3b": (8192, 128, 8, 2048, 768),
@@ -109,6 +116,59 @@ def measure(name: str, target: str) -> list[dict]:
     return rows
 
 
+EP_COLUMNS = (Column("shape", "14"), Column("routing", "9"),
+              Column("a2a MiB fwd", "12.1f", "a2a_mib"),
+              Column("x routed bytes", "15.2f", "a2a_ratio"),
+              Column("executed TFLOP", "15.2f", "executed_tflop"),
+              Column("x routed", "9.2f", "flops_ratio"))
+
+
+def measure_ep(name: str, target: str, n_ep: int = 8) -> list[dict]:
+    """One MoE layer (router included, its FLOPs taken off) on `n_ep` GPUs with ep=n_ep."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from jdist import gpu_report
+    from jdist.mesh import build_mesh
+    from jdist.models import get_preset
+    from jdist.parallel.moe import WEIGHT_NAMES, X_NAMES, moe_ffn
+    from jdist.rules import DEFAULT_RULES, resolve
+    from jdist.target import COMPILER_OPTIONS, devices
+
+    tokens, experts, k, d, f = SHAPES[name]
+    mesh = build_mesh(f"ep={n_ep}", devices(target, n_ep))
+    sharded = lambda names, shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(mesh, resolve(names, DEFAULT_RULES, mesh)))
+    x = sharded(X_NAMES, (n_ep, tokens, d))
+    w = {"router": sharded(WEIGHT_NAMES["router"], (d, experts), jnp.float32),
+         **{key: sharded(WEIGHT_NAMES[key], (experts, *dims)) for key, dims in
+            (("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d)))}}
+    routed_bytes = tokens * k * d * 2 * 2  # there and back
+    routed = 3 * 2.0 * tokens * k * d * f * 3
+    router = 2.0 * tokens * d * experts * 3
+    rows = []
+    for routing in ("dropless", "grouped"):
+        cfg = dataclasses.replace(get_preset(name), moe_routing=routing, d_ff=f)
+        layer = lambda x, w, cfg=cfg: moe_ffn(x, w, cfg, mesh=mesh, rules=DEFAULT_RULES)[0]
+        forward = jax.jit(layer).lower(x, w).compile(dict(COMPILER_OPTIONS))
+        # Near balance every token is served in the first round: no later round runs.
+        a2a = sum(r.bytes for r in gpu_report.report(forward.as_text(), mesh,
+                                                     unknown_trips=0).rows
+                  if r.kind == "all-to-all")
+        loss = lambda x, w, layer=layer: jnp.sum(layer(x, w).astype(jnp.float32) ** 2)
+        both = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile(
+            dict(COMPILER_OPTIONS))
+        executed = gpu_report.report(both.as_text(), mesh,
+                                     unknown_trips=0).executed_flops - router
+        rows.append({"shape": name, "routing": routing, "a2a_mib": a2a / 2**20,
+                     "a2a_ratio": a2a / routed_bytes, "executed_tflop": executed / 1e12,
+                     "flops_ratio": executed / routed})
+    return rows
+
+
 def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--target", default="h100-80gb")
@@ -117,7 +177,10 @@ def main() -> None:
 
     prepare_target(args.target)
     rows = [r for name in SHAPES for r in measure(name, args.target)]
-    common.emit(rows, args.json, lambda: common.table(rows, COLUMNS))
+    ep = [r for name in SHAPES for r in measure_ep(name, args.target)]
+    common.emit({"one_device": rows, "ep8": ep}, args.json, lambda: [
+        *common.table(rows, COLUMNS), "\nthe layer on 8 GPUs, ep=8:",
+        *common.table(ep, EP_COLUMNS)])
 
 
 if __name__ == "__main__":

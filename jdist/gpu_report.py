@@ -109,11 +109,14 @@ def is_matmul(i: hlo.Instruction, heavy: set[str]) -> bool:
 
 
 def report(hlo_text: str, mesh, model_flops: float = 0.0,
-           branch_shares: dict[int, tuple[float, ...]] | None = None) -> GpuReport:
-    """The report of scheduled GPU HLO text on `mesh` (module docstring)."""
+           branch_shares: dict[int, tuple[float, ...]] | None = None,
+           unknown_trips: float = 1.0) -> GpuReport:
+    """The report of scheduled GPU HLO text on `mesh` (module docstring); loops whose trip
+    count depends on data run `unknown_trips` times (the MoE's extra rounds: 0 when routing
+    is near balance)."""
     comps = hlo.computations(hlo_text)
     heavy = matmul_computations(comps)
-    runs = executions(hlo_text, comps, branch_shares)
+    runs = executions(hlo_text, comps, branch_shares, unknown_trips)
     types = {i.name: i.type for text in comps.values() for i in hlo.instructions(text)}
     rows: dict[tuple[str, tuple[str, ...]], Row] = {}
     flops = 0.0
@@ -154,11 +157,13 @@ def _collectives(body: list[hlo.Instruction], heavy: set[str]):
 
 
 def executions(hlo_text: str, comps: dict[str, str] | None = None,
-               branch_shares: dict[int, tuple[float, ...]] | None = None) -> dict[str, float]:
+               branch_shares: dict[int, tuple[float, ...]] | None = None,
+               unknown_trips: float = 1.0) -> dict[str, float]:
     """{computation: executions per run} along the whole call graph: a loop body once per
-    iteration (`known_trip_count`, else once), a fusion or call as often as its caller,
-    the branches of a conditional with n branches by `branch_shares[n]` (shares in branch
-    order) of its caller's, else 1/n each (which branch runs is data). Reducers
+    iteration (`known_trip_count`, else `unknown_trips` times), a fusion or call as often
+    as its caller, the branches of a conditional with n branches by `branch_shares[n]`
+    (shares in branch order) of its caller's, else 1/n each (which branch runs is data).
+    Reducers
     (`to_apply`) are not counted: they hold no matmul or collective."""
     comps = comps or hlo.computations(hlo_text)
     times = dict.fromkeys(comps, 0.0)
@@ -168,7 +173,7 @@ def executions(hlo_text: str, comps: dict[str, str] | None = None,
         for line in comps[name].splitlines():
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
             for key, callee in re.findall(r"(calls|body)=%?([\w.\-]+)", line):
-                n = int(trips.group(1)) if key == "body" and trips else 1
+                n = 1 if key != "body" else int(trips.group(1)) if trips else unknown_trips
                 if callee in times:
                     times[callee] += times[name] * n
             branches = re.search(r"branch_computations=\{([^}]*)\}", line) or \

@@ -8,9 +8,10 @@ when it is not. Per round, the tokens and their local expert ids go out by all-t
 receiver runs its experts on the rows it got (`models.grouped`: the rows it received,
 padded to one-expert blocks), and the outputs come back by a second all-to-all.
 
-The round count depends on the routing, so the rounds are a `while_loop`, which autodiff
-cannot reverse; a custom VJP runs the rounds again in the backward, recomputing each round's
-expert forward for its VJP (the price: one more expert forward, as `--remat full` pays).
+The round count depends on the routing, so the rounds after the first are a `while_loop`,
+which autodiff cannot reverse. A custom VJP keeps the first round's expert VJP (what plain
+autodiff would save) and runs the later rounds again in the backward, recomputing each one's
+expert forward: near balance there is no later round and nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -78,45 +79,65 @@ def _rounds(x, gate, up, down, experts, ep_axes, n_ep):
     return _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep)[0]
 
 
-def _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep):
+def _round_setup(x, gate, experts, ep_axes, n_ep):
     t, k = experts.shape
-    e_local, d = gate.shape[0], x.shape[-1]
     capacity = round_capacity(t * k, n_ep)
-    flat, order, counts, starts, rounds = _plan(experts, e_local, n_ep, capacity, ep_axes)
+    plan = _plan(experts, gate.shape[0], n_ep, capacity, ep_axes)
+    return k, capacity, plan
 
-    def one_round(carry):
-        r, out = carry
+
+def _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep):
+    k, capacity, (flat, order, counts, starts, rounds) = \
+        _round_setup(x, gate, experts, ep_axes, n_ep)
+    e_local, d = gate.shape[0], x.shape[-1]
+
+    def served(r):
+        """Round r's ids and its experts' VJP, whose value is the outputs sent back."""
         idx = _sent(r, order, counts, starts, capacity)
         rows, ids = _round_inputs(x, flat, idx, k, e_local, ep_axes)
-        served = grouped_swiglu(rows, ids, gate, up, down).reshape(n_ep, capacity, d)
-        return r + 1, out.at[idx].add(_exchange(served, ep_axes), mode="drop")
+        out, vjp = jax.vjp(lambda r_, *w: grouped_swiglu(r_, ids, *w), rows, gate, up, down)
+        return idx, _exchange(out.reshape(n_ep, capacity, d), ep_axes), vjp
 
-    start = (jnp.zeros((), jnp.int32), zeros((t * k, d), x.dtype, like=x))
-    _, out = jax.lax.while_loop(lambda c: c[0] < rounds, one_round, start)
-    return out, (x, gate, up, down, experts)
+    idx, back, first_vjp = served(jnp.zeros((), jnp.int32))
+    out = zeros((flat.shape[0], d), x.dtype, like=x).at[idx].add(back, mode="drop")
+
+    def later_round(carry):
+        r, out = carry
+        idx, back, _ = served(r)
+        return r + 1, out.at[idx].add(back, mode="drop")
+
+    _, out = jax.lax.while_loop(lambda c: c[0] < rounds, later_round,
+                                (jnp.ones((), jnp.int32), out))
+    return out, (x, gate, up, down, experts, first_vjp)
 
 
 def _rounds_bwd(ep_axes, n_ep, res, g):
-    x, gate, up, down, experts = res
-    t, k = experts.shape
+    x, gate, up, down, experts, first_vjp = res
+    k, capacity, (flat, order, counts, starts, rounds) = \
+        _round_setup(x, gate, experts, ep_axes, n_ep)
     e_local, d = gate.shape[0], x.shape[-1]
-    capacity = round_capacity(t * k, n_ep)
-    flat, order, counts, starts, rounds = _plan(experts, e_local, n_ep, capacity, ep_axes)
 
-    def one_round(carry):
-        r, dx, dw = carry
+    def backward(r, vjp, dx, dw):
+        """Round r's output gradients out, its input gradients back; weight gradients."""
         idx = _sent(r, order, counts, starts, capacity)
-        rows, ids = _round_inputs(x, flat, idx, k, e_local, ep_axes)
         g_rows = _exchange(g.at[idx].get(mode="fill", fill_value=0), ep_axes).reshape(-1, 1, d)
-        _, vjp = jax.vjp(lambda r_, *w: grouped_swiglu(r_, ids, *w), rows, gate, up, down)
         d_rows, *d_w = vjp(g_rows)
         back = _exchange(d_rows.reshape(n_ep, capacity, d), ep_axes)
         dw = tuple(a + b.astype(jnp.float32) for a, b in zip(dw, d_w))
-        return r + 1, dx.at[idx // k].add(back.astype(jnp.float32), mode="drop"), dw
+        return dx.at[idx // k].add(back.astype(jnp.float32), mode="drop"), dw
 
-    start = (jnp.zeros((), jnp.int32), zeros(x.shape, jnp.float32, like=x),
-             tuple(zeros(w.shape, jnp.float32, like=w) for w in (gate, up, down)))
-    _, dx, dw = jax.lax.while_loop(lambda c: c[0] < rounds, one_round, start)
+    def later_round(carry):
+        r, dx, dw = carry
+        idx = _sent(r, order, counts, starts, capacity)
+        rows, ids = _round_inputs(x, flat, idx, k, e_local, ep_axes)
+        _, vjp = jax.vjp(lambda r_, *w: grouped_swiglu(r_, ids, *w), rows, gate, up, down)
+        return r + 1, *backward(r, vjp, dx, dw)
+
+    dx, dw = backward(jnp.zeros((), jnp.int32), first_vjp,
+                      zeros(x.shape, jnp.float32, like=x),
+                      tuple(zeros(w.shape, jnp.float32, like=w) for w in (gate, up, down)))
+    _, dx, dw = jax.lax.while_loop(lambda c: c[0] < rounds, later_round,
+                                   (jnp.ones((), jnp.int32), dx, dw))
     return (dx.astype(x.dtype), *(a.astype(w.dtype) for a, w in zip(dw, (gate, up, down))),
             None)
 
