@@ -277,6 +277,9 @@ FAMILIES = [
     Family("moe-grouped-dp-fsdp-tp", dict(model="moe-tiny", mesh="dp=2,fsdp=2,tp=2",
                                           moe_routing="grouped"), "cudnn",
            (("all-reduce", ("tensor",)), ("reduce-scatter", ("fsdp",)))),
+    Family("moe-grouped-ep-tp-fsdp", dict(model="moe-tiny", mesh="fsdp=2,ep=2,tp=2",
+                                          moe_routing="grouped"), "cudnn",
+           (("all-to-all", ("expert",)), ("all-reduce", ("tensor",)))),
     Family("lora-fsdp-pp-tp", dict(mesh="fsdp=2,pp=2,tp=2", lora_rank=4), "cudnn",
            (("collective-permute", ("stage",)),), extra=("frozen base",)),
     # QLoRA needs whole NF4 blocks of 64 in every shard (tests/test_lora.py's shape).
