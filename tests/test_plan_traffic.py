@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist import comm, hlo
+from jdist import comm, gpu_report, hlo
 from jdist.config import TrainConfig
 from jdist.memory import compile_step
 from jdist.plan import traffic
@@ -70,6 +70,15 @@ def test_step_traffic_matches_the_compiled_report(mesh, flags):
     batch = flags.pop("batch", 8)
     plan = plan_of(mesh, batch, **flags)
     assert_matches(traffic.step_traffic(plan, batch, 32), measured(plan, batch, 32))
+
+
+def test_grouped_expert_rounds_move_one_round_near_balance():
+    """Grouped MoE with ep: the model prices the first round of jdist.parallel.expert_rounds;
+    the loop of later rounds (data-dependent trip count) runs no time near balance."""
+    plan = plan_of("fsdp=2,ep=2,tp=2", model="moe-tiny", moe_routing="grouped")
+    text = compile_step(plan, 8, 32).as_text()
+    first_round = [r for r in gpu_report.report(text, plan.mesh, unknown_trips=0).rows if r.axes]
+    assert_matches(traffic.step_traffic(plan, 8, 32), first_round)
 
 
 def test_pipeline_branches_count_once_per_micro_batch_and_chunk():

@@ -18,6 +18,7 @@ from jdist.plan.traffic.layout import (
     F32,
     PERMUTE,
     RS,
+    S32,
     Collective,
     Step,
     mesh_axes,
@@ -112,14 +113,31 @@ def _moe_moves(st: Step, backward: bool) -> list[Collective]:
     ep = resolved(st.plan, (ax.EXPERTS,), 0)
     tp = resolved(st.plan, (ax.EXPERTS, ax.EMBED, ax.MLP), 2)
     out = []
-    if st.model.moe_routing == "grouped":  # never with ep; the mixed tokens summed over tp
-        tokens = st.rows * st.seq // st.size(st.cp + st.sp) * st.model.d_model
-        return [Collective(AR, tp, 1, tokens, st.dtype, "moe: expert hidden units")] if tp else []
+    if st.model.moe_routing == "grouped":
+        return _grouped_moves(st, ep, tp, backward)
     if ep:
         out.append(Collective(A2A, ep, 2, _moe_buffer(st), st.dtype, "moe: dispatch, combine"))
     if tp:
         out.append(Collective(AR, tp, 2 if backward else 1, _moe_buffer(st), st.dtype,
                               "moe: expert hidden units"))
+    return out
+
+
+def _grouped_moves(st: Step, ep, tp, backward: bool) -> list[Collective]:
+    """Grouped routing: the mixed tokens [T, d] summed over tp once each way; with ep, one
+    round of jdist.parallel.expert_rounds (all of it near balance): rows out and outputs back
+    (and the rows' expert ids) forward, output and input gradients backward."""
+    from jdist.parallel.expert_rounds import round_capacity
+
+    m = st.model
+    tokens = st.rows * st.seq // st.size(st.cp + st.sp)
+    out = [Collective(AR, tp, 1, tokens * m.d_model, st.dtype, "moe: expert hidden units")] \
+        if tp else []
+    if ep:
+        slots = st.size(ep) * round_capacity(tokens * m.top_k, st.size(ep))
+        out.append(Collective(A2A, ep, 2, slots * m.d_model, st.dtype, "moe: rounds"))
+        if not backward:
+            out.append(Collective(A2A, ep, 1, slots, S32, "moe: rounds' expert ids"))
     return out
 
 
