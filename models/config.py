@@ -51,6 +51,12 @@ class ModelConfig:
     moe_routing: str = "dropless"  # or "grouped" (dropless at the routed FLOPs), "capacity"
     capacity_factor: float = 1.25
     gating: str = "softmax"        # or "sigmoid"
+    norm_topk_prob: bool = True    # the chosen k weights renormalised to sum to one
+    # A shared expert every token passes through beside the routed ones (DeepSeek's
+    # n_shared x moe_intermediate_size as one SwiGLU; Qwen2-MoE's shared_expert), 0: none;
+    # with shared_gate its output is scaled by sigmoid(x @ w) (Qwen2-MoE).
+    shared_d_ff: int = 0
+    shared_gate: bool = False
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     # LoRA adapters on the projections (models.lora); None: none.
@@ -66,7 +72,8 @@ class ModelConfig:
         attn = self.d_model * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.d_model * self.d_ff * max(1, self.n_experts)
         norms = 2 * self.d_model + (2 * hd if self.qk_norm else 0)
-        block = attn + mlp + self.d_model * self.n_experts + norms
+        shared = 3 * self.d_model * self.shared_d_ff + self.d_model * self.shared_gate
+        block = attn + mlp + self.d_model * self.n_experts + shared + norms
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
         return self.n_layers * block + self.vocab_size * self.d_model + head + self.d_model
 
@@ -89,6 +96,14 @@ class ModelConfig:
                     f"--capacity-factor {self.capacity_factor} must be positive")
             require(self.gating in ("softmax", "sigmoid"),
                     f"unknown gating {self.gating!r}; use softmax or sigmoid")
+            require(self.shared_d_ff >= 0, f"--shared-d-ff {self.shared_d_ff} must be 0 (no "
+                    "shared expert) or positive")
+        else:
+            require(not self.shared_d_ff and not self.shared_gate,
+                    "--shared-d-ff and --shared-gate add a shared expert to a mixture of "
+                    "experts; add --n-experts E")
+        require(not self.shared_gate or self.shared_d_ff > 0,
+                "--shared-gate scales a shared expert; give it --shared-d-ff F")
         if self.lora is not None:
             dims = (self.d_model, self.dim_per_head * self.n_kv_heads) + (
                 () if self.n_experts else (self.d_ff,))

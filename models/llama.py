@@ -112,11 +112,12 @@ class Attention(nnx.Module):
 class SwiGLU(nnx.Module):
     """Column-parallel gate/up, row-parallel down projection."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
-        self.w_gate = param(rngs, (cfg.d_model, cfg.d_ff), (EMBED, MLP))
-        self.w_up = param(rngs, (cfg.d_model, cfg.d_ff), (EMBED, MLP))
-        self.w_down = param(rngs, (cfg.d_ff, cfg.d_model), (MLP, EMBED), std=out_std)
+        d_ff = d_ff or cfg.d_ff
+        self.w_gate = param(rngs, (cfg.d_model, d_ff), (EMBED, MLP))
+        self.w_up = param(rngs, (cfg.d_model, d_ff), (EMBED, MLP))
+        self.w_down = param(rngs, (d_ff, cfg.d_model), (MLP, EMBED), std=out_std)
         self.gate_lora = adapter(cfg.lora, "gate", self.w_gate, 1, rngs)
         self.up_lora = adapter(cfg.lora, "up", self.w_up, 1, rngs)
         self.down_lora = adapter(cfg.lora, "down", self.w_down, 1, rngs)
@@ -138,14 +139,30 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg, rngs) if cfg.n_experts else SwiGLU(cfg, rngs)
+        # A shared expert beside the routed ones, for every token.
+        shared = cfg.n_experts and cfg.shared_d_ff
+        self.shared_mlp = SwiGLU(cfg, rngs, cfg.shared_d_ff) if shared else None
+        self.shared_gate = param(rngs, (cfg.d_model, 1), (EMBED, None)) \
+            if shared and cfg.shared_gate else None
+
+    def feed_forward(self, x: jax.Array, ctx: ModelContext) -> tuple[jax.Array, dict]:
+        """The MLP (or the routed experts, plus any shared expert) and the MoE balance
+        statistics ({} if dense)."""
+        out = self.mlp(x, ctx)
+        out, stats = out if isinstance(out, tuple) else (out, {})
+        if self.shared_mlp is not None:
+            shared = self.shared_mlp(x, ctx)
+            if self.shared_gate is not None:
+                shared = shared * jax.nn.sigmoid(x @ weight(self.shared_gate, x))
+            out = out + shared
+        return out, stats
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: ModelContext,
                  segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Returns the new residual stream and the MoE balance statistics ({} if dense)."""
         x = ctx.constrain(x + self.attn(self.attn_norm(x), cos, sin, ctx, segment_ids),
                           RESIDUAL)
-        out = self.mlp(self.mlp_norm(x), ctx)
-        out, stats = out if isinstance(out, tuple) else (out, {})
+        out, stats = self.feed_forward(self.mlp_norm(x), ctx)
         return ctx.constrain(x + out, RESIDUAL), stats
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: ModelContext,
@@ -154,8 +171,7 @@ class Block(nnx.Module):
         stream and the updated cache. MoE balance statistics are dropped."""
         h, kv = self.attn(self.attn_norm(x), cos, sin, ctx, cache=cache)
         x = ctx.constrain(x + h, RESIDUAL)
-        out = self.mlp(self.mlp_norm(x), ctx)
-        out = out[0] if isinstance(out, tuple) else out
+        out, _ = self.feed_forward(self.mlp_norm(x), ctx)
         return ctx.constrain(x + out, RESIDUAL), kv
 
 

@@ -35,11 +35,14 @@ STATS = ("counts", "prob_sum", "z_sum", "tokens", "dropped")  # additive balance
 
 
 def route(x: jax.Array, router: jax.Array, cfg):
-    """x [T, d] -> (top-k weights [T, k], experts [T, k], probs [T, E], logits [T, E])."""
+    """x [T, d] -> (top-k weights [T, k], experts [T, k], probs [T, E], logits [T, E]);
+    the weights are the chosen probabilities, renormalised over the k if the config says."""
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     probs = jax.nn.sigmoid(logits) if cfg.gating == "sigmoid" else jax.nn.softmax(logits)
     top, experts = jax.lax.top_k(probs, cfg.top_k)
-    return top / top.sum(-1, keepdims=True), experts, probs, logits
+    if cfg.norm_topk_prob:
+        top = top / top.sum(-1, keepdims=True)
+    return top, experts, probs, logits
 
 
 def positions_in_experts(experts: jax.Array, n_experts: int) -> jax.Array:

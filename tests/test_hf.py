@@ -195,8 +195,8 @@ def _copy_with_config(tmp_path, **changes) -> Path:
     ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
       "num_experts_per_tok": 2, "sliding_window": 4096}, "sliding attention window"),
     ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
-      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False},
-     "norm_topk_prob"),
+      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]},
+     "dense layers between the MoE ones"),
 ])
 def test_unsupported_checkpoints_are_refused(tmp_path, changes, says):
     d = _copy_with_config(tmp_path, **changes)

@@ -31,7 +31,8 @@ def reference_moe(x, w, cfg):
     logits = x @ w["router"]
     probs = jax.nn.softmax(logits)
     top, idx = jax.lax.top_k(probs, cfg.top_k)
-    top = top / top.sum(-1, keepdims=True)
+    if cfg.norm_topk_prob:
+        top = top / top.sum(-1, keepdims=True)
     y = jnp.zeros_like(x)
     for e in range(cfg.n_experts):
         h = jax.nn.silu(x @ w["w_gate"][e]) * (x @ w["w_up"][e])
@@ -54,12 +55,13 @@ def rel(a, b):
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
-@pytest.mark.parametrize("mesh, routing", [
-    ("ep=8", "dropless"), ("ep=8", "capacity"), ("dp=2,ep=2,tp=2", "dropless"),
-    ("dp=2,ep=2,tp=2", "capacity"), ("dp=2,fsdp=2,tp=2", "grouped"), ("ep=8", "grouped"),
-    ("dp=2,ep=2,tp=2", "grouped")])
-def test_expert_parallel_layer_matches_reference(mesh, routing):
-    cfg = dataclasses.replace(MOE, moe_routing=routing, capacity_factor=float(MOE.n_experts))
+@pytest.mark.parametrize("mesh, routing, renormalised", [
+    ("ep=8", "dropless", True), ("ep=8", "capacity", True), ("dp=2,ep=2,tp=2", "dropless", True),
+    ("dp=2,ep=2,tp=2", "capacity", True), ("dp=2,fsdp=2,tp=2", "grouped", True),
+    ("ep=8", "grouped", True), ("dp=2,ep=2,tp=2", "grouped", False)])
+def test_expert_parallel_layer_matches_reference(mesh, routing, renormalised):
+    cfg = dataclasses.replace(MOE, moe_routing=routing, capacity_factor=float(MOE.n_experts),
+                              norm_topk_prob=renormalised)
     x, w = random_layer()
     m = build_mesh(mesh)
 
@@ -151,6 +153,18 @@ def test_grouped_matches_padded_single_device(corpus, single_device, mesh):
     """Grouped on the mesh against the padded dropless path on one device."""
     grouped_moe = dataclasses.replace(MOE, moe_routing="grouped")
     assert_matches(train_steps(grouped_moe, mesh, corpus.train), single_device(MOE))
+
+
+SHARED = dataclasses.replace(MOE, shared_d_ff=32, shared_gate=True)
+
+
+@pytest.mark.parametrize("routing", ["dropless", "grouped"])
+def test_shared_expert_matches_single_device(corpus, single_device, routing):
+    """A gated shared expert beside the routed ones (Qwen2-MoE's block) on ep=4,fsdp=2."""
+    run = train_steps(dataclasses.replace(SHARED, moe_routing=routing), "fsdp=2,ep=4",
+                      corpus.train)
+    assert_matches(run, single_device(SHARED))
+    assert {"shared_mlp", "shared_gate"} <= set(run.grads["blocks"])
 
 
 def test_low_capacity_drops_tokens_and_they_skip_the_mlp():

@@ -54,8 +54,11 @@ class ModelFlags:
     top_k: int | None = flag(None, "experts per token (1 or 2 typical)")
     moe_routing: str | None = flag(None, "dropless (nothing dropped; every expert has room "
                                    "for every token), grouped (nothing dropped, at the routed "
-                                   "FLOPs; not yet with ep) or capacity (overflow tokens skip "
-                                   "the MLP)")
+                                   "FLOPs) or capacity (overflow tokens skip the MLP)")
+    shared_d_ff: int | None = flag(None, "hidden width of a shared expert every token passes "
+                                   "through beside the routed ones (0: none)")
+    shared_gate: bool | None = flag(None, "scale the shared expert's output by a learned "
+                                    "sigmoid gate, as Qwen2-MoE does")
     capacity_factor: float | None = flag(None, "capacity routing: each expert takes factor x "
                                          "tokens x k / E tokens")
     aux_loss_weight: float | None = flag(None, "weight of the Switch load-balancing loss")

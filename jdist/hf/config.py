@@ -74,8 +74,6 @@ def _refuse_unsupported(c: dict, where: str) -> None:
     require(not window, f"{where}: a sliding attention window is not supported (jdist attends "
             "over the whole context); use a checkpoint without one")
     if kind == "qwen3_moe":
-        require(c.get("norm_topk_prob", False), f"{where}: norm_topk_prob=false is not "
-                "supported (jdist renormalises the top-k routing weights)")
         require(c.get("decoder_sparse_step", 1) == 1 and not c.get("mlp_only_layers"),
                 f"{where}: dense layers between the MoE ones (decoder_sparse_step, "
                 "mlp_only_layers) are not supported; every block must be MoE")
@@ -118,6 +116,8 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
         # Qwen3-MoE's hub configs say num_experts; transformers 5 writes num_local_experts.
         moe = dict(n_experts=int(c.get("num_local_experts") or c["num_experts"]),
                    top_k=int(c["num_experts_per_tok"]), moe_routing="dropless",
+                   # Mixtral always renormalises; Qwen3-MoE as its config says (default off)
+                   norm_topk_prob=kind != "qwen3_moe" or bool(c.get("norm_topk_prob", False)),
                    aux_loss_weight=float(c.get("router_aux_loss_coef", 0.01)),
                    z_loss_weight=0.0)
     d_ff = int(c["moe_intermediate_size" if kind == "qwen3_moe" else "intermediate_size"])
@@ -174,11 +174,15 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
     if cfg.n_experts:
         require(cfg.gating == "softmax", "export to Hugging Face needs softmax gating (Mixtral "
                 "and Qwen3-MoE route so); this model's is sigmoid")
+        require(not cfg.shared_d_ff, "export to Hugging Face of a shared expert is not "
+                "supported yet (Mixtral and Qwen3-MoE have none); train without --shared-d-ff")
+        require(cfg.norm_topk_prob or cfg.qk_norm, "export to Hugging Face as Mixtral needs "
+                "the top-k weights renormalised, as Mixtral always does")
         experts = "num_experts" if cfg.qk_norm else "num_local_experts"
         family |= {experts: cfg.n_experts, "num_experts_per_tok": cfg.top_k,
                    "router_aux_loss_coef": cfg.aux_loss_weight, "output_router_logits": False}
         if cfg.qk_norm:  # Qwen3-MoE: every block sparse, the experts' width its own field
-            family |= {"moe_intermediate_size": cfg.d_ff, "norm_topk_prob": True,
+            family |= {"moe_intermediate_size": cfg.d_ff, "norm_topk_prob": cfg.norm_topk_prob,
                        "decoder_sparse_step": 1, "mlp_only_layers": []}
     return {
         "architectures": [ARCHITECTURES[kind]], "model_type": kind,

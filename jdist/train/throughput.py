@@ -21,6 +21,7 @@ def flops_per_token(model, seq_len: int) -> float:
     attention = d * hd * (2 * model.n_heads + 2 * model.n_kv_heads)
     experts = model.top_k if model.n_experts else 1
     mlp = 3 * d * model.d_ff * experts + d * model.n_experts  # + router
+    mlp += 3 * d * model.shared_d_ff + d * model.shared_gate  # a shared expert
     matmul_params = model.n_layers * (attention + mlp) + d * model.vocab_size  # + head
     scores = 12 * model.n_layers * model.n_heads * hd * seq_len
     return 6.0 * matmul_params + scores
