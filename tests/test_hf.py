@@ -29,8 +29,9 @@ from jdist.train.setup import plan_for
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 UNTIED, TIED = FIXTURES / "llama-untied", FIXTURES / "llama-tied"
 QWEN3, MIXTRAL, QWEN3_MOE = FIXTURES / "qwen3", FIXTURES / "mixtral", FIXTURES / "qwen3-moe"
-FAMILIES = [UNTIED, TIED, QWEN3, MIXTRAL, QWEN3_MOE]
-FAMILY_IDS = ["untied", "tied", "qwen3", "mixtral", "qwen3-moe"]
+UNNORMALISED = FIXTURES / "qwen3-moe-unnormalised"  # norm_topk_prob false
+FAMILIES = [UNTIED, TIED, QWEN3, MIXTRAL, QWEN3_MOE, UNNORMALISED]
+FAMILY_IDS = ["untied", "tied", "qwen3", "mixtral", "qwen3-moe", "qwen3-moe-unnormalised"]
 RTOL = 1e-5
 
 
@@ -60,6 +61,7 @@ def test_config_json_becomes_the_model():
     assert (mixtral.n_experts, mixtral.top_k, mixtral.d_ff, mixtral.qk_norm) == (4, 2, 128, False)
     assert (qwen3_moe.n_experts, qwen3_moe.top_k, qwen3_moe.d_ff, qwen3_moe.qk_norm) == \
         (8, 2, 32, True)  # the experts' own width, moe_intermediate_size
+    assert qwen3_moe.norm_topk_prob and not model_config(UNNORMALISED).norm_topk_prob
 
 
 @pytest.mark.parametrize("hf_dir", FAMILIES, ids=FAMILY_IDS)
