@@ -121,7 +121,8 @@ def test_sampling_is_reproducible_from_the_seed(params):
 @pytest.mark.parametrize("name, mesh, n", [("llama-untied", "", 1), ("llama-tied", "", 1),
                                            ("llama-untied", "tp=2", 2), ("qwen3", "", 1),
                                            ("qwen3", "tp=2", 2), ("mixtral", "", 1),
-                                           ("qwen3-moe", "tp=2", 2)])
+                                           ("qwen3-moe", "tp=2", 2), ("qwen3-moe", "ep=2", 2),
+                                           ("mixtral", "ep=2,tp=2", 4)])
 def test_greedy_matches_transformers(name, mesh, n):
     """`reference.npz`: transformers' `generate(max_new_tokens=32, do_sample=False)`."""
     ref = np.load(FIXTURES / name / "reference.npz")
@@ -174,7 +175,7 @@ def test_cli_generates_from_a_training_checkpoint(run_dir):
     (["--checkpoint", "RUN", "--prompt", "x" * 12, "--max-context", "16"],
      "prompt 0 has 12 tokens, which with --max-new-tokens 64 exceeds the model's context of 16"),
     (["--checkpoint", "RUN", "--prompt", "x", "--mesh", "pp=2"],
-     "generation shards over data, fsdp, tensor only, not stage"),
+     "generation shards over data, fsdp, tensor, expert only, not stage"),
 ])
 def test_bad_input_is_one_line_and_exit_2(run_dir, args, message, capsys):
     from jdist.generate.__main__ import main

@@ -11,9 +11,10 @@ import time
 
 from jdist.errors import ArgumentParser, first_paragraph, require, run_cli
 
-# Generation runs on the data, fsdp and tensor axes: the others shard what decoding lacks
-# (pipeline stages, the sequence of a one-token step, experts).
-SUPPORTED_AXES = ("data", "fsdp", "tensor")
+# Generation runs on the data, fsdp, tensor and expert axes (a mixture's experts split over
+# devices, GSPMD moving the tokens): the others shard what decoding lacks (pipeline stages,
+# the sequence of a one-token step).
+SUPPORTED_AXES = ("data", "fsdp", "tensor", "expert")
 
 
 def make_parser() -> argparse.ArgumentParser:
