@@ -89,14 +89,38 @@ def attention_fraction(attention: str, seq_len: int) -> float:
     return (n + 1) / (2 * n)
 
 
+def expert_factor(model, group_tokens: float, n_ep: int) -> float:
+    """What the experts' matmuls execute over the routed FLOPs, for `group_tokens` tokens
+    per device and micro-batch: the padded dropless path computes every expert over every
+    token (E / k), capacity its buffers (E x capacity slots), grouped its blocked rows
+    (`models.grouped`; under ep, one round of `jdist.parallel.expert_rounds`)."""
+    from jdist.models.grouped import blocks_for
+    from jdist.parallel.expert_rounds import round_capacity
+
+    e, k = model.n_experts, model.top_k
+    t = max(1, int(group_tokens))
+    if not e:
+        return 1.0
+    if model.moe_routing == "dropless":
+        return e / k
+    if model.moe_routing == "capacity":
+        return e * max(1, math.ceil(model.capacity_factor * t * k / e)) / (t * k)
+    rows = n_ep * round_capacity(t * k, n_ep) if n_ep > 1 else t * k
+    shape = blocks_for(rows, e // n_ep, model.d_model * model.d_ff * 2)
+    return shape.n_blocks * shape.block / (t * k)
+
+
 def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: str,
-                   pipelined: bool, loss: str, stages: int) -> float:
+                   pipelined: bool, loss: str, stages: int, experts: float = 1.0) -> float:
     """FLOPs one pipeline stage (the whole model when `stages` is 1) executes for `tokens`
-    tokens: blocks / stages, plus the head and loss on the last stage (the slowest)."""
+    tokens: blocks / stages, plus the head and loss on the last stage (the slowest);
+    `experts`: the MoE experts' executed over routed FLOPs (`expert_factor`)."""
     per_token = flops_per_token(model, seq_len)
     head = 6.0 * model.d_model * model.vocab_size
     scores = 12.0 * model.n_layers * model.n_heads * model.dim_per_head * seq_len
-    blocks_matmul = per_token - head - scores
+    routed = 18.0 * model.n_layers * model.d_model * model.d_ff * model.top_k \
+        if model.n_experts else 0.0
+    blocks_matmul = per_token - head - scores + routed * (experts - 1)
     if model.lora is not None:  # a frozen base needs no weight gradient: 4 of the 6
         blocks_matmul *= 4 / 6
     scores *= attention_fraction(attention, seq_len)
@@ -176,8 +200,10 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     stages = shape[ax.STAGE]
     devices = math.prod(shape.values())
     tokens_per_stage_group = batch_size * seq_len / (devices / stages)
+    experts = expert_factor(plan.model, tokens_per_stage_group / plan.grad_accum,
+                            shape.get(ax.EXPERT, 1))
     flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
-                           plan.remat, stages > 1, plan.loss, stages)
+                           plan.remat, stages > 1, plan.loss, stages, experts)
     compute = flops / profile.achievable_flops
     comm = price(rows, plan, profile, dcn_axes)
     # Each class hides its overlap fraction, the two together never more than the compute.
