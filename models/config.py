@@ -104,10 +104,10 @@ class ModelConfig:
                     "experts; add --n-experts E")
         require(not self.shared_gate or self.shared_d_ff > 0,
                 "--shared-gate scales a shared expert; give it --shared-d-ff F")
-        if self.lora is not None:
-            dims = (self.d_model, self.dim_per_head * self.n_kv_heads) + (
-                () if self.n_experts else (self.d_ff,))
-            self.lora.validate(min(dims), moe=bool(self.n_experts))
+        if self.lora is not None:  # with experts, MLP adapters go on the shared expert only
+            mlp = self.shared_d_ff if self.n_experts else self.d_ff
+            dims = (self.d_model, self.dim_per_head * self.n_kv_heads) + ((mlp,) if mlp else ())
+            self.lora.validate(min(dims), moe=bool(self.n_experts) and not self.shared_d_ff)
         require(self.dim_per_head % 2 == 0,
                 f"head dimension {self.dim_per_head} is odd; rotary embeddings need an even one")
         require(self.rope_theta > 1, f"rope_theta={self.rope_theta} must be greater than 1")

@@ -50,7 +50,8 @@ class LoraConfig:
         mlp = [t for t in self.targets if t not in ATTENTION_TARGETS]
         require(not (moe and mlp),
                 f"--lora-targets {','.join(mlp)}: adapters on mixture-of-experts MLPs are not "
-                f"supported; use attention targets ({','.join(ATTENTION_TARGETS)})")
+                f"supported; use attention targets ({','.join(ATTENTION_TARGETS)}), or add a "
+                "shared expert (--shared-d-ff) for them to adapt")
 
 
 def lora_from_dict(fields: dict | None) -> LoraConfig | None:
