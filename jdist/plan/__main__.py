@@ -38,6 +38,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=float, default=0.0,
                    help="per-device memory a process may use, in GB (1e9 bytes; default: the "
                         "profile's memory_gb x usable_memory_fraction)")
+    p.add_argument("--moe-routing", choices=["dropless", "grouped", "capacity"], default=None,
+                   help="a mixture of experts' routing path (default: the model's)")
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning")
     p.add_argument("--quantize-base", choices=["none", "nf4"], default="none",
                    help="nf4: plan QLoRA (a 4-bit base)")
@@ -63,6 +65,8 @@ def base_config(args):
         path = args.model[:-len("config.json")] if args.model.endswith("config.json") \
             else args.model
         model = {"init_from": path or "."}
+    if args.moe_routing:
+        model["moe_routing"] = args.moe_routing
     return TrainConfig.of(**model, batch_size=args.batch_size, seq_len=args.seq_len,
                        compute_dtype=dtype, lora_rank=args.lora_rank,
                        quantize_base=args.quantize_base, double_quant=args.double_quant,
@@ -75,6 +79,8 @@ def command(base, layout) -> str:
         [f"--model {base.model.preset}"]
     head += [f"--batch-size {base.data.batch_size}", f"--seq-len {base.data.seq_len}",
              f"--compute-dtype {base.memory.compute_dtype}"]
+    if base.model.moe_routing is not None:
+        head.append(f"--moe-routing {base.model.moe_routing}")
     if base.finetune.lora_rank is not None:
         head.append(f"--lora-rank {base.finetune.lora_rank}")
     if base.finetune.quantize_base != "none":
