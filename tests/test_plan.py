@@ -14,6 +14,7 @@ from jdist import axes as ax
 from jdist.config import parse_args
 from jdist.errors import ConfigError
 from jdist.models import get_preset
+from jdist.parallel.moe import expert_factor
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.plan import cost, layouts
 from jdist.plan.__main__ import main as plan_main
@@ -79,7 +80,7 @@ def test_expert_flops_follow_the_routing_path(routing, mesh):
     text = compile_step(plan, batch, seq).as_text()
     measured = gpu_report.report(text, plan.mesh, unknown_trips=0).executed_flops
     tokens = batch * seq / 8
-    experts = cost.expert_factor(plan.model, tokens, plan.mesh.shape[ax.EXPERT])
+    experts = expert_factor(plan.model, tokens, plan.mesh.shape[ax.EXPERT])
     predicted = cost.executed_flops(plan.model, seq, tokens, "xla", plan.remat, False,
                                     plan.loss, 1, experts)
     assert 0.9 <= measured / predicted <= 1.05, (measured, predicted)

@@ -25,6 +25,7 @@ import dataclasses
 
 from jdist.loss import CHUNKED
 from jdist.parallel.blockwise import KEY_TILE, Q_TILE
+from jdist.parallel.moe import expert_factor
 from jdist.parallel.vocab import chunk_size
 from jdist.sharding import per_device_bytes
 from jdist.step import trainable
@@ -191,6 +192,9 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
     tokens = b * s
     x = tokens * d * c // sp
     q, k, hidden = tokens * heads * hd * c, tokens * kv * hd * c, tokens * f * c
+    if cfg.n_experts:  # each expert row of the routing path holds a hidden activation
+        rows = cfg.top_k * expert_factor(cfg, tokens, m[ax.EXPERT])
+        hidden = int(hidden * rows)
     scores = b * heads * s * seq_len * 4
     attention = _attention(plan, seq_len)
     if attention == "xla":

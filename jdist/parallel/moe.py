@@ -16,9 +16,10 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jdist import axes as ax
+from jdist.models.grouped import blocks_for
 from jdist.models.moe import GROUPED, STATS, local_experts, moe_group
 from jdist.parallel import kernel_mesh
-from jdist.parallel.expert_rounds import routed_rounds
+from jdist.parallel.expert_rounds import round_capacity, routed_rounds
 from jdist.rules import Rules, mesh_axes_of, resolve
 
 X_NAMES = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
@@ -56,3 +57,21 @@ def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules):
 def expert_dispatch(mesh, rules: Rules):
     """`ModelContext.moe` for a step on `mesh` under `rules`."""
     return functools.partial(moe_ffn, mesh=mesh, rules=rules)
+
+
+def expert_factor(model, group_tokens: float, n_ep: int) -> float:
+    """What the experts' matmuls execute over the routed FLOPs, for `group_tokens` tokens
+    per device and micro-batch: the padded dropless path computes every expert over every
+    token (E / k), capacity its buffers (E x capacity slots), grouped its blocked rows
+    (`models.grouped`; under ep, one round of `jdist.parallel.expert_rounds`)."""
+    e, k = model.n_experts, model.top_k
+    t = max(1, int(group_tokens))
+    if not e:
+        return 1.0
+    if model.moe_routing == "dropless":
+        return e / k
+    if model.moe_routing == "capacity":
+        return e * max(1, math.ceil(model.capacity_factor * t * k / e)) / (t * k)
+    rows = n_ep * round_capacity(t * k, n_ep) if n_ep > 1 else t * k
+    shape = blocks_for(rows, e // n_ep, model.d_model * model.d_ff * 2)
+    return shape.n_blocks * shape.block / (t * k)

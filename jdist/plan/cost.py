@@ -45,6 +45,7 @@ from jdist.comm import Row, transfer_time
 from jdist.loss import CHUNKED
 from jdist.memory import Breakdown
 from jdist.parallel.blockwise import Q_TILE
+from jdist.parallel.moe import expert_factor
 from jdist.plan.layouts import Layout
 from jdist.plan.traffic import group_size
 from jdist.train.throughput import flops_per_token
@@ -87,27 +88,6 @@ def attention_fraction(attention: str, seq_len: int) -> float:
         return 1.0
     n = math.ceil(seq_len / Q_TILE)
     return (n + 1) / (2 * n)
-
-
-def expert_factor(model, group_tokens: float, n_ep: int) -> float:
-    """What the experts' matmuls execute over the routed FLOPs, for `group_tokens` tokens
-    per device and micro-batch: the padded dropless path computes every expert over every
-    token (E / k), capacity its buffers (E x capacity slots), grouped its blocked rows
-    (`models.grouped`; under ep, one round of `jdist.parallel.expert_rounds`)."""
-    from jdist.models.grouped import blocks_for
-    from jdist.parallel.expert_rounds import round_capacity
-
-    e, k = model.n_experts, model.top_k
-    t = max(1, int(group_tokens))
-    if not e:
-        return 1.0
-    if model.moe_routing == "dropless":
-        return e / k
-    if model.moe_routing == "capacity":
-        return e * max(1, math.ceil(model.capacity_factor * t * k / e)) / (t * k)
-    rows = n_ep * round_capacity(t * k, n_ep) if n_ep > 1 else t * k
-    shape = blocks_for(rows, e // n_ep, model.d_model * model.d_ff * 2)
-    return shape.n_blocks * shape.block / (t * k)
 
 
 def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: str,
