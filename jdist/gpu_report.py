@@ -163,8 +163,7 @@ def executions(hlo_text: str, comps: dict[str, str] | None = None,
     iteration (`known_trip_count`, else `unknown_trips` times), a fusion or call as often
     as its caller, the branches of a conditional with n branches by `branch_shares[n]`
     (shares in branch order) of its caller's, else 1/n each (which branch runs is data).
-    Reducers
-    (`to_apply`) are not counted: they hold no matmul or collective."""
+    Reducers (`to_apply`) are not counted: they hold no matmul or collective."""
     comps = comps or hlo.computations(hlo_text)
     times = dict.fromkeys(comps, 0.0)
     entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.MULTILINE)

@@ -74,6 +74,12 @@ def _round_inputs(x, flat, idx, k: int, e_local: int, ep_axes):
     return _exchange(rows, ep_axes).reshape(-1, d), _exchange(ids, ep_axes).reshape(-1, 1)
 
 
+def _round_vjp(x, weights, flat, idx, k: int, ep_axes):
+    """The experts' outputs for the rows one round delivers here, and their VJP."""
+    rows, ids = _round_inputs(x, flat, idx, k, weights[0].shape[0], ep_axes)
+    return jax.vjp(lambda r, *w: grouped_swiglu(r, ids, *w), rows, *weights)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _rounds(x, gate, up, down, experts, ep_axes, n_ep):
     return _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep)[0]
@@ -89,13 +95,12 @@ def _round_setup(x, gate, experts, ep_axes, n_ep):
 def _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep):
     k, capacity, (flat, order, counts, starts, rounds) = \
         _round_setup(x, gate, experts, ep_axes, n_ep)
-    e_local, d = gate.shape[0], x.shape[-1]
+    d = x.shape[-1]
 
     def served(r):
         """Round r's ids and its experts' VJP, whose value is the outputs sent back."""
         idx = _sent(r, order, counts, starts, capacity)
-        rows, ids = _round_inputs(x, flat, idx, k, e_local, ep_axes)
-        out, vjp = jax.vjp(lambda r_, *w: grouped_swiglu(r_, ids, *w), rows, gate, up, down)
+        out, vjp = _round_vjp(x, (gate, up, down), flat, idx, k, ep_axes)
         return idx, _exchange(out.reshape(n_ep, capacity, d), ep_axes), vjp
 
     idx, back, first_vjp = served(jnp.zeros((), jnp.int32))
@@ -115,7 +120,7 @@ def _rounds_bwd(ep_axes, n_ep, res, g):
     x, gate, up, down, experts, first_vjp = res
     k, capacity, (flat, order, counts, starts, rounds) = \
         _round_setup(x, gate, experts, ep_axes, n_ep)
-    e_local, d = gate.shape[0], x.shape[-1]
+    d = x.shape[-1]
 
     def backward(r, vjp, dx, dw):
         """Round r's output gradients out, its input gradients back; weight gradients."""
@@ -129,8 +134,7 @@ def _rounds_bwd(ep_axes, n_ep, res, g):
     def later_round(carry):
         r, dx, dw = carry
         idx = _sent(r, order, counts, starts, capacity)
-        rows, ids = _round_inputs(x, flat, idx, k, e_local, ep_axes)
-        _, vjp = jax.vjp(lambda r_, *w: grouped_swiglu(r_, ids, *w), rows, gate, up, down)
+        _, vjp = _round_vjp(x, (gate, up, down), flat, idx, k, ep_axes)
         return r + 1, *backward(r, vjp, dx, dw)
 
     dx, dw = backward(jnp.zeros((), jnp.int32), first_vjp,

@@ -17,7 +17,15 @@ from jax.sharding import PartitionSpec as P
 
 from jdist import axes as ax
 from jdist.models.grouped import blocks_for
-from jdist.models.moe import GROUPED, STATS, local_experts, moe_group
+from jdist.models.moe import (
+    CAPACITY,
+    DROPLESS,
+    GROUPED,
+    STATS,
+    capacity_of,
+    local_experts,
+    moe_group,
+)
 from jdist.parallel import kernel_mesh
 from jdist.parallel.expert_rounds import round_capacity, routed_rounds
 from jdist.rules import Rules, mesh_axes_of, resolve
@@ -68,10 +76,10 @@ def expert_factor(model, group_tokens: float, n_ep: int) -> float:
     t = max(1, int(group_tokens))
     if not e:
         return 1.0
-    if model.moe_routing == "dropless":
+    if model.moe_routing == DROPLESS:
         return e / k
-    if model.moe_routing == "capacity":
-        return e * max(1, math.ceil(model.capacity_factor * t * k / e)) / (t * k)
+    if model.moe_routing == CAPACITY:
+        return e * capacity_of(t, model, dropless=False) / (t * k)
     rows = n_ep * round_capacity(t * k, n_ep) if n_ep > 1 else t * k
     shape = blocks_for(rows, e // n_ep, model.d_model * model.d_ff * 2)
     return shape.n_blocks * shape.block / (t * k)

@@ -5,9 +5,8 @@ shard_maps. How often the compile runs them under remat is fitted (`partitioner.
 
 from __future__ import annotations
 
-import math
-
 from jdist import axes as ax
+from jdist.models.moe import DROPLESS, GROUPED, capacity_of
 from jdist.parallel.context import ALL_GATHER, RING
 from jdist.parallel.ulysses_attention import kv_repeats
 from jdist.plan.traffic import partitioner
@@ -94,13 +93,16 @@ def attention_backward(st: Step) -> list[Collective]:
 # MoE dispatch
 
 
+def _moe_tokens(st: Step) -> int:
+    """Tokens one device routes per layer and micro-batch."""
+    return st.rows * st.seq // st.size(st.cp + st.sp)
+
+
 def _moe_buffer(st: Step) -> int:
     """Elements of one device's dispatch buffer [experts, capacity, d_model]
-    (models.moe.capacity_of: all its tokens when dropless)."""
+    (all its tokens when dropless)."""
     m = st.model
-    tokens = st.rows * st.seq // st.size(st.cp + st.sp)
-    capacity = tokens if m.moe_routing == "dropless" else \
-        max(1, math.ceil(m.capacity_factor * tokens * m.top_k / m.n_experts))
+    capacity = capacity_of(_moe_tokens(st), m, m.moe_routing == DROPLESS)
     return m.n_experts * capacity * m.d_model
 
 
@@ -112,9 +114,9 @@ def _moe_moves(st: Step, backward: bool) -> list[Collective]:
     tokens [T, d] once each way (`models.grouped`)."""
     ep = resolved(st.plan, (ax.EXPERTS,), 0)
     tp = resolved(st.plan, (ax.EXPERTS, ax.EMBED, ax.MLP), 2)
-    out = []
-    if st.model.moe_routing == "grouped":
+    if st.model.moe_routing == GROUPED:
         return _grouped_moves(st, ep, tp, backward)
+    out = []
     if ep:
         out.append(Collective(A2A, ep, 2, _moe_buffer(st), st.dtype, "moe: dispatch, combine"))
     if tp:
@@ -130,7 +132,7 @@ def _grouped_moves(st: Step, ep, tp, backward: bool) -> list[Collective]:
     from jdist.parallel.expert_rounds import round_capacity
 
     m = st.model
-    tokens = st.rows * st.seq // st.size(st.cp + st.sp)
+    tokens = _moe_tokens(st)
     out = [Collective(AR, tp, 1, tokens * m.d_model, st.dtype, "moe: expert hidden units")] \
         if tp else []
     if ep:
