@@ -70,6 +70,24 @@ def term_names(model) -> tuple[str, ...]:
             *(f"{_LOAD}{e}" for e in range(model.n_experts)))
 
 
+def term_count(model) -> int:
+    """The length of `loss_terms`: its named terms, then with routing biases the per-layer
+    loads `layer_loads` reads."""
+    loads = model.n_layers * model.n_experts if model.router_bias_rate else 0
+    return len(term_names(model)) + loads
+
+
+def layer_loads(model, mean_terms: jax.Array, micro: int) -> jax.Array | None:
+    """The assignments per expert of every layer [layers, E] (stored layer order) over the
+    whole batch, from `loss_terms` averaged over the step's `micro` micro-batches (each
+    piece's loads already count every replica's tokens), rounded back to the integer
+    counts they are; None without routing biases."""
+    if not model.router_bias_rate:
+        return None
+    tail = mean_terms[len(term_names(model)):]
+    return jnp.round(tail * micro).reshape(model.n_layers, model.n_experts)
+
+
 def balance_losses(local: dict, total: dict, model) -> tuple[jax.Array, jax.Array]:
     """(Switch aux loss, router z-loss) averaged over the layers stacked in the statistics.
     Aux = E * sum_e f_e * P_e with f_e, the fraction of assignments to expert e, from
@@ -81,12 +99,14 @@ def balance_losses(local: dict, total: dict, model) -> tuple[jax.Array, jax.Arra
 
 
 def loss_terms(model, ce: jax.Array, stats: dict | None = None, replica_axes=(),
-               share: float = 1.0) -> jax.Array:
+               share: float = 1.0, first_layer=0) -> jax.Array:
     """The `term_names` vector of one piece of work: mean cross-entropy `ce` of its tokens
     and the balance statistics `stats` [layers, ...] of the `share` of the model's layers it
     ran. The load fractions f_e count every replica's tokens (summed over `replica_axes`,
     without gradient); P_e and z this replica's, so the replicas' objectives average to
-    the global losses and their gradients to one device's."""
+    the global losses and their gradients to one device's. With routing biases, the loads
+    of its layers follow at their rows (from `first_layer`, stored order) of a [layers, E]
+    table that summing the pieces completes (`layer_loads`)."""
     if not model.n_experts:
         return ce[None]
     total = jax.lax.stop_gradient(stats)
@@ -95,9 +115,14 @@ def loss_terms(model, ce: jax.Array, stats: dict | None = None, replica_axes=(),
     aux, z = balance_losses(stats, total, model)
     aux_total, z_total = balance_losses(total, total, model)
     objective = ce + share * (model.aux_loss_weight * aux + model.z_loss_weight * z)
-    return jnp.stack((objective, ce, share * aux_total, share * z_total,
-                      total["dropped"].sum(), total["tokens"].sum() * model.top_k,
-                      *total["counts"].sum(0)))
+    terms = jnp.stack((objective, ce, share * aux_total, share * z_total,
+                       total["dropped"].sum(), total["tokens"].sum() * model.top_k,
+                       *total["counts"].sum(0)))
+    if not model.router_bias_rate:
+        return terms
+    loads = jnp.zeros((model.n_layers, model.n_experts), jnp.float32)
+    loads = jax.lax.dynamic_update_slice(loads, total["counts"], (first_layer, 0))
+    return jnp.concatenate((terms, loads.reshape(-1)))
 
 
 def report(model, mean_terms: jax.Array) -> tuple[jax.Array, dict]:

@@ -59,6 +59,10 @@ class ModelConfig:
     shared_gate: bool = False
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
+    # DeepSeek-V3's auxiliary-loss-free balancing (0: off): a per-layer, per-expert bias on
+    # the routing scores, for the choice of experts only, moved by this much after every
+    # step toward an even load (`models.moe.rebalanced_bias`); never trained.
+    router_bias_rate: float = 0.0
     # LoRA adapters on the projections (models.lora); None: none.
     lora: LoraConfig | None = None
 
@@ -73,7 +77,8 @@ class ModelConfig:
         mlp = 3 * self.d_model * self.d_ff * max(1, self.n_experts)
         norms = 2 * self.d_model + (2 * hd if self.qk_norm else 0)
         shared = 3 * self.d_model * self.shared_d_ff + self.d_model * self.shared_gate
-        block = attn + mlp + self.d_model * self.n_experts + shared + norms
+        router = (self.d_model + (self.router_bias_rate > 0)) * self.n_experts
+        block = attn + mlp + router + shared + norms
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
         return self.n_layers * block + self.vocab_size * self.d_model + head + self.d_model
 
@@ -96,14 +101,21 @@ class ModelConfig:
                     f"--capacity-factor {self.capacity_factor} must be positive")
             require(self.gating in ("softmax", "sigmoid"),
                     f"unknown gating {self.gating!r}; use softmax or sigmoid")
+            require(self.router_bias_rate >= 0,
+                    f"--router-bias-rate {self.router_bias_rate} must be 0 (off) or positive")
             require(self.shared_d_ff >= 0, f"--shared-d-ff {self.shared_d_ff} must be 0 (no "
                     "shared expert) or positive")
         else:
+            require(not self.router_bias_rate,
+                    "--router-bias-rate balances a mixture of experts; add --n-experts E")
             require(not self.shared_d_ff and not self.shared_gate,
                     "--shared-d-ff and --shared-gate add a shared expert to a mixture of "
                     "experts; add --n-experts E")
         require(not self.shared_gate or self.shared_d_ff > 0,
                 "--shared-gate scales a shared expert; give it --shared-d-ff F")
+        require(self.lora is None or not self.router_bias_rate,
+                "LoRA freezes the router, so there is no routing to rebalance; drop "
+                "--router-bias-rate")
         if self.lora is not None:  # with experts, MLP adapters go on the shared expert only
             mlp = self.shared_d_ff if self.n_experts else self.d_ff
             dims = (self.d_model, self.dim_per_head * self.n_kv_heads) + ((mlp,) if mlp else ())

@@ -31,15 +31,22 @@ from jdist.models.grouped import grouped_swiglu
 from jdist.models.layers import INIT_STD, param
 
 GROUPED, DROPLESS, CAPACITY = "grouped", "dropless", "capacity"
+ROUTER_BIAS = "router_bias"  # the aux-loss-free routing bias, moved by the step, not trained
 STATS = ("counts", "prob_sum", "z_sum", "tokens", "dropped")  # additive balance statistics
 
 
-def route(x: jax.Array, router: jax.Array, cfg):
+def route(x: jax.Array, router: jax.Array, cfg, bias: jax.Array | None = None):
     """x [T, d] -> (top-k weights [T, k], experts [T, k], probs [T, E], logits [T, E]);
-    the weights are the chosen probabilities, renormalised over the k if the config says."""
+    the weights are the chosen probabilities, renormalised over the k if the config says.
+    A routing `bias` [E] (aux-loss-free balancing) shifts which experts are chosen, never
+    what they weigh."""
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     probs = jax.nn.sigmoid(logits) if cfg.gating == "sigmoid" else jax.nn.softmax(logits)
-    top, experts = jax.lax.top_k(probs, cfg.top_k)
+    if bias is None:
+        top, experts = jax.lax.top_k(probs, cfg.top_k)
+    else:
+        experts = jax.lax.top_k(probs + bias, cfg.top_k)[1]
+        top = jnp.take_along_axis(probs, experts, axis=-1)
     if cfg.norm_topk_prob:
         top = top / top.sum(-1, keepdims=True)
     return top, experts, probs, logits
@@ -91,6 +98,15 @@ def balance_sums(probs, experts, logits, dropped, n_experts: int) -> dict:
             "dropped": jnp.asarray(dropped, jnp.float32)}
 
 
+def rebalanced_bias(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's aux-loss-free update of the routing biases [layers, E] from one step's
+    assignments per expert `loads` [layers, E] (whole global batch): each bias moves by
+    `rate` up if its expert took fewer than its layer's mean, down if more. Compared as
+    sum - E x load, which is exact for integer counts (below 2^24 in float32), so the update
+    is the same on every mesh."""
+    return bias + rate * jnp.sign(loads.sum(-1, keepdims=True) - loads.shape[-1] * loads)
+
+
 def local_experts(x, experts, w) -> jax.Array:
     """Each assignment's expert output [T, k, d], all experts on this device."""
     gate, up, down = (w[k].astype(x.dtype) for k in ("w_gate", "w_up", "w_down"))
@@ -113,7 +129,7 @@ def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=loca
     experts' hidden units are split and the down projection is summed over them. Grouped
     routing runs its experts with `experts_run` (the expert-parallel kernel passes its own)."""
     n_experts = cfg.n_experts
-    weights, experts, probs, logits = route(x, w["router"], cfg)
+    weights, experts, probs, logits = route(x, w["router"], cfg, w.get(ROUTER_BIAS))
     if cfg.moe_routing == GROUPED:
         return (grouped_group(x, weights, experts, w, tp_axes, experts_run),
                 balance_sums(probs, experts, logits, 0, n_experts))
@@ -151,9 +167,14 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, (e, d, f), (EXPERTS, EMBED, MLP))
         self.w_up = param(rngs, (e, d, f), (EXPERTS, EMBED, MLP))
         self.w_down = param(rngs, (e, f, d), (EXPERTS, MLP, EMBED), std=out_std)
+        if cfg.router_bias_rate:  # starts at zero: the plain top-k choice
+            self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,),
+                                         eager_sharding=False)
 
     def __call__(self, x: jax.Array, ctx) -> tuple[jax.Array, dict]:
         """x [batch, length, d] -> (output, summed load-balancing statistics)."""
         weights = {"router": self.router[...], "w_gate": self.w_gate[...],
                    "w_up": self.w_up[...], "w_down": self.w_down[...]}
+        if self.config.router_bias_rate:
+            weights[ROUTER_BIAS] = getattr(self, ROUTER_BIAS)[...]
         return (ctx.moe or local_moe)(x, weights, self.config)

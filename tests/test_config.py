@@ -32,7 +32,7 @@ OLD_CONFIG_JSON = {
     "n_heads": None, "n_kv_heads": None, "d_ff": None, "vocab_size": None,
     "tie_embeddings": None, "qk_norm": None, "n_experts": None, "top_k": None, "moe_routing": None,
     "shared_d_ff": None, "shared_gate": None, "capacity_factor": None, "aux_loss_weight": None,
-    "z_loss_weight": None,
+    "z_loss_weight": None, "router_bias_rate": None,
     "coordinator": "", "num_processes": 0, "process_id": -1, "checkpoint_every": 3,
     "no_final_checkpoint": False, "keep": 3, "resume": "auto", "on_nan": "stop",
     "inject_nan_at_step": 0,

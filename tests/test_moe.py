@@ -18,10 +18,12 @@ from jdist.gpu_report import report
 from jdist.hlo import collective_counts, loop_bodies
 from jdist.mesh import build_mesh
 from jdist.models import get_preset, grouped
-from jdist.models.moe import local_moe
+from jdist.config import TrainConfig
+from jdist.models.moe import local_moe, rebalanced_bias, route
 from jdist.parallel.moe import moe_ffn
 from jdist.rules import DEFAULT_RULES
 from jdist.step import make_optimizer, make_plan, make_train_step
+from jdist.train.loop import train
 
 MOE = get_preset("moe-tiny")
 
@@ -158,13 +160,61 @@ def test_grouped_matches_padded_single_device(corpus, single_device, mesh):
 SHARED = dataclasses.replace(MOE, shared_d_ff=32, shared_gate=True)
 
 
-@pytest.mark.parametrize("routing", ["dropless", "grouped"])
-def test_shared_expert_matches_single_device(corpus, single_device, routing):
-    """A gated shared expert beside the routed ones (Qwen2-MoE's block) on ep=4,fsdp=2."""
-    run = train_steps(dataclasses.replace(SHARED, moe_routing=routing), "fsdp=2,ep=4",
-                      corpus.train)
+def test_shared_expert_matches_single_device(corpus, single_device):
+    """A gated shared expert beside the routed ones (Qwen2-MoE's block) on ep=4,fsdp=2
+    (grouped routing: with the routing biases, below)."""
+    run = train_steps(SHARED, "fsdp=2,ep=4", corpus.train)
     assert_matches(run, single_device(SHARED))
     assert {"shared_mlp", "shared_gate"} <= set(run.grads["blocks"])
+
+
+# DeepSeek-V3's balancing: sigmoid scores, routing biases moved by the load.
+BIASED = dataclasses.replace(SHARED, gating="sigmoid", router_bias_rate=0.01)
+
+
+def test_routing_bias_chooses_experts_but_does_not_weigh_them():
+    x, w = random_layer(seed=2)
+    x = x.reshape(-1, x.shape[-1])
+    cfg = dataclasses.replace(BIASED, norm_topk_prob=False)
+    bias = jnp.zeros(cfg.n_experts).at[5].set(10.0)
+    weights, experts, probs, _ = route(x, w["router"], cfg, bias)
+    assert np.all(np.asarray(experts)[:, 0] == 5)  # the bias dominates the choice ...
+    np.testing.assert_array_equal(weights[:, 0], probs[:, 5])  # ... never the weight
+    assert np.array_equal(route(x, w["router"], cfg, jnp.zeros(cfg.n_experts))[1],
+                          route(x, w["router"], cfg)[1])
+
+
+def test_rebalanced_bias_moves_toward_the_mean_load():
+    loads = jnp.array([[6.0, 2.0, 4.0, 4.0]])  # mean 4
+    np.testing.assert_array_equal(rebalanced_bias(jnp.zeros((1, 4)), loads, 0.5),
+                                  [[-0.5, 0.5, 0.0, 0.0]])
+
+
+def test_aux_loss_free_balancing_matches_single_device(corpus, single_device):
+    """Routing biases beside a shared expert, grouped on ep=4,fsdp=2: the same losses and
+    gradients, and the biases (never trained: no gradient) move exactly as on one device."""
+    run = train_steps(dataclasses.replace(BIASED, moe_routing="grouped"), "fsdp=2,ep=4",
+                      corpus.train)
+    reference = single_device(BIASED)
+    assert_matches(run, reference)
+    bias = reference.params["blocks"]["mlp"]["router_bias"]
+    assert np.abs(bias).max() > 0
+    np.testing.assert_array_equal(run.params["blocks"]["mlp"]["router_bias"], bias)
+    assert run.grads["blocks"]["mlp"]["router_bias"] is None
+
+
+def test_routing_biases_resume_onto_another_mesh(tmp_path):
+    """The biases live in the checkpoint: resumed on another mesh, the steps after go on
+    exactly as the uninterrupted run's (a lost bias would route differently)."""
+    run = {"model": "moe-tiny", "router_bias_rate": 0.05, "batch_size": 8, "seq_len": 32,
+           "steps": 4, "warmup": 2, "eval_every": 0, "checkpoint_every": 2}
+    full = train(TrainConfig.of(**run, mesh="ep=4", run_dir=str(tmp_path / "a")))
+    resumed = train(TrainConfig.of(**run, mesh="fsdp=2,ep=2", run_dir=str(tmp_path / "b"),
+                                   resume=str(tmp_path / "a" / "checkpoints" / "2")))
+    full = {r["step"]: r["loss"] for r in full}
+    assert [r["step"] for r in resumed] == [3, 4]
+    for r in resumed:
+        assert r["loss"] == pytest.approx(full[r["step"]], rel=1e-5)
 
 
 def test_low_capacity_drops_tokens_and_they_skip_the_mlp():
@@ -219,6 +269,7 @@ def test_metrics_report_balance_and_drops(tmp_path):
     (["--top-k", "9"], "--top-k 9 must be between 1 and --n-experts 8"),
     (["--mesh", "ep=3", "--n-experts", "8"], "experts dimension 8 is not divisible by expert=3"),
     (["--capacity-factor", "0"], "--capacity-factor 0.0 must be positive"),
+    (["--router-bias-rate", "-1"], "--router-bias-rate -1.0 must be 0 (off) or positive"),
 ])
 def test_bad_moe_input(args, message):
     result = cli(*args)

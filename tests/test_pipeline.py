@@ -148,6 +148,19 @@ def test_moe_pipeline_with_expert_parallelism_matches_single_device(corpus, moe_
     assert collective_counts(run.hlo)["all-to-all"] >= 4
 
 
+def test_pipelined_routing_biases_move_as_on_one_device(corpus, single_device):
+    """Aux-loss-free balancing on an interleaved pp=2 x ep=2: each chunk's loads land at its
+    layers' rows of the stored (permuted) stack, so the biases equal one device's exactly."""
+    model = dataclasses.replace(MOE, router_bias_rate=0.01, moe_routing="grouped")
+    reference = single_device(model, batch_size=16, grad_accum=MOE_MICRO)
+    run = train_steps(model, "pp=2,ep=2", corpus.train, config(batch_size=16),
+                      pipeline=PipelineConfig("interleaved", MOE_MICRO, 2))
+    assert_matches(run, reference)
+    bias = reference.params["blocks"]["mlp"]["router_bias"]
+    assert np.abs(bias).max() > 0
+    np.testing.assert_array_equal(run.params["blocks"]["mlp"]["router_bias"], bias)
+
+
 def test_pipelined_moe_reports_load_metrics(corpus):
     """Capacity routing drops tokens: the pipelined step reports what the same expert groups
     report without stages, accumulating the same micro-batches (capacity is per group, so

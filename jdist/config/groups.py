@@ -63,6 +63,10 @@ class ModelFlags:
                                          "tokens x k / E tokens")
     aux_loss_weight: float | None = flag(None, "weight of the Switch load-balancing loss")
     z_loss_weight: float | None = flag(None, "weight of the router z-loss")
+    router_bias_rate: float | None = flag(None, "auxiliary-loss-free balancing (DeepSeek-V3): "
+                                          "after each step every expert's routing bias "
+                                          "moves by this much toward an even load (0: off; "
+                                          "0.001 typical)")
 
     def overrides(self) -> dict:
         """The shape overrides by field name (None: the preset's value)."""

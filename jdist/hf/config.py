@@ -176,6 +176,9 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
                 "and Qwen3-MoE route so); this model's is sigmoid")
         require(not cfg.shared_d_ff, "export to Hugging Face of a shared expert is not "
                 "supported yet (Mixtral and Qwen3-MoE have none); train without --shared-d-ff")
+        require(not cfg.router_bias_rate, "export to Hugging Face of routing biases is not "
+                "supported (Mixtral and Qwen3-MoE have none); train without "
+                "--router-bias-rate")
         require(cfg.norm_topk_prob or cfg.qk_norm, "export to Hugging Face as Mixtral needs "
                 "the top-k weights renormalised, as Mixtral always does")
         experts = "num_experts" if cfg.qk_norm else "num_local_experts"

@@ -21,6 +21,7 @@ from jdist.models.moe import (
     CAPACITY,
     DROPLESS,
     GROUPED,
+    ROUTER_BIAS,
     STATS,
     capacity_of,
     local_experts,
@@ -31,7 +32,7 @@ from jdist.parallel.expert_rounds import round_capacity, routed_rounds
 from jdist.rules import Rules, mesh_axes_of, resolve
 
 X_NAMES = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
-WEIGHT_NAMES = {"router": (None, None), "w_gate": (ax.EXPERTS, None, ax.MLP),
+WEIGHT_NAMES = {"router": (None, None), ROUTER_BIAS: (None,), "w_gate": (ax.EXPERTS, None, ax.MLP),
                 "w_up": (ax.EXPERTS, None, ax.MLP), "w_down": (ax.EXPERTS, ax.MLP, None)}
 
 
@@ -40,7 +41,7 @@ def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules):
     over the mesh axes the rules give tokens and experts."""
     d = x.shape[-1]
     x_spec = resolve(X_NAMES, rules, mesh)
-    w_specs = {k: resolve(v, rules, mesh) for k, v in WEIGHT_NAMES.items()}
+    w_specs = {k: resolve(WEIGHT_NAMES[k], rules, mesh) for k in w}
     token_axes = mesh_axes_of(x_spec[0]) + mesh_axes_of(x_spec[1])
     ep_axes = mesh_axes_of(w_specs["w_gate"][0])
     tp_axes = mesh_axes_of(w_specs["w_gate"][2])

@@ -29,7 +29,8 @@ class Batch(TypedDict):
 
 
 def gradients(plan: Plan, params: dict, batch: Batch):
-    """(objective, metrics, gradients laid out as `plan.grad_shardings`) of a global batch."""
+    """(objective, metrics, gradients laid out as `plan.grad_shardings`, per-layer expert
+    loads [layers, E] for the routing biases or None) of a global batch."""
     if plan.pipeline is not None:  # stages run their schedule (jdist.parallel.pipeline)
         return pipeline_grads(plan, params, batch)
     return step_grads(plan, params, batch)
@@ -68,7 +69,7 @@ def make_train_step(plan: Plan, schedule: optax.Schedule | None = None, *,
         if inject_nan_at_step:
             hit = state.step == inject_nan_at_step - 1
             params = jax.tree.map(lambda p: jnp.where(hit, jnp.nan, p), params)
-        loss_value, extra, grads = gradients(plan, params, batch)
+        loss_value, extra, grads, loads = gradients(plan, params, batch)
         # Offloaded optimizer state comes in from host memory for the update only.
         opt_state = jax.device_put(state.opt_state, plan.opt_device_shardings) \
             if plan.offload else state.opt_state
@@ -78,6 +79,10 @@ def make_train_step(plan: Plan, schedule: optax.Schedule | None = None, *,
         trained = trainable.select(plan.model, state.params)  # frozen leaves: None
         updates, opt_state = plan.tx.update(grads, opt_state, trained)
         new_params = trainable.combine(optax.apply_updates(trained, updates), state.params)
+        # Aux-loss-free balancing: moved by the load, outside the optimizer; a non-finite
+        # step (skipped, rolled back or stopped on) never moves it.
+        new_params = trainable.rebalanced(plan.model, new_params, loads,
+                                          jnp.isfinite(metrics["grad_norm"]))
         if inject_nan_at_step:
             new_params = jax.tree.map(lambda n, o: jnp.where(hit, o, n), new_params,
                                       state.params)

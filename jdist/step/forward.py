@@ -155,9 +155,9 @@ class Forward:
                               self.head(shared))
         return objective.piece_cross_entropy(losses, targets, scale)
 
-    def terms(self, ce, stats):
+    def terms(self, ce, stats, first_layer=0):
         """`jdist.loss.loss_terms` of a chunk: its cross-entropy (zero unless last) and the
-        MoE balance statistics of the layers it ran."""
+        MoE balance statistics of the layers it ran (from `first_layer`)."""
         cfg = self.plan.model
         if not cfg.n_experts:
             return objective.loss_terms(cfg, ce)
@@ -165,15 +165,16 @@ class Forward:
         replicas = tuple(a for a in self.manual
                          if a in ax.REPLICA_AXES and self.plan.mesh.shape[a] > 1)
         share = stats["tokens"].shape[0] / cfg.n_layers
-        return objective.loss_terms(cfg, ce, stats, replicas, share)
+        return objective.loss_terms(cfg, ce, stats, replicas, share, first_layer)
 
 
 def chunk(fw: Forward, shared: Params, blocks: Params, x_in, tokens, targets, positions,
-          segments, scale, first=True, last=True):
+          segments, scale, first=True, last=True, first_layer=0):
     """One chunk of the model on one replica -> (output activation, loss terms). `first`
     embeds `tokens` (else `x_in` enters), `last` adds the cross-entropy. Python bools (the
     dense step: one chunk, first and last) run in line; traced ones (a pipeline tick) under
-    `lax.cond`, so only the stages that embed or score gather the shared parameters."""
+    `lax.cond`, so only the stages that embed or score gather the shared parameters.
+    `first_layer`: the chunk's first layer in the stored stack (its loads' rows)."""
     ctx = fw.context(shared, blocks.primal)
     model = lambda shared_now: nnx.merge(fw.plan.graphdef, {**shared_now, BLOCKS: blocks.stored})
     static = isinstance(first, bool) and isinstance(last, bool)
@@ -185,7 +186,7 @@ def chunk(fw: Forward, shared: Params, blocks: Params, x_in, tokens, targets, po
     y, stats = model(shared.stored).run_blocks(x, ctx, positions, segments)
     ce = _when(last, lambda: fw.cross_entropy(model(values()), shared, y, targets, ctx, scale),
                lambda: jnp.zeros((), jnp.float32))
-    return y, fw.terms(ce, stats)
+    return y, fw.terms(ce, stats, first_layer)
 
 
 def _when(flag, then, otherwise):

@@ -103,7 +103,8 @@ def replica_terms(fw: Forward, params: Params, tokens, targets, scale) -> jax.Ar
 
 
 def step_grads(plan, params: dict, batch: dict):
-    """(objective, metrics, gradients laid out as `plan.grad_shardings`) of one global batch."""
+    """(objective, metrics, gradients laid out as `plan.grad_shardings`, per-layer expert
+    loads or None: `jdist.loss.layer_loads`) of one global batch."""
     sync = syncs(plan)
     stacked_syncs = stacked(sync)
     micro = plan.grad_accum
@@ -134,7 +135,7 @@ def step_grads(plan, params: dict, batch: dict):
                 return (terms_sum + terms, jax.tree.map(jnp.add, acc, g)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), primal)
-            n_terms = len(objective.term_names(plan.model))
+            n_terms = objective.term_count(plan.model)
             start = (jnp.zeros(n_terms, jnp.float32), zeros)
             (terms, grads), _ = jax.lax.scan(body, start, micro_batches((tokens, targets), micro))
             terms = terms / micro
@@ -147,7 +148,7 @@ def step_grads(plan, params: dict, batch: dict):
     terms, grads = run(params, batch["inputs"], batch["targets"])
     grads = jax.lax.with_sharding_constraint(grads, plan.grad_shardings)
     loss, metrics = objective.report(plan.model, terms)
-    return loss, metrics, grads
+    return loss, metrics, grads, objective.layer_loads(plan.model, terms, micro)
 
 
 def step_eval(plan, params: dict, batch: dict) -> jax.Array:

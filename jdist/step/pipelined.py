@@ -65,14 +65,16 @@ def _run(plan, params: dict, batch: dict, train: bool):
             at = (lambda a: a) if segments is None else (lambda a: a[m])
             blocks = Params(block, jax.tree.map(lambda b: b[v], stored_chunks),
                             sync[BLOCKS])
+            per_chunk = plan.model.n_layers // (table.stages * table.virtual)
+            first_layer = (jax.lax.axis_index(ax.STAGE) * table.virtual + v) * per_chunk
             return chunk(fw, shared._replace(primal=shared_primal), blocks, x_in,
                          tokens[m], labels[m], at(positions), at(segments), scale, first,
-                         last)
+                         last, first_layer)
 
         out = stage_program.program(
             primal[BLOCKS], shared.primal, table=table, chunk_fn=chunk_fn,
             act_shape=(*tokens.shape[1:], plan.model.d_model), act_dtype=plan.compute_dtype,
-            n_terms=len(objective.term_names(plan.model)), train=train)
+            n_terms=objective.term_count(plan.model), train=train)
         terms, grads = out if train else (out, None)
         terms = jax.lax.psum(terms, PIPE_MANUAL) / n_replicas  # only the last stage has ce
         if not train:
@@ -91,12 +93,13 @@ def _run(plan, params: dict, batch: dict, train: bool):
 
 
 def pipeline_grads(plan, params: dict, batch: dict):
-    """(objective, metrics, gradients laid out as `plan.grad_shardings`), like
-    `jdist.step.grads.step_grads`, computed by the pipeline schedule."""
+    """(objective, metrics, gradients laid out as `plan.grad_shardings`, per-layer expert
+    loads or None), like `jdist.step.grads.step_grads`, computed by the pipeline schedule."""
     terms, grads = _run(plan, params, batch, train=True)
     grads = jax.lax.with_sharding_constraint(grads, plan.grad_shardings)
     loss, metrics = objective.report(plan.model, terms)
-    return loss, metrics, grads
+    micro = plan.pipeline.table(plan.mesh.shape[ax.STAGE]).micro
+    return loss, metrics, grads, objective.layer_loads(plan.model, terms, micro)
 
 
 def pipeline_eval(plan, params: dict, batch: dict) -> jax.Array:

@@ -1,5 +1,7 @@
 """Which parameters a step trains. Normally all; with LoRA (`ModelConfig.lora`) only the
-adapters (`models.lora.is_adapter`): the base weights are frozen.
+adapters (`models.lora.is_adapter`): the base weights are frozen. Never the aux-loss-free
+routing biases (`models.moe.ROUTER_BIAS`): the step moves them from the load
+(`rebalanced`), outside the gradient and the optimizer.
 
 A frozen parameter gets no gradient, no optimizer state and no gradient collective: the
 trees that describe what is differentiated (gradient-layout primals, gradients, their
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 from jdist import nf4
 from jdist.axes import NF4_BLOCKS
 from jdist.models.lora import TARGETS, is_adapter
+from jdist.models.moe import ROUTER_BIAS, rebalanced_bias
 from jdist.models.names import BLOCKS
 
 NONE, NF4 = "none", "nf4"  # --quantize-base
@@ -32,17 +35,33 @@ def frozen_base(model) -> bool:
     return model.lora is not None
 
 
+def is_router_bias(path) -> bool:
+    return str(getattr(path[-1], "key", path[-1])) == ROUTER_BIAS
+
+
 def is_trainable(model, path) -> bool:
-    return not frozen_base(model) or is_adapter(path)
+    return not is_router_bias(path) and (not frozen_base(model) or is_adapter(path))
 
 
 def select(model, tree):
     """`tree` (shaped like the parameters) with every frozen leaf replaced by None."""
-    if not frozen_base(model):
+    if not frozen_base(model) and not model.router_bias_rate:
         return tree
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if is_adapter(path) else None, tree,
+        lambda path, x: x if is_trainable(model, path) else None, tree,
         is_leaf=lambda x: x is None or isinstance(x, nf4.Nf4))
+
+
+def rebalanced(model, params: dict, loads, moved) -> dict:
+    """`params` with every MoE layer's routing bias moved toward an even load by one step's
+    assignments per expert `loads` [layers, E] (stored layer order), where `moved` (a
+    boolean scalar: the step's gradients were finite); unchanged without the biases."""
+    if not model.router_bias_rate:
+        return params
+    mlp = params[BLOCKS]["mlp"]
+    bias = rebalanced_bias(mlp[ROUTER_BIAS], loads, model.router_bias_rate)
+    mlp = {**mlp, ROUTER_BIAS: jnp.where(moved, bias, mlp[ROUTER_BIAS])}
+    return {**params, BLOCKS: {**params[BLOCKS], "mlp": mlp}}
 
 
 def combine(part, full):
