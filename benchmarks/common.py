@@ -108,12 +108,13 @@ def table(rows: Iterable[dict], columns: Sequence[Column]) -> list[str]:
         [" ".join(c.value(r) for c in columns) for r in rows]
 
 
-def simple_plan(model, mesh, memory=None):
-    """`make_plan` of `model` on `mesh` with the default rules and a throwaway optimizer."""
+def simple_plan(model, mesh, memory=None, lr: float = 1e-3, steps: int = 10):
+    """`make_plan` of `model` on `mesh` with the default rules and AdamW at `lr` over a
+    schedule of `steps` (one warmup step)."""
     from jdist.rules import DEFAULT_RULES
     from jdist.step import make_optimizer, make_plan
 
-    tx, _ = make_optimizer(1e-3, 10, 1)
+    tx, _ = make_optimizer(lr, steps, 1)
     return make_plan(model, mesh, DEFAULT_RULES, tx, *([memory] if memory else []))
 
 

@@ -11,8 +11,13 @@
    Qwen3-30B-A3B (8192 tokens, top-8 of 128) and Mixtral 8x7B through the experts, padded
    dropless against grouped (and `lax.ragged_dot`): executed over routed FLOPs, the dispatch
    buffer over the routed activations (benchmarks/expert_matmuls.py; `--target none` skips).
+5. Balancing over training (`--balance-steps`, 0 skips): the load imbalance (most-loaded
+   expert over the mean, summed over layers) and cross-entropy of moe-small trained on
+   ep=8 without balancing, with the Switch aux loss, and with DeepSeek-V3's routing biases
+   (aux-loss-free); the mean over the last 10 steps.
 
-    python benchmarks/moe.py [--batch-size 32] [--seq-len 128] [--target h100-80gb] [--json]
+    python benchmarks/moe.py [--batch-size 32] [--seq-len 128] [--target h100-80gb]
+                             [--balance-steps 100] [--json]
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ N = 8
 VOLUME = (Column("routing", "10"), Column("factor", "6.2f", "capacity_factor"),
           Column("a2a MiB/layer fwd", "18.3f", "measured_bytes", MiB),
           Column("analytical", "11.3f", "analytical_bytes", MiB), Column("ratio", "6.2f"))
+BALANCE = (Column("balancing", "22"), Column("load imbalance", "14.3f", "imbalance"),
+           Column("ce loss", "8.4f", "ce_loss"))
+BALANCINGS = {"none": {"aux_loss_weight": 0.0},
+              "aux loss 0.01": {"aux_loss_weight": 0.01},
+              "router bias 0.001": {"aux_loss_weight": 0.0, "router_bias_rate": 0.001}}
 DROPS = (Column("capacity factor", "15.2f", "capacity_factor"),
          Column("dropped", "8.3f", "dropped_fraction"))
 
@@ -78,11 +88,30 @@ def dropped_fraction(model, batch) -> float:
     return float(metrics["moe_dropped_fraction"])
 
 
+def balance(model, corpus, steps: int, batch_size: int, seq_len: int) -> list[dict]:
+    """Each of `BALANCINGS` trained `steps` steps on ep=8 from the same seed and batches."""
+    rows = []
+    for name, change in BALANCINGS.items():
+        plan = common.simple_plan(dataclasses.replace(model, **change), build_mesh(f"ep={N}"),
+                                  lr=3e-3, steps=steps)
+        state, step, last = init_state(plan, 0), make_train_step(plan), []
+        for i in range(steps):
+            state, metrics = step(state, data.global_batch(corpus.train, 0, i, batch_size,
+                                                           seq_len, plan.batch_sharding))
+            last = (last + [{k: float(metrics[k]) for k in ("moe_load_imbalance",
+                                                            "ce_loss")}])[-10:]
+        rows.append({"balancing": name, **{k: sum(r[k] for r in last) / len(last)
+                                           for k in ("ce_loss",)},
+                     "imbalance": sum(r["moe_load_imbalance"] for r in last) / len(last)})
+    return rows
+
+
 def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--target", default="h100-80gb")
+    parser.add_argument("--balance-steps", type=int, default=100)
     args = parser.parse_args()
     base = get_preset("moe-small")
     corpus = data.load_corpus(None, args.seq_len)
@@ -96,15 +125,20 @@ def main() -> None:
         for c in (0.5, 1.0, 1.25, 1.5, 2.0)]
     scale = [] if args.target == "none" else [
         r for name in expert_matmuls.SHAPES for r in expert_matmuls.measure(name, args.target)]
+    balanced = balance(base, corpus, args.balance_steps, args.batch_size, args.seq_len) \
+        if args.balance_steps else []
     result = {"all_to_all": volume, "ep_steps_per_sec": ep, "replicated_steps_per_sec": replicated,
-              "ep_vs_replicated": ep / replicated, "dropped": drops, "at_scale": scale}
+              "ep_vs_replicated": ep / replicated, "dropped": drops, "at_scale": scale,
+              "balancing": balanced}
     common.emit(result, args.json, lambda: [
         f"moe-small: E={base.n_experts}, k={base.top_k}, {N} devices, batch "
         f"{args.batch_size} x {args.seq_len}", "", *common.table(volume, VOLUME),
         f"\nsteps/s: expert-parallel ep={N} {ep:.3f}, experts replicated dp={N} "
         f"{replicated:.3f}, ratio {ep / replicated:.2f}", "", *common.table(drops, DROPS),
         *([f"\nexperts of one layer on one {args.target} (GPU compiler), forward + backward:",
-           *common.table(scale, expert_matmuls.COLUMNS)] if scale else [])])
+           *common.table(scale, expert_matmuls.COLUMNS)] if scale else []),
+        *([f"\nbalancing, {args.balance_steps} steps on ep={N} (mean of the last 10):",
+           *common.table(balanced, BALANCE)] if balanced else [])])
 
 
 if __name__ == "__main__":

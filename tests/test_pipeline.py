@@ -135,25 +135,26 @@ def moe_reference(single_device):
     return single_device(MOE, batch_size=16, grad_accum=MOE_MICRO)
 
 
-@pytest.mark.parametrize("mesh, schedule, routing", [("pp=2,ep=2", "interleaved", "dropless"),
-                                                     ("dp=2,pp=2,ep=2", "1f1b", "dropless"),
-                                                     ("pp=2,ep=2", "1f1b", "grouped")])
+@pytest.mark.parametrize("mesh, schedule", [("pp=2,ep=2", "interleaved"),
+                                            ("dp=2,pp=2,ep=2", "1f1b")])
 def test_moe_pipeline_with_expert_parallelism_matches_single_device(corpus, moe_reference,
-                                                                     mesh, schedule, routing):
-    model = dataclasses.replace(MOE, moe_routing=routing)  # against the padded reference
-    run = train_steps(model, mesh, corpus.train, config(batch_size=16),
+                                                                     mesh, schedule):
+    run = train_steps(MOE, mesh, corpus.train, config(batch_size=16),
                       pipeline=PipelineConfig(schedule, MOE_MICRO, 1 + (schedule == "interleaved")))
     assert_matches(run, moe_reference)
     # Tokens reach their experts inside the stage: dispatch and return, forward and backward.
     assert collective_counts(run.hlo)["all-to-all"] >= 4
 
 
-def test_pipelined_routing_biases_move_as_on_one_device(corpus, single_device):
-    """Aux-loss-free balancing on an interleaved pp=2 x ep=2: each chunk's loads land at its
-    layers' rows of the stored (permuted) stack, so the biases equal one device's exactly."""
-    model = dataclasses.replace(MOE, router_bias_rate=0.01, moe_routing="grouped")
-    reference = single_device(model, batch_size=16, grad_accum=MOE_MICRO)
-    run = train_steps(model, "pp=2,ep=2", corpus.train, config(batch_size=16),
+def test_pipelined_grouped_experts_and_routing_biases_match_single_device(corpus,
+                                                                         single_device):
+    """Grouped experts with aux-loss-free balancing on an interleaved pp=2 x ep=2, against
+    the padded dropless path on one device: each chunk's loads land at its layers' rows of
+    the stored (permuted) stack, so the biases equal one device's exactly."""
+    padded = dataclasses.replace(MOE, router_bias_rate=0.01)
+    reference = single_device(padded, batch_size=16, grad_accum=MOE_MICRO)
+    run = train_steps(dataclasses.replace(padded, moe_routing="grouped"), "pp=2,ep=2",
+                      corpus.train, config(batch_size=16),
                       pipeline=PipelineConfig("interleaved", MOE_MICRO, 2))
     assert_matches(run, reference)
     bias = reference.params["blocks"]["mlp"]["router_bias"]
