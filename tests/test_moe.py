@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from jdist import loss as objective
+from jdist.config import TrainConfig
 from jdist.equivalence import assert_matches, train_steps
 from jdist.gpu_report import report
 from jdist.hlo import collective_counts, loop_bodies
 from jdist.mesh import build_mesh
 from jdist.models import get_preset, grouped
-from jdist.config import TrainConfig
 from jdist.models.moe import local_moe, rebalanced_bias, route
 from jdist.parallel.moe import moe_ffn
 from jdist.rules import DEFAULT_RULES
