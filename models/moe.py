@@ -101,10 +101,11 @@ def balance_sums(probs, experts, logits, dropped, n_experts: int) -> dict:
 def rebalanced_bias(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array:
     """DeepSeek-V3's aux-loss-free update of the routing biases [layers, E] from one step's
     assignments per expert `loads` [layers, E] (whole global batch): each bias moves by
-    `rate` up if its expert took fewer than its layer's mean, down if more. Compared as
-    sum - E x load, which is exact for integer counts (below 2^24 in float32), so the update
-    is the same on every mesh."""
-    return bias + rate * jnp.sign(loads.sum(-1, keepdims=True) - loads.shape[-1] * loads)
+    `rate` up if its expert took fewer than its layer's mean, down if more. Compared in
+    integers as sum - E x load, so the update is the same on every mesh while the float32
+    counts it is given are exact: below 2^24 assignments per layer and step."""
+    counts = loads.astype(jnp.int32)
+    return bias + rate * jnp.sign(counts.sum(-1, keepdims=True) - loads.shape[-1] * counts)
 
 
 def local_experts(x, experts, w) -> jax.Array:

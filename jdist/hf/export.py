@@ -67,9 +67,10 @@ def write_hf(out_dir: str | Path, cfg: ModelConfig, read_leaf: Callable, *,
             f"--hf {out}: directory exists and is not empty; choose a new output directory")
     require(dtype in DTYPES, f"--dtype {dtype!r}: use float32 or bfloat16")
     source = source or {}
+    # First: it refuses what Hugging Face cannot hold, before any tensor is converted.
+    config = hf_config(cfg, torch_dtype=dtype, carried=source.get("config"))
     with staged(out) as staging:
         weight_map = _write_tensors(staging, cfg, read_leaf, DTYPES[dtype], max_shard_bytes)
-        config = hf_config(cfg, torch_dtype=dtype, carried=source.get("config"))
         (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         generation = source.get("generation_config") or generation_config(config)
         (staging / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")

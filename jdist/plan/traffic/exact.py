@@ -239,7 +239,7 @@ def loss_scalars(st: Step, manual: tuple[str, ...]) -> list[Collective]:
     the step's manual axes (`jdist.step.grads`, `jdist.step.pipelined`)."""
     mesh = st.plan.mesh
     return [Collective(AR, mesh_axes(MANUAL, mesh), 1, 1, S32, "loss: token count"),
-            Collective(AR, mesh_axes(manual, mesh), 1, len(objective.term_names(st.model)), F32,
+            Collective(AR, mesh_axes(manual, mesh), 1, objective.term_count(st.model), F32,
                        "loss: terms")]
 
 
