@@ -160,14 +160,6 @@ def test_grouped_matches_padded_single_device(corpus, single_device, mesh):
 SHARED = dataclasses.replace(MOE, shared_d_ff=32, shared_gate=True)
 
 
-def test_shared_expert_matches_single_device(corpus, single_device):
-    """A gated shared expert beside the routed ones (Qwen2-MoE's block) on ep=4,fsdp=2
-    (grouped routing: with the routing biases, below)."""
-    run = train_steps(SHARED, "fsdp=2,ep=4", corpus.train)
-    assert_matches(run, single_device(SHARED))
-    assert {"shared_mlp", "shared_gate"} <= set(run.grads["blocks"])
-
-
 # DeepSeek-V3's balancing: sigmoid scores, routing biases moved by the load.
 BIASED = dataclasses.replace(SHARED, gating="sigmoid", router_bias_rate=0.01)
 
@@ -191,8 +183,9 @@ def test_rebalanced_bias_moves_toward_the_mean_load():
 
 
 def test_aux_loss_free_balancing_matches_single_device(corpus, single_device):
-    """Routing biases beside a shared expert, grouped on ep=4,fsdp=2: the same losses and
-    gradients, and the biases (never trained: no gradient) move exactly as on one device."""
+    """A gated shared expert (Qwen2-MoE's block) and routing biases, grouped on ep=4,fsdp=2
+    against the padded path on one device: the same losses and gradients, and the biases
+    (never trained: no gradient) move exactly as on one device."""
     run = train_steps(dataclasses.replace(BIASED, moe_routing="grouped"), "fsdp=2,ep=4",
                       corpus.train)
     reference = single_device(BIASED)
@@ -201,6 +194,7 @@ def test_aux_loss_free_balancing_matches_single_device(corpus, single_device):
     assert np.abs(bias).max() > 0
     np.testing.assert_array_equal(run.params["blocks"]["mlp"]["router_bias"], bias)
     assert run.grads["blocks"]["mlp"]["router_bias"] is None
+    assert {"shared_mlp", "shared_gate"} <= set(run.grads["blocks"])
 
 
 def test_routing_biases_resume_onto_another_mesh(tmp_path):
