@@ -12,7 +12,7 @@
    dropless against grouped (and `lax.ragged_dot`): executed over routed FLOPs, the dispatch
    buffer over the routed activations (benchmarks/expert_matmuls.py; `--target none` skips).
 5. Balancing over training (`--balance-steps`, 0 skips): the load imbalance (most-loaded
-   expert over the mean, summed over layers) and cross-entropy of moe-small trained on one
+   expert over the mean, in the worst layer) and cross-entropy of moe-small trained on one
    device (ep=8 computes the same: tests/test_moe.py) without balancing, with the Switch
    aux loss, and with DeepSeek-V3's routing biases (aux-loss-free) at two rates; the mean
    over the last 10 steps, batches of 16 x 64.
@@ -33,6 +33,7 @@ common.setup_devices(8, cpu_only=True)  # the GPU target compiles without a GPU 
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdist import data
 from jdist.hlo import collective_bytes, loop_bodies
@@ -97,15 +98,13 @@ def balance(model, corpus, steps: int, batch_size: int = 16, seq_len: int = 64) 
     for name, change in BALANCINGS.items():
         plan = common.simple_plan(dataclasses.replace(model, **change),
                                   build_mesh("dp=1", jax.devices()[:1]), lr=3e-3, steps=steps)
-        state, step, last = init_state(plan, 0), make_train_step(plan), []
+        state, step, history = init_state(plan, 0), make_train_step(plan), []
         for i in range(steps):
             state, metrics = step(state, data.global_batch(corpus.train, 0, i, batch_size,
                                                            seq_len, plan.batch_sharding))
-            last = (last + [{k: float(metrics[k]) for k in ("moe_load_imbalance",
-                                                            "ce_loss")}])[-10:]
-        rows.append({"balancing": name, **{k: sum(r[k] for r in last) / len(last)
-                                           for k in ("ce_loss",)},
-                     "imbalance": sum(r["moe_load_imbalance"] for r in last) / len(last)})
+            history.append((float(metrics["moe_load_imbalance"]), float(metrics["ce_loss"])))
+        imbalance, ce = (float(v) for v in np.mean(history[-10:], axis=0))
+        rows.append({"balancing": name, "imbalance": imbalance, "ce_loss": ce})
     return rows
 
 

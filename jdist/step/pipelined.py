@@ -59,13 +59,13 @@ def _run(plan, params: dict, batch: dict, train: bool):
         shared = Params(primal, stored, sync).shared()
         stored_chunks = jax.tree.map(
             lambda b: b.reshape(table.virtual, -1, *b.shape[1:]), stored[BLOCKS])
+        per_chunk = plan.model.n_layers // table.chunks  # layers in each chunk
 
         def chunk_fn(v, block, shared_primal, x_in, m, first, last):
             """Chunk v of micro-batch m (`jdist.step.forward.chunk`)."""
             at = (lambda a: a) if segments is None else (lambda a: a[m])
             blocks = Params(block, jax.tree.map(lambda b: b[v], stored_chunks),
                             sync[BLOCKS])
-            per_chunk = plan.model.n_layers // (table.stages * table.virtual)
             first_layer = (jax.lax.axis_index(ax.STAGE) * table.virtual + v) * per_chunk
             return chunk(fw, shared._replace(primal=shared_primal), blocks, x_in,
                          tokens[m], labels[m], at(positions), at(segments), scale, first,
