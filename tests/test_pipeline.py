@@ -60,6 +60,41 @@ def test_executed_bubble_is_the_formula(name, virtual, stages, factor):
         assert table.n_slots <= stages
 
 
+@pytest.mark.parametrize("stages, micro", [(2, 4), (4, 8), (4, 16)])
+@pytest.mark.parametrize("name, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_stash_holds_the_residuals_of_micro_batches_in_flight(name, virtual, stages, micro):
+    """A stash table (`--remat` other than full) keeps each forward's residuals from its tick
+    to its backward's: as many at once as micro-batches in flight (all M under gpipe, at
+    most P under 1f1b whatever M is), each read back by the backward of the same micro-batch
+    and chunk; chunk inputs are freed by their forward."""
+    table = sched.build(name, stages, micro, virtual, stash=True)
+    recompute = sched.build(name, stages, micro, virtual)
+    assert table.grid == recompute.grid and table.n_slots <= recompute.n_slots
+    highs = []
+    for s in range(stages):
+        held, high = {}, 0
+        for t, row in enumerate(table.grid):
+            op = row[s]
+            if op is None:
+                assert table.res_slot[t][s] == -1
+                continue
+            key = (op.micro, op.chunk)
+            if op.kind == sched.FWD:
+                assert table.res_slot[t][s] not in held.values()
+                held[key] = table.res_slot[t][s]
+            else:
+                assert held.pop(key) == table.res_slot[t][s]
+                assert table.in_slot[t][s] == -1  # the backward reads no chunk input
+            high = max(high, len(held))
+        assert not held
+        highs.append(high)
+    assert table.n_res_slots == max(highs)  # slots are reused as soon as they are free
+    if name == "gpipe":
+        assert table.n_res_slots == micro
+    if name == "1f1b":
+        assert table.n_res_slots <= stages
+
+
 def test_schedule_grid_reads_like_the_textbook():
     text = sched.build("1f1b", 2, 4).render()
     assert "bubble 0.200 (formula 0.200)" in text
@@ -76,14 +111,16 @@ _RUNS: dict = {}
 SEQUENCE_PARALLEL = {"pp=2,fsdp=2,tp=2"}
 
 
-def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
-    key = (mesh, schedule, micro, zero)
+def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0,
+              remat: str = "none"):
+    key = (mesh, schedule, micro, zero, remat)
     if key not in _RUNS:
         virtual = 2 if schedule == "interleaved" else 1
         # `--prefetch on`: auto prefetches on GPUs only, and stages that gather run it here.
         sp = mesh in SEQUENCE_PARALLEL
         _RUNS[key] = train_steps(DEEP, mesh, corpus.train,
-                                 config(batch_size=BATCH, zero=zero, prefetch="on"),
+                                 config(batch_size=BATCH, zero=zero, prefetch="on",
+                                        remat=remat),
                                  rules=with_sequence_parallel(DEFAULT_RULES) if sp
                                  else DEFAULT_RULES,
                                  pipeline=PipelineConfig(schedule, micro, virtual))
@@ -92,19 +129,43 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0):
 
 # Every schedule with pp=2, and 1f1b and interleaved with pp=4, M in {P, 2P}, plus dp x pp x
 # tp with ZeRO-2, and fsdp x tp inside stages (the prefetching layer loop, sequence
-# parallelism). (M = 4P, and
-# gpipe on pp=4 - all forwards then all backwards, the simplest table - added compiles and no
-# new schedule shape.)
-MATRIX = [(f"pp={p}", schedule, p * factor, 0) for schedule in ("gpipe", "1f1b", "interleaved")
+# parallelism). All under `--remat none`, where a backward reads its forward's stash; one
+# 1f1b and one interleaved table recompute from the chunk input (`--remat full`), and one
+# stashes what the selective policy keeps. (M = 4P, and gpipe on pp=4 - all forwards then
+# all backwards, the simplest table - added compiles and no new schedule shape.)
+MATRIX = [(f"pp={p}", schedule, p * factor, 0, "none")
+          for schedule in ("gpipe", "1f1b", "interleaved")
           for p in (2, 4) for factor in (1, 2) if not (p == 4 and schedule == "gpipe")]
 
 
-@pytest.mark.parametrize("mesh, schedule, micro, zero",
-                         [*MATRIX, ("dp=2,pp=2,tp=2", "1f1b", 4, 2),
-                          ("pp=2,fsdp=2,tp=2", "1f1b", 4, 0)])
-def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero):
-    run = pipelined(corpus, mesh, schedule, micro, zero)
+@pytest.mark.parametrize("mesh, schedule, micro, zero, remat",
+                         [*MATRIX, ("dp=2,pp=2,tp=2", "1f1b", 4, 2, "none"),
+                          ("pp=2,fsdp=2,tp=2", "1f1b", 4, 0, "none"),
+                          ("pp=4", "1f1b", 4, 0, "full"), ("pp=2", "interleaved", 4, 0, "full"),
+                          ("pp=2,fsdp=2", "interleaved", 4, 2, "selective")])
+def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero, remat):
+    run = pipelined(corpus, mesh, schedule, micro, zero, remat)
     assert_matches(run, reference)
+
+
+def test_stash_executes_no_forward_twice(corpus):
+    """The compiled step's matmul FLOPs (loops by their trips, the switch's branches by the
+    schedule's share of ticks): recomputing each chunk from its input (`--remat full`) runs
+    every block forward twice more than reading the forward's stash (`--remat none`) does,
+    about 5 / 3 of it; the stash's own are those of the unpipelined step (benchmarks/
+    pipeline.py, within 3%)."""
+    from jdist import gpu_report
+
+    mesh, shares = build_mesh("pp=4", jax.devices()[:4]), None
+    flops = {}
+    for remat in ("none", "full"):
+        run = pipelined(corpus, "pp=4", "1f1b", 4, 0, remat)
+        table = sched.build("1f1b", 4, 4)
+        kinds = [row[0].kind if row[0] is not None else sched.IDLE for row in table.grid]
+        shares = {3: tuple(kinds.count(k) / len(kinds) for k in (sched.IDLE, sched.FWD,
+                                                                  sched.BWD))}
+        flops[remat] = gpu_report.report(run.hlo, mesh, 0.0, shares).executed_flops
+    assert 1.4 < flops["full"] / flops["none"] < 1.8, flops
 
 
 @pytest.mark.parametrize("mesh, schedule", [("pp=4", "1f1b"), ("pp=2", "interleaved")])

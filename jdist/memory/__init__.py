@@ -76,15 +76,19 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     steps): every layer's residuals kept for the backward (`--remat` policy), one layer's
     backward working set, the loss's, and pipelined, the schedule's stashed chunk inputs
     and cotangents (one pipeline micro-batch each) with the tick's buffers; a pipeline stage
-    recomputes one chunk of layers at a time, so its "every layer" is one chunk's."""
+    runs one chunk of layers at a time, so its "every layer" is one chunk's, held for each
+    micro-batch in flight when the backward reads the forward's residuals (`stashes`)."""
     from jdist import axes as ax
 
+    from jdist.parallel.pipeline import stashes
+
     m, cfg = plan.mesh.shape, plan.model
-    layers, stashed, ticks, accumulator = cfg.n_layers, 0, 0, 0
+    layers, stashed, ticks, accumulator, held = cfg.n_layers, 0, 0, 0, 0
     if plan.pipeline is not None:
-        table = plan.pipeline.table(m[ax.STAGE])
+        table = plan.pipeline.table(m[ax.STAGE], stash=stashes(remat))
         micro_batch, layers = micro_batch // table.micro, cfg.n_layers // table.chunks
         stashed = table.n_slots + table.n_grad_slots
+        held = table.n_res_slots  # micro-batches whose chunk residuals wait in the stash
         # stage_program.tick: the zeros of an idle branch, the chunk input read from the
         # stash, the forward output and the input cotangent passed on by the permutes.
         ticks = 4
@@ -133,7 +137,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     # remat policy, rebuilt per layer).
     mask = a.mask if saves_all else 0
     # The loss's backward is done before the first layer's starts: the larger counts.
-    return (layers * per_layer + max(working, a.loss) + mask
+    return (layers * per_layer * (1 + held) + max(working, a.loss) + mask
             + (stashed + ticks) * a.x + accumulator + (transposed_stacks(plan) if gpu else 0))
 
 

@@ -5,9 +5,11 @@ step's shard_map by `jdist.parallel.stage_program`; the training side that hands
 function (embedding on the first chunk, the loss on the last, the per-layer gradient
 reductions) is `jdist.step.pipelined`. With V virtual stages (interleaved) the stack is
 *stored* permuted (`jdist.step.layer_order`) so that stage s's shard is chunks s, s+P, ...
-A backward recomputes its chunk from the stashed chunk input (`jax.vjp` per micro-batch, as
-GPipe does), so a stage holds only the inputs of its in-flight micro-batches: all M of them
-under gpipe, about P under 1f1b. Evaluation runs the forwards of the same schedule.
+A backward reads what its forward kept under the `--remat` policy (`stashes`): a stage holds
+the residuals of its in-flight micro-batches, all M of them under gpipe, about P under 1f1b.
+Under `--remat full` it recomputes its chunk from the stashed chunk input instead (`jax.vjp`
+per micro-batch, as GPipe does), holding only those inputs. Evaluation runs the forwards of
+the same schedule.
 """
 
 from __future__ import annotations
@@ -26,9 +28,16 @@ class PipelineConfig:
     microbatches: int = 0  # 0: one per stage
     virtual: int = 1       # layer chunks per stage (interleaved)
 
-    def table(self, stages: int, forward_only: bool = False) -> sched.Schedule:
+    def table(self, stages: int, forward_only: bool = False,
+              stash: bool = False) -> sched.Schedule:
         return sched.build(self.schedule, stages, self.microbatches or stages, self.virtual,
-                           forward_only)
+                           forward_only, stash)
+
+
+def stashes(remat: str) -> bool:
+    """Whether a stage's backward reads its forward's residuals rather than recomputing the
+    chunk: under every `--remat` policy but full, whose point is to hold the least."""
+    return remat != "full"
 
 
 def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,

@@ -112,6 +112,11 @@ class Schedule:
     recv_bwd: tuple[tuple[int, ...], ...]
     n_slots: int       # stashed chunk inputs per stage: the activation memory of the schedule
     n_grad_slots: int  # cotangents waiting for their backward
+    # With `stash` (the backward reads its forward's residuals, `jdist.parallel.residuals`):
+    # the slot a forward writes its residuals to and its backward reads them from, and how
+    # many micro-batches' residuals a stage holds at once (0 without stash).
+    res_slot: tuple[tuple[int, ...], ...] = ()
+    n_res_slots: int = 0
 
     @property
     def ticks(self) -> int:
@@ -145,7 +150,9 @@ class Schedule:
                 + (f", {self.virtual} virtual stages" if self.virtual > 1 else "")
                 + f"; {self.ticks} ticks, bubble {self.bubble_fraction():.3f} "
                 f"(formula {self.expected_bubble():.3f}); stashed activations per stage: "
-                f"{self.n_slots}")
+                f"{self.n_slots}"
+                + (f" chunk inputs, {self.n_res_slots} micro-batches' residuals"
+                   if self.n_res_slots else ""))
         rows = [f"stage {s:>2} | " + " ".join(c.rjust(width) for c in cells[s])
                 for s in range(self.stages)]
         return "\n".join([head, *rows])
@@ -153,16 +160,18 @@ class Schedule:
 
 @functools.lru_cache(maxsize=256)  # pure; the planner and memory model ask for the same tables
 def build(schedule: str, stages: int, micro: int, virtual: int = 1,
-          forward_only: bool = False) -> Schedule:
+          forward_only: bool = False, stash: bool = False) -> Schedule:
     """The executed schedule: play each stage's order against the data dependencies.
     `forward_only` (evaluation) keeps the forwards, in the same order, and frees each stashed
-    input as soon as its forward has read it."""
+    input as soon as its forward has read it. `stash`: each backward reads its forward's
+    residuals (kept in `res_slot`s) instead of recomputing from the chunk input, which its
+    forward therefore frees."""
     check(schedule, stages, micro, virtual, stages * virtual)
     orders = op_orders(schedule, stages, micro, virtual)
     if forward_only:
         orders = [[op for op in order if op.kind == FWD] for order in orders]
     grid = simulate(orders, stages, virtual)
-    return _with_slots(schedule, stages, micro, virtual, grid)
+    return _with_slots(schedule, stages, micro, virtual, grid, stash and not forward_only)
 
 
 def simulate(orders: list[list[Op]], stages: int, virtual: int) -> list[list[Op | None]]:
@@ -195,44 +204,53 @@ def simulate(orders: list[list[Op]], stages: int, virtual: int) -> list[list[Op 
 
 
 def _with_slots(name: str, stages: int, micro: int, virtual: int,
-                grid: list[list[Op | None]]) -> Schedule:
+                grid: list[list[Op | None]], stash: bool = False) -> Schedule:
     """Assign buffer slots: a chunk input is stashed from its arrival until its backward ran,
     a cotangent from its arrival until its backward ran (a slot freed in a tick can take
     what arrives at the end of that tick). Without backwards (evaluation) an input is freed
-    by its forward."""
+    by its forward. With `stash`, the forward frees its input and keeps its residuals in a
+    slot of their own until the backward reads them."""
     last = stages * virtual - 1
     ticks = len(grid)
     backwards = any(op is not None and op.kind == BWD for row in grid for op in row)
     shape = lambda: [[-1] * stages for _ in range(ticks)]
-    in_slot, grad_slot, recv_fwd, recv_bwd = shape(), shape(), shape(), shape()
-    stash = [_Slots() for _ in range(stages)]
+    in_slot, grad_slot, recv_fwd, recv_bwd, res_slot = (shape() for _ in range(5))
+    inputs = [_Slots() for _ in range(stages)]
     grads = [_Slots() for _ in range(stages)]
+    residuals = [_Slots() for _ in range(stages)]
     for t, row in enumerate(grid):
         for s, op in enumerate(row):  # reads first: backwards free their slots
             if op is None:
                 continue
             c = op.chunk * stages + s
-            if c > 0:
-                in_slot[t][s] = stash[s].find((op.micro, c))
-            if c > 0 and (op.kind == BWD or not backwards):  # its last reader ran
-                stash[s].free((op.micro, c))
+            key = (op.micro, c)
+            if c > 0 and (op.kind == FWD or not stash):
+                in_slot[t][s] = inputs[s].find(key)
+            if c > 0 and (op.kind == BWD) != (stash or not backwards):  # its last reader ran
+                inputs[s].free(key)
             if op.kind == BWD:
                 if c < last:
-                    grad_slot[t][s] = grads[s].pop((op.micro, c))
+                    grad_slot[t][s] = grads[s].pop(key)
+                if stash:
+                    res_slot[t][s] = residuals[s].pop(key)
+            elif stash:
+                res_slot[t][s] = residuals[s].take(key)
         for s, op in enumerate(row):  # then what this tick sends lands on the neighbour
             if op is None:
                 continue
             c = op.chunk * stages + s
             if op.kind == FWD and c < last:
                 dst = (c + 1) % stages
-                recv_fwd[t][dst] = stash[dst].take((op.micro, c + 1))
+                recv_fwd[t][dst] = inputs[dst].take((op.micro, c + 1))
             if op.kind == BWD and c > 0:
                 dst = (c - 1) % stages
                 recv_bwd[t][dst] = grads[dst].take((op.micro, c - 1))
     freeze = lambda table: tuple(tuple(r) for r in table)
     return Schedule(name, stages, micro, virtual, freeze(grid), freeze(in_slot),
                     freeze(grad_slot), freeze(recv_fwd), freeze(recv_bwd),
-                    max(1, max(s.high for s in stash)), max(1, max(g.high for g in grads)))
+                    max(1, max(s.high for s in inputs)), max(1, max(g.high for g in grads)),
+                    freeze(res_slot) if stash else (),
+                    max(r.high for r in residuals) if stash else 0)
 
 
 class _Slots:

@@ -5,9 +5,9 @@ bubble, and which of them bounds the step.
 The model (every term is a function below, each checked by `benchmarks/planner.py`):
 
   compute      executed FLOPs per device / the profile's achievable FLOP/s. Executed, not
-               model FLOPs: recomputation counts (a pipeline backward re-runs its chunk's
-               forward, `--remat full` re-runs each block's, `selective` its attention
-               scores), so does the chunked loss's recomputed head, and causal blocks the
+               model FLOPs: recomputation counts (`--remat full` re-runs each block's
+               forward, and a pipeline backward its chunk's before that; `selective` its
+               attention scores), so does the chunked loss's recomputed head, and causal blocks the
                kernel skips do not (flash and the ring skip tiles above the diagonal; dense
                `xla` attention computes every score and masks).
   overhead     what a step costs whatever its size (`profile.step_overhead_ms`: the CPU
@@ -46,6 +46,7 @@ from jdist.loss import CHUNKED
 from jdist.memory import Breakdown
 from jdist.parallel.blockwise import Q_TILE
 from jdist.parallel.moe import expert_factor
+from jdist.parallel.pipeline import stashes
 from jdist.plan.layouts import Layout
 from jdist.plan.traffic import group_size
 from jdist.train.throughput import flops_per_token
@@ -105,7 +106,9 @@ def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: st
         blocks_matmul *= 4 / 6
     scores *= attention_fraction(attention, seq_len)
     forward = blocks_matmul / 3 + scores / 3          # one forward of the blocks
-    recompute = (forward if pipelined else 0.0) + {
+    # A pipeline stage under --remat full recomputes its chunk before the backward (and
+    # each layer again inside it); under the other policies it reads the forward's stash.
+    recompute = (forward if pipelined and not stashes(remat) else 0.0) + {
         "full": forward, "selective": scores / 3}.get(remat, 0.0)
     if loss == CHUNKED:  # the custom VJP recomputes each vocabulary chunk's logits
         head += 2.0 * model.d_model * model.vocab_size
@@ -144,12 +147,13 @@ def price(rows: list[Row], plan, profile, dcn_axes: frozenset) -> \
 def pipeline_bubble(table, remat: str) -> float:
     """Idle share of a pipelined step's time. The executor advances all stages tick by tick
     (each tick ends in the activation/cotangent permutes), so a tick lasts as long as its
-    slowest operation: a forward is 1 unit, a backward 3 (its chunk's forward recomputed,
-    then twice the forward's FLOPs), 4 with `--remat full` inside it. Unlike the schedule's
-    own `bubble_fraction`, which counts ticks as equal, this weighs them."""
+    slowest operation: a forward is 1 unit, a backward 2 (twice the forward's FLOPs, read
+    from the forward's stash), 4 with `--remat full` (the chunk's forward recomputed from
+    its input, and each layer's again inside it). Unlike the schedule's own
+    `bubble_fraction`, which counts ticks as equal, this weighs them."""
     from jdist.parallel.schedule import BWD, FWD
 
-    cost = {FWD: 1.0, BWD: 3.0 + (remat == "full")}
+    cost = {FWD: 1.0, BWD: 2.0 if stashes(remat) else 4.0}
     span = sum(max((cost[op.kind] for op in tick if op is not None), default=0.0)
                for tick in table.grid)
     busy = table.micro * table.virtual * (cost[FWD] + cost[BWD])

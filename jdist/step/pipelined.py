@@ -22,6 +22,7 @@ from jdist import loss as objective
 from jdist.models.names import BLOCKS
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program
+from jdist.parallel.pipeline import stashes
 from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk
 from jdist.step.grads import (
@@ -40,7 +41,8 @@ PIPE_MANUAL = (ax.STAGE, *MANUAL)
 
 def _run(plan, params: dict, batch: dict, train: bool):
     mesh = plan.mesh
-    table = plan.pipeline.table(mesh.shape[ax.STAGE], forward_only=not train)
+    stash = train and stashes(plan.remat)
+    table = plan.pipeline.table(mesh.shape[ax.STAGE], forward_only=not train, stash=stash)
     sync = syncs(plan)
     stacked_syncs = stacked(sync)
     n_replicas = replica_count(mesh)
@@ -74,7 +76,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
         out = stage_program.program(
             primal[BLOCKS], shared.primal, table=table, chunk_fn=chunk_fn,
             act_shape=(*tokens.shape[1:], plan.model.d_model), act_dtype=plan.compute_dtype,
-            n_terms=objective.term_count(plan.model), train=train)
+            n_terms=objective.term_count(plan.model), train=train, stash_residuals=stash)
         terms, grads = out if train else (out, None)
         terms = jax.lax.psum(terms, PIPE_MANUAL) / n_replicas  # only the last stage has ce
         if not train:

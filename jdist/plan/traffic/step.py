@@ -9,6 +9,7 @@ from collections.abc import Callable
 from jdist import axes as ax
 from jdist.models.names import FINAL_NORM
 from jdist.parallel import prefetch
+from jdist.parallel.pipeline import stashes
 from jdist.plan.traffic import exact, partitioner
 from jdist.plan.traffic.exact import gather, reduce
 from jdist.plan.traffic.kernels import (
@@ -125,11 +126,14 @@ def chunk_recompute(st: Step, k: int, gathers: bool = True) -> list[Collective]:
 
 def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     """jdist.step.pipelined + stage_program: per tick a forward or backward of one chunk
-    of k = L / (P V) layers inside a `lax.switch`, then two permutes; a backward redoes
-    its chunk's forward (jax.vjp) before pulling the cotangent back. The embedding runs in
-    the first chunk, the final norm and loss in the last; gradients accumulate (defer),
-    shared ones are summed over stage once."""
+    of k = L / (P V) layers inside a `lax.switch`, then two permutes; under `--remat full`
+    a backward redoes its chunk's forward (jax.vjp) before pulling the cotangent back,
+    otherwise it reads the forward's residuals (`stashes`; gathered parameters are never
+    among them: it gathers again). The embedding runs in the first chunk, the final norm
+    and loss in the last; gradients accumulate (defer), shared ones are summed over stage
+    once."""
     table = st.plan.pipeline.table(st.n[ax.STAGE])
+    redo = not stashes(st.plan.remat)
     k = st.model.n_layers // (table.stages * table.virtual)
     chunk_runs = table.micro * table.virtual if executed else 1
     end_runs = table.micro if executed else 1
@@ -138,22 +142,24 @@ def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     forward += [c.times(k + 1) for c in layer_gathers(st)] if pre else []
     # A one-layer chunk's backward regathers what its recomputed forward just gathered:
     # XLA merges the two where no automatic axis splits the leaf (fitted, jax 0.10.2).
-    backward = [c.times(k) for c in chunk_recompute(st, k, gathers=not pre) + layer_backward(
-        st, True, merged=lambda leaf: k == 1 and not leaf.auto, regather=not pre)]
+    again = chunk_recompute(st, k, gathers=not pre) if redo else []
+    backward = [c.times(k) for c in again + layer_backward(
+        st, True, merged=lambda leaf: redo and k == 1 and not leaf.auto, regather=not pre)]
     backward += [c.times(sum(prefetch_gathers(k))) for c in layer_gathers(st)] if pre else []
     extras = partitioner.extras(st)
     first = exact.embedding_forward(st) + extras.embed_forward
-    first_back = first + exact.embedding_backward(st, True) + extras.embed_backward
+    first_back = (first if redo else []) + exact.embedding_backward(st, True) \
+        + extras.embed_backward
     norm = gather(st, st.leaf(FINAL_NORM), "grad_sync.gather (final norm)")
     shape = exact.loss_shape(st)
     if shape is None:
         last = norm + gather(st, st.head, "grad_sync.gather (head)")
         last_back = last + reduce(st, st.head, True, "grad_sync.reduce (head)")
-    else:  # the backward redoes the loss's forward (log-sum-exp only), then its backward
+    else:  # a redone forward redoes the loss's too (log-sum-exp only); then its backward
         heads = exact.head_gathers(st, shape)
         last = norm + heads + exact.loss_forward(st, shape)
-        last_back = norm + heads + exact.loss_forward(st, shape, picked=False) \
-            + heads + exact.loss_backward(st, shape, True)
+        last_back = norm + (heads + exact.loss_forward(st, shape, picked=False) if redo
+                            else []) + heads + exact.loss_backward(st, shape, True)
     last += extras.loss_forward
     last_back += exact.final_norm_grad(st, True) + extras.loss_recompute \
         + extras.loss_backward + extras.loss_backward_again
