@@ -1,8 +1,10 @@
 """Pipeline schedules: the bubble fraction of the executed schedule next to its formula, and
-peak per-device temporary bytes of the compiled step, for gpipe, 1f1b and interleaved.
+peak per-device temporary bytes of the compiled step, for gpipe, 1f1b and interleaved; then
+the executed FLOPs of a pipelined step against the unpipelined one's.
 
     python benchmarks/pipeline.py [--stages 2 4] [--factors 1 2 4 8] [--micro-batch 4]
-                                  [--seq-len 128] [--n-layers 8] [--json]
+                                  [--seq-len 128] [--n-layers 8] [--flops-model small]
+                                  [--target h100-80gb|none] [--json]
 
 The micro-batch size is fixed, so M micro-batches make a global batch of M x micro-batch:
 the activations of one micro-batch cost the same in every row, and what changes with M is
@@ -10,7 +12,17 @@ how many of them a schedule keeps alive. Target: bubble = (P-1)/(V*M+P-1) exactl
 temp bytes flat in M, gpipe's growing linearly. The last columns read the compiled step's
 collectives (per device, loop bodies times their trip counts): activation/cotangent
 collective-permutes, and everything else (the embedding/head gradient sum over stage only:
-block parameters and gradients never leave their stage, interleaved included).
+block parameters and gradients never leave their stage, interleaved included). The steps
+run `--remat none`: a backward reads its forward's residuals, held for `stashed` micro-batches
+(the chunk inputs, freed by the forward, in `inputs`).
+
+FLOPs: the matmul FLOPs the compiled step executes (`jdist.gpu_report`: loops by their trip
+counts, the stage program's branches by the schedule's share of ticks), summed over devices,
+for `--flops-model` on pp=4 (1f1b, 8 micro-batches) under `--remat none` (the stash) and
+`full` (each chunk recomputed from its input), over the same global batch on one device.
+Target: the stash within 3% of the unpipelined step. On the CPU compiler, and with
+`--target` (default where jax's CUDA plugin is installed) on the GPU compiler too, which
+runs in a subprocess (`python -m jdist.memory --measure --target`: one backend per process).
 """
 
 from __future__ import annotations
@@ -20,10 +32,16 @@ from common import Column, MiB
 
 common.setup_devices(8)
 
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 
+from jdist import gpu_report
 from jdist.hlo import executed_collective_bytes
+from jdist.memory import compile_step
 from jdist.mesh import build_mesh
 from jdist.models import get_preset
 from jdist.parallel.pipeline import PipelineConfig
@@ -36,6 +54,7 @@ COLUMNS = (Column("P", ">2", "stages"), Column("M", ">3", "micro"),
                                                                if r["virtual"] > 1 else "")),
            Column("ticks", ">5"), Column("bubble", "7.4f"),
            Column("formula", "7.4f", "bubble_formula"), Column("stashed", ">7"),
+           Column("inputs", ">6"),
            Column("temp MiB", "9.2f", "temp_bytes", MiB),
            Column("permute MiB", "11.2f", "permute_bytes", MiB),
            Column("other MiB", "9.2f", "other_collective_bytes", MiB))
@@ -50,14 +69,62 @@ def measure(model, stages: int, micro: int, schedule: str, virtual: int, micro_b
     tokens = jax.ShapeDtypeStruct((micro * micro_batch, seq_len), jnp.int32)
     compiled = make_train_step(plan).lower(
         plan.abstract, {"inputs": tokens, "targets": tokens}).compile()
-    table = config.table(stages)
+    table = config.table(stages, stash=True)
     moved = executed_collective_bytes(compiled.as_text())
     permute = moved.pop("collective-permute")
     return {"schedule": schedule, "stages": stages, "micro": micro, "virtual": virtual,
             "ticks": table.ticks, "bubble": table.bubble_fraction(),
-            "bubble_formula": table.expected_bubble(), "stashed": table.n_slots,
+            "bubble_formula": table.expected_bubble(), "stashed": table.n_res_slots,
+            "inputs": table.n_slots,
             "temp_bytes": common.temp_bytes(compiled),
             "permute_bytes": permute, "other_collective_bytes": sum(moved.values())}
+
+
+FLOPS_COLUMNS = (Column("compiler", "8"), Column("step", "26"),
+                 Column("TFLOP", ">10.4f", "flops", 1e12),
+                 Column("vs unpipelined", ">14.3f", "ratio"))
+FLOPS_STEPS = (("unpipelined, 1 device", "dp=1", "none"), ("pp=4 1f1b, remat none", "pp=4", "none"),
+               ("pp=4 1f1b, remat full", "pp=4", "full"))
+
+
+def flops_cpu(model_name: str, mesh_text: str, remat: str, batch: int, seq_len: int) -> float:
+    """Executed matmul FLOPs of the step on all devices, CPU compiler (in this process)."""
+    import dataclasses
+
+    n = 1 if mesh_text == "dp=1" else 4
+    plan = common.simple_plan(get_preset(model_name), build_mesh(mesh_text, jax.devices()[:n]))
+    plan = dataclasses.replace(plan, remat=remat)
+    if n > 1:
+        plan = with_pipeline(plan, PipelineConfig("1f1b", 8))
+    compiled = compile_step(plan, batch, seq_len)
+    return n * gpu_report.step_report(compiled, plan, batch, seq_len).executed_flops
+
+
+def flops_gpu(target: str, model_name: str, mesh_text: str, remat: str, batch: int,
+              seq_len: int) -> float:
+    """The same on the GPU compiler (deviceless `target`), from `jdist.memory`'s report."""
+    args = ["--model", model_name, "--mesh", mesh_text, "--batch-size", str(batch),
+            "--seq-len", str(seq_len), "--remat", remat, "--compute-dtype", "bfloat16",
+            "--measure", "--json", "--target", target]
+    if mesh_text != "dp=1":
+        args += ["--pp-schedule", "1f1b", "--microbatches", "8"]
+    out = subprocess.run([sys.executable, "-m", "jdist.memory", *args], check=True,
+                         capture_output=True, text=True, cwd=common.ROOT).stdout
+    report = json.loads(out)
+    return report["target"]["executed_flops"] * (1 if mesh_text == "dp=1" else 4)
+
+
+def flops_rows(model_name: str, target: str | None, batch: int, seq_len: int) -> list[dict]:
+    rows = []
+    for compiler in ("cpu", *([target] if target else [])):
+        base = None
+        for step, mesh_text, remat in FLOPS_STEPS:
+            flops = flops_cpu(model_name, mesh_text, remat, batch, seq_len) if compiler == "cpu" \
+                else flops_gpu(target, model_name, mesh_text, remat, batch, seq_len)
+            base = base or flops
+            rows.append({"compiler": compiler, "step": step, "flops": flops,
+                         "ratio": flops / base})
+    return rows
 
 
 def main() -> None:
@@ -68,16 +135,24 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=8)
+    parser.add_argument("--flops-model", default="small")
+    common.add_target(parser, "also count the FLOPs section's matmuls on this GPU's compiler")
     args = parser.parse_args()
+    target = common.requested_target(parser, args)
     model = get_preset("tiny", n_layers=args.n_layers)
     rows = [measure(model, p, f * p, name, v, args.micro_batch, args.seq_len)
             for p in args.stages for f in args.factors for name, v in SCHEDULES]
+    flops = flops_rows(args.flops_model, target, 8 * args.micro_batch, args.seq_len)
     result = {"micro_batch": args.micro_batch, "seq_len": args.seq_len,
-              "n_layers": args.n_layers, "rows": rows}
+              "n_layers": args.n_layers, "rows": rows, "flops_model": args.flops_model,
+              "flops": flops}
     common.emit(result, args.json, lambda: [
         f"tiny ({args.n_layers} layers), micro-batch {args.micro_batch} x {args.seq_len} "
         "tokens, float32; temp = compiled peak per-device temporaries",
-        *common.table(rows, COLUMNS)])
+        *common.table(rows, COLUMNS), "",
+        f"executed matmul FLOPs per step, all devices: {args.flops_model}, batch "
+        f"{8 * args.micro_batch} x {args.seq_len}",
+        *common.table(flops, FLOPS_COLUMNS)])
 
 
 if __name__ == "__main__":
