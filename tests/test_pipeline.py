@@ -156,15 +156,12 @@ def test_stash_executes_no_forward_twice(corpus):
     pipeline.py, within 3%)."""
     from jdist import gpu_report
 
-    mesh, shares = build_mesh("pp=4", jax.devices()[:4]), None
-    flops = {}
-    for remat in ("none", "full"):
-        run = pipelined(corpus, "pp=4", "1f1b", 4, 0, remat)
-        table = sched.build("1f1b", 4, 4)
-        kinds = [row[0].kind if row[0] is not None else sched.IDLE for row in table.grid]
-        shares = {3: tuple(kinds.count(k) / len(kinds) for k in (sched.IDLE, sched.FWD,
-                                                                  sched.BWD))}
-        flops[remat] = gpu_report.report(run.hlo, mesh, 0.0, shares).executed_flops
+    mesh = build_mesh("pp=4", jax.devices()[:4])
+    shares = gpu_report.pipeline_shares(SimpleNamespace(pipeline=PipelineConfig("1f1b", 4),
+                                                        mesh=mesh))
+    flops = {remat: gpu_report.report(pipelined(corpus, "pp=4", "1f1b", 4, 0, remat).hlo,
+                                       mesh, 0.0, shares).executed_flops
+             for remat in ("none", "full")}
     assert 1.4 < flops["full"] / flops["none"] < 1.8, flops
 
 
