@@ -68,6 +68,9 @@ def pipeline_for(flags, model, mesh, rules: Rules = DEFAULT_RULES) -> PipelineCo
         return None
     check_pipeline(config, model, mesh, flags.data.batch_size, flags.memory.grad_accum,
                    rules)
+    require(config.schedule not in sched.SPLIT_BACKWARD or stashes(flags.memory.remat),
+            f"--pp-schedule {config.schedule} splits the backward of the forward's stashed "
+            "residuals, which --remat full does not keep; use --remat none or selective")
     return config
 
 

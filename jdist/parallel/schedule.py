@@ -20,9 +20,13 @@ import functools
 
 from jdist.errors import require
 
-GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved"
-SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
-IDLE, FWD, BWD = 0, 1, 2  # operation kinds, as the kernel's `lax.switch` indexes them
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB_H1 = "gpipe", "1f1b", "interleaved", "zb-h1"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB_H1)
+# Operation kinds, as the kernel's `lax.switch` indexes them. Zero-bubble schedules split a
+# backward in two: BWD pulls the cotangent back to the chunk input only (the critical path),
+# WGT computes the weight gradients later, where the stage would otherwise idle.
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3
+SPLIT_BACKWARD = (ZB_H1,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,15 +51,58 @@ def check(schedule: str, stages: int, micro: int, virtual: int, n_layers: int) -
     else:
         require(virtual == 1, f"--pp-virtual-stages {virtual} needs --pp-schedule interleaved; "
                               "drop it or switch schedule")
-    if schedule == ONE_F_ONE_B:
+    if schedule in (ONE_F_ONE_B, ZB_H1):
         require(micro >= stages,
-                f"--pp-schedule 1f1b needs at least pp={stages} micro-batches to fill the "
-                f"pipeline, got --microbatches {micro}; raise it or use gpipe")
+                f"--pp-schedule {schedule} needs at least pp={stages} micro-batches to fill "
+                f"the pipeline, got --microbatches {micro}; raise it or use gpipe")
     chunks = stages * virtual
     parts = f"pp={stages} x {virtual} virtual stages = {chunks}" if virtual > 1 else f"pp={stages}"
     require(n_layers % chunks == 0,
             f"{n_layers} layers do not split into {parts} equal chunks; change --n-layers to a "
             f"multiple of {chunks}")
+
+
+def zero_bubble_h1(stages: int, micro: int) -> list[list[Op | None]]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023), played greedily tick by
+    tick. A stage runs, in this order of preference: a weight gradient that may wait no
+    longer (more than P-1 pending), the next backward once its cotangent arrived, the next
+    forward once its input arrived and fewer than P-s micro-batches await their backward
+    (1F1B's limit on stashed activations), else any pending weight gradient. Deferred
+    weight gradients fill the drain's idle ticks: the bubble is (P-1) ticks of 3M+P-1,
+    a third of 1F1B's (P-1)/(M+P-1) when F, B and W take a tick each."""
+    done: dict[tuple[int, int, int], int] = {}  # (kind, micro, stage) -> tick
+    forwards, backwards = [0] * stages, [0] * stages
+    pending: list[list[int]] = [[] for _ in range(stages)]
+    grid: list[list[Op | None]] = []
+    arrived = lambda key, t: done.get(key, t) < t
+    while any(backwards[s] < micro or pending[s] for s in range(stages)):
+        t = len(grid)
+        row: list[Op | None] = []
+        for s in range(stages):
+            f, b = forwards[s], backwards[s]
+            if len(pending[s]) > stages - 1:
+                op = Op(WGT, pending[s][0], 0)
+            elif b < micro and arrived((FWD, b, s), t) and (
+                    s == stages - 1 or arrived((BWD, b, s + 1), t)):
+                op = Op(BWD, b, 0)
+            elif f < micro and (s == 0 or arrived((FWD, f, s - 1), t)) and f - b < stages - s:
+                op = Op(FWD, f, 0)
+            else:
+                op = Op(WGT, pending[s][0], 0) if pending[s] else None
+            row.append(op)
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            done[(op.kind, op.micro, s)] = t
+            if op.kind == FWD:
+                forwards[s] += 1
+            elif op.kind == BWD:
+                backwards[s] += 1
+                pending[s].append(op.micro)
+            else:
+                pending[s].pop(0)
+        grid.append(row)
+    return grid
 
 
 def op_orders(schedule: str, stages: int, micro: int, virtual: int = 1) -> list[list[Op]]:
@@ -117,6 +164,16 @@ class Schedule:
     # many micro-batches' residuals a stage holds at once (0 without stash).
     res_slot: tuple[tuple[int, ...], ...] = ()
     n_res_slots: int = 0
+    # Split backwards (zero-bubble): the slot a forward writes what only its weight
+    # gradient reads to, which the backward adds its hand-over to and the weight gradient
+    # reads and frees (`res_slot` then holds what the backward reads, until it ran).
+    w_slot: tuple[tuple[int, ...], ...] = ()
+    n_w_slots: int = 0
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether backwards are split into BWD and WGT (not in a forward-only table)."""
+        return bool(self.w_slot)
 
     @property
     def ticks(self) -> int:
@@ -132,16 +189,19 @@ class Schedule:
         return idle / (self.ticks * self.stages)
 
     def expected_bubble(self) -> float:
-        """(P-1)/(V*M+P-1): GPipe's and 1F1B's (V=1) formula and its interleaved counterpart."""
+        """(P-1)/(V*M+P-1): GPipe's and 1F1B's (V=1) formula and its interleaved
+        counterpart; ZB-H1's (P-1)/(3M+P-1), a tick per F, B and W."""
+        if self.split_backward:
+            return (self.stages - 1) / (3 * self.micro + self.stages - 1)
         return (self.stages - 1) / (self.virtual * self.micro + self.stages - 1)
 
     def render(self) -> str:
         """A stage x tick grid: `F3` forward of micro-batch 3 (`F3.1` on virtual chunk 1),
-        `B3` backward, `.` idle."""
+        `B3` backward (split: to the input only), `W3` weight gradient, `.` idle."""
         def cell(op: Op | None) -> str:
             if op is None:
                 return "."
-            text = ("F" if op.kind == FWD else "B") + str(op.micro)
+            text = "?FBW"[op.kind] + str(op.micro)
             return f"{text}.{op.chunk}" if self.virtual > 1 else text
 
         cells = [[cell(self.grid[t][s]) for t in range(self.ticks)] for s in range(self.stages)]
@@ -152,7 +212,8 @@ class Schedule:
                 f"(formula {self.expected_bubble():.3f}); stashed activations per stage: "
                 f"{self.n_slots}"
                 + (f" chunk inputs, {self.n_res_slots} micro-batches' residuals"
-                   if self.n_res_slots else ""))
+                   if self.n_res_slots else "")
+                + (f", {self.n_w_slots} awaiting weight gradients" if self.n_w_slots else ""))
         rows = [f"stage {s:>2} | " + " ".join(c.rjust(width) for c in cells[s])
                 for s in range(self.stages)]
         return "\n".join([head, *rows])
@@ -165,12 +226,17 @@ def build(schedule: str, stages: int, micro: int, virtual: int = 1,
     `forward_only` (evaluation) keeps the forwards, in the same order, and frees each stashed
     input as soon as its forward has read it. `stash`: each backward reads its forward's
     residuals (kept in `res_slot`s) instead of recomputing from the chunk input, which its
-    forward therefore frees."""
+    forward therefore frees (always, for a schedule that splits backwards)."""
     check(schedule, stages, micro, virtual, stages * virtual)
-    orders = op_orders(schedule, stages, micro, virtual)
-    if forward_only:
-        orders = [[op for op in order if op.kind == FWD] for order in orders]
-    grid = simulate(orders, stages, virtual)
+    if schedule in SPLIT_BACKWARD and not forward_only:
+        stash = True  # what it splits is the backward of the forward's residuals
+        grid = zero_bubble_h1(stages, micro)
+    else:
+        orders = op_orders(ONE_F_ONE_B if schedule in SPLIT_BACKWARD else schedule, stages,
+                           micro, virtual)
+        if forward_only:
+            orders = [[op for op in order if op.kind == FWD] for order in orders]
+        grid = simulate(orders, stages, virtual)
     return _with_slots(schedule, stages, micro, virtual, grid, stash and not forward_only)
 
 
@@ -214,16 +280,21 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
     ticks = len(grid)
     backwards = any(op is not None and op.kind == BWD for row in grid for op in row)
     shape = lambda: [[-1] * stages for _ in range(ticks)]
-    in_slot, grad_slot, recv_fwd, recv_bwd, res_slot = (shape() for _ in range(5))
+    in_slot, grad_slot, recv_fwd, recv_bwd, res_slot, w_slot = (shape() for _ in range(6))
     inputs = [_Slots() for _ in range(stages)]
     grads = [_Slots() for _ in range(stages)]
     residuals = [_Slots() for _ in range(stages)]
+    weights = [_Slots() for _ in range(stages)]  # what a split backward's W reads
+    split = name in SPLIT_BACKWARD and backwards
     for t, row in enumerate(grid):
         for s, op in enumerate(row):  # reads first: backwards free their slots
             if op is None:
                 continue
             c = op.chunk * stages + s
             key = (op.micro, c)
+            if op.kind == WGT:
+                w_slot[t][s] = weights[s].pop(key)
+                continue
             if c > 0 and (op.kind == FWD or not stash):
                 in_slot[t][s] = inputs[s].find(key)
             if c > 0 and (op.kind == BWD) != (stash or not backwards):  # its last reader ran
@@ -233,8 +304,12 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
                     grad_slot[t][s] = grads[s].pop(key)
                 if stash:
                     res_slot[t][s] = residuals[s].pop(key)
+                if split:
+                    w_slot[t][s] = weights[s].find(key)
             elif stash:
                 res_slot[t][s] = residuals[s].take(key)
+                if split:
+                    w_slot[t][s] = weights[s].take(key)
         for s, op in enumerate(row):  # then what this tick sends lands on the neighbour
             if op is None:
                 continue
@@ -250,7 +325,8 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
                     freeze(grad_slot), freeze(recv_fwd), freeze(recv_bwd),
                     max(1, max(s.high for s in inputs)), max(1, max(g.high for g in grads)),
                     freeze(res_slot) if stash else (),
-                    max(r.high for r in residuals) if stash else 0)
+                    max(r.high for r in residuals) if stash else 0,
+                    freeze(w_slot) if split else (), max(w.high for w in weights))
 
 
 class _Slots:

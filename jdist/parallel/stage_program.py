@@ -63,54 +63,91 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
     zero = jnp.zeros((), jnp.int32)
     split = residuals.split(f, where_of(zero), chunk_params(zero), act, zero) \
         if stash_residuals and train else None
-    no_res = [jnp.zeros(a.shape, a.dtype) for a in split.stash_avals()] if split else []
+    halves = split.halves() if split and table.split_backward else None
+    # What waits between ticks besides activations, as zeros of one micro-batch: the
+    # forward's residuals the backward reads (F -> B, `res_slot`); split, those only the
+    # weight gradient reads (F -> W, `w_slot`) and the backward's hand-over (B -> W).
+    stashed = [a for a in (split.stash_avals() if split else [])]
+    by_input = [b for b, s in zip(halves.for_input, split.stashed) if s] if halves else \
+        [True] * len(stashed)
+    zeros = lambda avals: [jnp.zeros(a.shape, a.dtype) for a in avals]
+    nothing = (zeros(a for a, b in zip(stashed, by_input) if b),
+               zeros(a for a, b in zip(stashed, by_input) if not b),
+               zeros(halves.handover_avals() if halves else []))
 
     def tick(carry, row):
-        stash, grads_in, res_stash, acc, loss_sum = carry
-        kind, m, v, in_slot, grad_slot, recv_fwd, recv_bwd, res_slot = (
-            row[i][stage] for i in range(8))
+        stash, grads_in, kept, acc, loss_sum = carry
+        kind, m, v, in_slot, grad_slot, recv_fwd, recv_bwd, res_slot, w_slot = (
+            row[i][stage] for i in range(9))
         where, p = where_of(v), chunk_params(v)
         last = where[2]
         x_in = stash[jnp.maximum(in_slot, 0)]
+        read = lambda buffers, slot: [b[jnp.maximum(slot, 0)] for b in buffers]
+
+        def stashed_now():  # every stashed residual this tick can read, None where not
+            mine, theirs = iter(read(kept[0], res_slot)), iter(read(kept[1], w_slot))
+            return split.residuals([*where, *p], [next(mine) if b else next(theirs)
+                                                  for b in by_input])
 
         def idle():
-            return act, act, acc, no_loss, no_res
+            return act, act, acc, no_loss, nothing
 
         def forward():
-            if split:
-                y, loss, res = split.forward([*where, *p], x_in, m)
-                return y, act, acc, loss, res
-            y, loss = f(where, p, x_in, m)
-            return y, act, acc, loss, no_res
+            if not split:
+                y, loss = f(where, p, x_in, m)
+                return y, act, acc, loss, nothing
+            y, loss, res = split.forward([*where, *p], x_in, m)
+            return y, act, acc, loss, ([r for r, b in zip(res, by_input) if b],
+                                       [r for r, b in zip(res, by_input) if not b],
+                                       nothing[2])
 
-        def backward():  # pull back this micro-batch's cotangent
-            if split:
-                pullback = split.pullback([*where, *p],
-                                          [b[jnp.maximum(res_slot, 0)] for b in res_stash])
-            else:  # recompute the chunk from its input
-                _, pullback = jax.vjp(lambda p, x: f(where, p, x, m), p, x_in)
-            cot_y = jnp.where(last, act, grads_in[jnp.maximum(grad_slot, 0)])
-            # The objective (term 0) of each micro-batch weighs 1/M in the step's mean.
-            d_p, d_x = pullback((cot_y, no_loss.at[0].set(1.0 / micro)))
+        def accumulate(d_p):
             d_block, d_shared = jax.tree.unflatten(params_def, d_p)
             d_chunks = jax.tree.map(lambda a, g: a.at[v].add(g), acc[0], d_block)
-            return (act, d_x, (d_chunks, jax.tree.map(jnp.add, acc[1], d_shared)), no_loss,
-                    no_res)
+            return d_chunks, jax.tree.map(jnp.add, acc[1], d_shared)
 
-        ops = (idle, forward, backward) if train else (idle, forward)
-        y, d_x, acc, loss, res = jax.lax.switch(kind, ops)
+        def backward():  # pull back this micro-batch's cotangent
+            cot_y = jnp.where(last, act, grads_in[jnp.maximum(grad_slot, 0)])
+            # The objective (term 0) of each micro-batch weighs 1/M in the step's mean.
+            cot = (cot_y, no_loss.at[0].set(1.0 / micro))
+            if halves:  # the input's gradient now, the weights' in their WGT tick
+                early, handover = halves.input_half(stashed_now(), cot)
+                late = [jnp.zeros(o.aval.shape, o.aval.dtype) for o, e in zip(
+                    split.backward.outvars, halves.early) if not e]
+                *d_p, d_x = halves.merge(early, late)
+                return act, d_x, accumulate(d_p), no_loss, (*nothing[:2], handover)
+            if split:
+                pullback = split.pullback([*where, *p], read(kept[0], res_slot))
+            else:  # recompute the chunk from its input
+                _, pullback = jax.vjp(lambda p, x: f(where, p, x, m), p, x_in)
+            d_p, d_x = pullback(cot)
+            return act, d_x, accumulate(d_p), no_loss, nothing
+
+        def weights():  # a split backward's weight gradients, from its hand-over
+            late = halves.weight_half(read(kept[2], w_slot), stashed_now())
+            early = [jnp.zeros(o.aval.shape, o.aval.dtype) for o, e in zip(
+                split.backward.outvars, halves.early) if e]
+            *d_p, _ = halves.merge(early, late)
+            return act, act, accumulate(d_p), no_loss, nothing
+
+        ops = (idle, forward, backward, weights)[:4 if halves else 3 if train else 2]
+        y, d_x, acc, loss, writes = jax.lax.switch(kind, ops)
         stash = _store(stash, recv_fwd, jax.lax.ppermute(y, ax.STAGE, to_next))
         if train:
             grads_in = _store(grads_in, recv_bwd, jax.lax.ppermute(d_x, ax.STAGE, to_prev))
-        written = jnp.where(kind == sched.FWD, res_slot, -1)
-        res_stash = [_store(b, written, r) for b, r in zip(res_stash, res)]
-        return (stash, grads_in, res_stash, acc, loss_sum + loss), None
+        slots = (jnp.where(kind == sched.FWD, res_slot, -1),
+                 jnp.where(kind == sched.FWD, w_slot, -1),
+                 jnp.where(kind == sched.BWD, w_slot, -1))
+        kept = tuple([_store(b, slot, x) for b, x in zip(buffers, values)]
+                     for buffers, slot, values in zip(kept, slots, writes))
+        return (stash, grads_in, kept, acc, loss_sum + loss), None
 
     f32_zeros = lambda t: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), t)
-    res_stash = [jnp.zeros((table.n_res_slots, *r.shape), r.dtype) for r in no_res]
+    kept = tuple([jnp.zeros((n, *x.shape), x.dtype) for x in group] for n, group in zip(
+        (table.n_res_slots, table.n_w_slots, table.n_w_slots), nothing))
     start = (jnp.zeros((table.n_slots, *act_shape), act_dtype),
              jnp.zeros((table.n_grad_slots, *act_shape), act_dtype) if train else (),
-             res_stash, (f32_zeros(chunks), f32_zeros(shared)) if train else (), no_loss)
+             kept, (f32_zeros(chunks), f32_zeros(shared)) if train else (), no_loss)
     (_, _, _, acc, loss_sum), _ = jax.lax.scan(tick, start, jnp.asarray(_columns(table)))
     if not train:
         return loss_sum / micro
@@ -127,11 +164,11 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def _columns(table: sched.Schedule) -> np.ndarray:
-    """The schedule as int32 [ticks, 8, stages]: kind, micro-batch, chunk and the slots."""
+    """The schedule as int32 [ticks, 9, stages]: kind, micro-batch, chunk and the slots."""
     kind = [[op.kind if op else sched.IDLE for op in row] for row in table.grid]
     micro = [[op.micro if op else 0 for op in row] for row in table.grid]
     chunk = [[op.chunk if op else 0 for op in row] for row in table.grid]
-    res_slot = table.res_slot or [[-1] * table.stages for _ in table.grid]
+    none = [[-1] * table.stages for _ in table.grid]
     return np.stack([np.array(x, np.int32) for x in (
         kind, micro, chunk, table.in_slot, table.grad_slot, table.recv_fwd, table.recv_bwd,
-        res_slot)], axis=1)
+        table.res_slot or none, table.w_slot or none)], axis=1)
