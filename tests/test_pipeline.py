@@ -2,6 +2,7 @@
 stage count trained against one device, the collectives that move activations, and the
 one-line errors."""
 
+import collections
 import dataclasses
 import math
 import subprocess
@@ -142,10 +143,63 @@ MATRIX = [(f"pp={p}", schedule, p * factor, 0, "none")
                          [*MATRIX, ("dp=2,pp=2,tp=2", "1f1b", 4, 2, "none"),
                           ("pp=2,fsdp=2,tp=2", "1f1b", 4, 0, "none"),
                           ("pp=4", "1f1b", 4, 0, "full"), ("pp=2", "interleaved", 4, 0, "full"),
-                          ("pp=2,fsdp=2", "interleaved", 4, 2, "selective")])
+                          ("pp=2,fsdp=2", "interleaved", 4, 2, "selective"),
+                          # Zero-bubble: backwards split into input and weight gradients.
+                          ("pp=2", "zb-h1", 4, 0, "none"), ("pp=4", "zb-h1", 8, 0, "none"),
+                          ("pp=2,fsdp=2,tp=2", "zb-h1", 4, 0, "none"),
+                          ("dp=2,pp=2,tp=2", "zb-h1", 4, 2, "selective")])
 def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero, remat):
     run = pipelined(corpus, mesh, schedule, micro, zero, remat)
     assert_matches(run, reference)
+
+
+TIED = get_preset("tiny", n_layers=8, tie_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tied_reference(single_device):
+    return single_device(TIED, batch_size=BATCH)
+
+
+@pytest.mark.parametrize("mesh, schedule, micro", [("pp=4,dp=2", "zb-h1", 4),
+                                                   ("pp=2,fsdp=2", "1f1b", 4)])
+def test_tied_embeddings_match_single_device(corpus, tied_reference, mesh, schedule, micro):
+    """One table read by the first chunk's lookup and the last chunk's head: its gradient
+    is the sum of both, over stages (ZeRO-2: reduce-scattered over fsdp in each tick)."""
+    run = train_steps(TIED, mesh, corpus.train,
+                      config(batch_size=BATCH, zero=2, prefetch="on"),
+                      pipeline=PipelineConfig(schedule, micro))
+    assert_matches(run, tied_reference)
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_zero_bubble_fills_the_drain_with_weight_gradients(stages, factor):
+    """ZB-H1's table: every F, B and W once per micro-batch, a W after its B; at most P-s
+    micro-batches between forward and backward on stage s (1F1B's stash) and at most P-1
+    weight gradients waiting; idle (P-1) ticks of 3M+P-1. With F, B and W a unit of time
+    each, that is a third of 1F1B's idle time, 3(P-1) units (its backward takes two)."""
+    micro = factor * stages
+    table = sched.build("zb-h1", stages, micro)
+    assert table.bubble_fraction() == pytest.approx(table.expected_bubble(), abs=1e-12)
+    idle = table.bubble_fraction() * table.ticks  # per stage, in units
+    assert idle == pytest.approx(stages - 1)
+    one_f_one_b = sched.build("1f1b", stages, micro)
+    assert one_f_one_b.bubble_fraction() * 3 * (micro + stages - 1) == pytest.approx(
+        3 * (stages - 1))
+    for s in range(stages):
+        ops = [row[s] for row in table.grid if row[s] is not None]
+        assert sorted((op.kind, op.micro) for op in ops) == sorted(
+            (k, m) for k in (sched.FWD, sched.BWD, sched.WGT) for m in range(micro))
+        seen: dict = {}
+        for t, op in enumerate(ops):
+            seen[(op.kind, op.micro)] = t
+            if op.kind == sched.WGT:
+                assert seen[(sched.BWD, op.micro)] < t
+            done = collections.Counter(k for k, _ in seen)
+            assert done[sched.FWD] - done[sched.BWD] <= stages - s
+            assert done[sched.BWD] - done[sched.WGT] <= stages - 1 + (op.kind == sched.BWD)
+    assert table.n_res_slots <= stages and table.n_w_slots <= 2 * stages - 1
 
 
 def test_stash_executes_no_forward_twice(corpus):
@@ -374,10 +428,23 @@ def test_interleaved_storage_order_round_trips():
     (("interleaved", 2, 4, 2, 6), "6 layers do not split into pp=2 x 2 virtual stages"),
     (("interleaved", 2, 3, 2, 8), "change --microbatches 3 to a multiple of 2"),
     (("zigzag", 2, 2, 1, 8), "unknown pipeline schedule 'zigzag'"),
+    (("zb-h1", 4, 2, 1, 8), "zb-h1 needs at least pp=4 micro-batches"),
+    (("zb-h1", 2, 4, 2, 8), "--pp-virtual-stages 2 needs --pp-schedule interleaved"),
 ])
 def test_bad_configurations_name_the_fix(args, message):
     with pytest.raises(ConfigError, match=message):
         sched.check(*args)
+
+
+def test_cli_zero_bubble_under_full_remat_is_one_line_and_exit_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "jdist.train", "--model", "tiny", "--mesh", "pp=2",
+         "--pp-schedule", "zb-h1", "--remat", "full", "--pp-show-schedule"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "jdist: error: --pp-schedule zb-h1 splits the backward of the forward's stashed "
+        "residuals, which --remat full does not keep; use --remat none or selective"]
 
 
 def test_cli_bad_schedule_is_one_line_and_exit_2():

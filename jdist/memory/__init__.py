@@ -79,7 +79,6 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     runs one chunk of layers at a time, so its "every layer" is one chunk's, held for each
     micro-batch in flight when the backward reads the forward's residuals (`stashes`)."""
     from jdist import axes as ax
-
     from jdist.parallel.pipeline import stashes
 
     m, cfg = plan.mesh.shape, plan.model
@@ -88,7 +87,10 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
         table = plan.pipeline.table(m[ax.STAGE], stash=stashes(remat))
         micro_batch, layers = micro_batch // table.micro, cfg.n_layers // table.chunks
         stashed = table.n_slots + table.n_grad_slots
-        held = table.n_res_slots  # micro-batches whose chunk residuals wait in the stash
+        # Micro-batches whose chunk residuals wait in the stash; split (zero-bubble), those
+        # awaiting their weight gradient hold about as much again (what only it reads, and
+        # the input gradient's hand-over: the projections' cotangents).
+        held = table.n_res_slots + table.n_w_slots
         # stage_program.tick: the zeros of an idle branch, the chunk input read from the
         # stash, the forward output and the input cotangent passed on by the permutes.
         ticks = 4

@@ -149,14 +149,17 @@ def pipeline_bubble(table, remat: str) -> float:
     (each tick ends in the activation/cotangent permutes), so a tick lasts as long as its
     slowest operation: a forward is 1 unit, a backward 2 (twice the forward's FLOPs, read
     from the forward's stash), 4 with `--remat full` (the chunk's forward recomputed from
-    its input, and each layer's again inside it). Unlike the schedule's own
-    `bubble_fraction`, which counts ticks as equal, this weighs them."""
-    from jdist.parallel.schedule import BWD, FWD
+    its input, and each layer's again inside it); split (zero-bubble), the input gradient
+    and the weight gradient 1 each. Unlike the schedule's own `bubble_fraction`, which
+    counts ticks as equal, this weighs them."""
+    from jdist.parallel.schedule import BWD, FWD, WGT
 
-    cost = {FWD: 1.0, BWD: 2.0 if stashes(remat) else 4.0}
+    cost = {FWD: 1.0, BWD: 1.0 if table.split_backward else 2.0 if stashes(remat) else 4.0,
+            WGT: 1.0}
     span = sum(max((cost[op.kind] for op in tick if op is not None), default=0.0)
                for tick in table.grid)
-    busy = table.micro * table.virtual * (cost[FWD] + cost[BWD])
+    busy = table.micro * table.virtual * (cost[FWD] + cost[BWD]
+                                          + cost[WGT] * table.split_backward)
     return 1 - busy / span
 
 

@@ -123,9 +123,10 @@ def divisors(n: int) -> list[int]:
 
 def pipelines(stages: int, per_replica: int, n_layers: int) -> Iterator[tuple[str, int, int]]:
     """(schedule, micro-batches, virtual stages) for `stages` stages when each batch
-    replica holds `per_replica` sequences: 1f1b with M in {P, 2P, 4P, ...} up to one
-    sequence per micro-batch, and interleaved with V=2 when the layers split. GPipe is left
-    out: its bubble is 1F1B's at equal M and it stashes all M micro-batches, not about P."""
+    replica holds `per_replica` sequences: 1f1b and zb-h1 with M in {P, 2P, 4P, ...} up to
+    one sequence per micro-batch, and interleaved with V=2 when the layers split. GPipe is
+    left out: its bubble is 1F1B's at equal M and it stashes all M micro-batches, not
+    about P."""
     if stages == 1:
         yield sched.ONE_F_ONE_B, 0, 1
         return
@@ -133,6 +134,7 @@ def pipelines(stages: int, per_replica: int, n_layers: int) -> Iterator[tuple[st
     while m <= per_replica:
         if per_replica % m == 0:
             yield sched.ONE_F_ONE_B, m, 1
+            yield sched.ZB_H1, m, 1
             if n_layers % (2 * stages) == 0:
                 yield sched.INTERLEAVED, m, 2
         m *= 2
