@@ -1,10 +1,11 @@
 """Pipeline schedules: the bubble fraction of the executed schedule next to its formula, and
 peak per-device temporary bytes of the compiled step, for gpipe, 1f1b and interleaved; then
-the executed FLOPs of a pipelined step against the unpipelined one's.
+the executed FLOPs of a pipelined step against the unpipelined one's; and each schedule's
+step time at P=4, M=8 against 1f1b's.
 
     python benchmarks/pipeline.py [--stages 2 4] [--factors 1 2 4 8] [--micro-batch 4]
                                   [--seq-len 128] [--n-layers 8] [--flops-model small]
-                                  [--target h100-80gb|none] [--json]
+                                  [--time-steps 5] [--target h100-80gb|none] [--json]
 
 The micro-batch size is fixed, so M micro-batches make a global batch of M x micro-batch:
 the activations of one micro-batch cost the same in every row, and what changes with M is
@@ -14,7 +15,11 @@ collectives (per device, loop bodies times their trip counts): activation/cotang
 collective-permutes, and everything else (the embedding/head gradient sum over stage only:
 block parameters and gradients never leave their stage, interleaved included). The steps
 run `--remat none`: a backward reads its forward's residuals, held for `stashed` micro-batches
-(the chunk inputs, freed by the forward, in `inputs`).
+(the chunk inputs, freed by the forward, in `inputs`; zb-h1's micro-batches awaiting their
+weight gradients in `awaiting W`). `weighted` is the bubble of the executed lockstep ticks,
+each as long as its slowest operation (F 1, a whole backward 2, zb-h1's B and W 1 each):
+the share of time a stage idles (`jdist.plan.cost.pipeline_bubble`). Target: zb-h1's at
+most a third of 1f1b's.
 
 FLOPs: the matmul FLOPs the compiled step executes (`jdist.gpu_report`: loops by their trip
 counts, the stage program's branches by the schedule's share of ticks), summed over devices,
@@ -44,17 +49,20 @@ from jdist.hlo import executed_collective_bytes
 from jdist.memory import compile_step
 from jdist.mesh import build_mesh
 from jdist.models import get_preset
+from jdist import data
 from jdist.parallel.pipeline import PipelineConfig
-from jdist.step import make_train_step
+from jdist.plan.cost import pipeline_bubble
+from jdist.step import init_state, make_train_step
 from jdist.step.state import with_pipeline
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 COLUMNS = (Column("P", ">2", "stages"), Column("M", ">3", "micro"),
            Column("schedule", "14", lambda r: r["schedule"] + (f" V={r['virtual']}"
                                                                if r["virtual"] > 1 else "")),
            Column("ticks", ">5"), Column("bubble", "7.4f"),
-           Column("formula", "7.4f", "bubble_formula"), Column("stashed", ">7"),
-           Column("inputs", ">6"),
+           Column("formula", "7.4f", "bubble_formula"),
+           Column("weighted", "8.4f", "weighted_bubble"), Column("stashed", ">7"),
+           Column("inputs", ">6"), Column("awaiting W", ">10", "awaiting_w"),
            Column("temp MiB", "9.2f", "temp_bytes", MiB),
            Column("permute MiB", "11.2f", "permute_bytes", MiB),
            Column("other MiB", "9.2f", "other_collective_bytes", MiB))
@@ -74,8 +82,9 @@ def measure(model, stages: int, micro: int, schedule: str, virtual: int, micro_b
     permute = moved.pop("collective-permute")
     return {"schedule": schedule, "stages": stages, "micro": micro, "virtual": virtual,
             "ticks": table.ticks, "bubble": table.bubble_fraction(),
-            "bubble_formula": table.expected_bubble(), "stashed": table.n_res_slots,
-            "inputs": table.n_slots,
+            "bubble_formula": table.expected_bubble(),
+            "weighted_bubble": pipeline_bubble(table, plan.remat),
+            "stashed": table.n_res_slots, "inputs": table.n_slots, "awaiting_w": table.n_w_slots,
             "temp_bytes": common.temp_bytes(compiled),
             "permute_bytes": permute, "other_collective_bytes": sum(moved.values())}
 
@@ -127,6 +136,34 @@ def flops_rows(model_name: str, target: str | None, batch: int, seq_len: int) ->
     return rows
 
 
+TIME_COLUMNS = (Column("schedule", "14"), Column("step s", ">8.4f", "step_s"),
+                Column("vs 1f1b", ">8.3f", "ratio"),
+                Column("weighted bubble", ">15.4f", "weighted_bubble"))
+
+
+def timing_rows(model, stages: int, micro: int, micro_batch: int, seq_len: int,
+                steps: int) -> list[dict]:
+    """Each schedule's step, run `steps` times on the CPU mesh after a warm-up; seconds
+    per step and the ratio to 1f1b's, measured in this one run."""
+    corpus = data.load_corpus(None, seq_len)
+    rows = []
+    for schedule, virtual in SCHEDULES:
+        mesh = build_mesh(f"pp={stages}", jax.devices()[:stages])
+        config = PipelineConfig(schedule, micro, virtual)
+        plan = with_pipeline(common.simple_plan(model, mesh), config)
+        batch = data.global_batch(corpus.train, 0, 0, micro * micro_batch, seq_len,
+                                  plan.batch_sharding)
+        step = make_train_step(plan)
+        seconds = common.time_steps(step, init_state(plan, 0), [batch], steps)[2]
+        rows.append({"schedule": schedule + (f" V={virtual}" if virtual > 1 else ""),
+                     "step_s": seconds / steps, "weighted_bubble": pipeline_bubble(
+                         config.table(stages, stash=True), plan.remat)})
+    base = next(r["step_s"] for r in rows if r["schedule"] == "1f1b")
+    for r in rows:
+        r["ratio"] = r["step_s"] / base
+    return rows
+
+
 def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
@@ -136,6 +173,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--n-layers", type=int, default=8)
     parser.add_argument("--flops-model", default="small")
+    parser.add_argument("--time-steps", type=int, default=5,
+                        help="timed steps per schedule at P=4, M=8 (0: skip)")
     common.add_target(parser, "also count the FLOPs section's matmuls on this GPU's compiler")
     args = parser.parse_args()
     target = common.requested_target(parser, args)
@@ -143,16 +182,22 @@ def main() -> None:
     rows = [measure(model, p, f * p, name, v, args.micro_batch, args.seq_len)
             for p in args.stages for f in args.factors for name, v in SCHEDULES]
     flops = flops_rows(args.flops_model, target, 8 * args.micro_batch, args.seq_len)
+    timed = timing_rows(model, 4, 8, args.micro_batch, args.seq_len, args.time_steps) \
+        if args.time_steps else []
     result = {"micro_batch": args.micro_batch, "seq_len": args.seq_len,
               "n_layers": args.n_layers, "rows": rows, "flops_model": args.flops_model,
-              "flops": flops}
+              "flops": flops, "timing": timed}
     common.emit(result, args.json, lambda: [
         f"tiny ({args.n_layers} layers), micro-batch {args.micro_batch} x {args.seq_len} "
         "tokens, float32; temp = compiled peak per-device temporaries",
         *common.table(rows, COLUMNS), "",
         f"executed matmul FLOPs per step, all devices: {args.flops_model}, batch "
         f"{8 * args.micro_batch} x {args.seq_len}",
-        *common.table(flops, FLOPS_COLUMNS)])
+        *common.table(flops, FLOPS_COLUMNS),
+        *(["", f"step time on the CPU mesh, pp=4, M=8 ({args.time_steps} steps each; the "
+           "simulated devices share this machine's cores, so an idle stage's core runs "
+           "another stage's work: the ratio shows executed work, not the bubble)",
+           *common.table(timed, TIME_COLUMNS)] if timed else [])])
 
 
 if __name__ == "__main__":

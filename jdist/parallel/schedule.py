@@ -206,7 +206,13 @@ class Schedule:
 
         cells = [[cell(self.grid[t][s]) for t in range(self.ticks)] for s in range(self.stages)]
         width = max(len(c) for row in cells for c in row)
-        head = (f"{self.name} schedule: pp={self.stages}, {self.micro} micro-batches"
+        rows = [f"stage {s:>2} | " + " ".join(c.rjust(width) for c in cells[s])
+                for s in range(self.stages)]
+        return "\n".join([self.summary(), *rows])
+
+    def summary(self) -> str:
+        """One line: the schedule, its ticks and bubble, and what a stage stashes."""
+        return (f"{self.name} schedule: pp={self.stages}, {self.micro} micro-batches"
                 + (f", {self.virtual} virtual stages" if self.virtual > 1 else "")
                 + f"; {self.ticks} ticks, bubble {self.bubble_fraction():.3f} "
                 f"(formula {self.expected_bubble():.3f}); stashed activations per stage: "
@@ -214,9 +220,6 @@ class Schedule:
                 + (f" chunk inputs, {self.n_res_slots} micro-batches' residuals"
                    if self.n_res_slots else "")
                 + (f", {self.n_w_slots} awaiting weight gradients" if self.n_w_slots else ""))
-        rows = [f"stage {s:>2} | " + " ".join(c.rjust(width) for c in cells[s])
-                for s in range(self.stages)]
-        return "\n".join([head, *rows])
 
 
 @functools.lru_cache(maxsize=256)  # pure; the planner and memory model ask for the same tables
