@@ -138,12 +138,15 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
         slots = (jnp.where(kind == sched.FWD, res_slot, -1),
                  jnp.where(kind == sched.FWD, w_slot, -1),
                  jnp.where(kind == sched.BWD, w_slot, -1))
-        kept = tuple([_store(b, slot, x) for b, x in zip(buffers, values)]
+        # A tick that writes nothing writes its zeros to the spare last row: an update in
+        # place, where a select would read and copy a slot's worth each tick.
+        kept = tuple([jax.lax.dynamic_update_index_in_dim(
+            b, x, jnp.where(slot >= 0, slot, b.shape[0] - 1), 0) for b, x in zip(buffers, values)]
                      for buffers, slot, values in zip(kept, slots, writes))
         return (stash, grads_in, kept, acc, loss_sum + loss), None
 
     f32_zeros = lambda t: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), t)
-    kept = tuple([jnp.zeros((n, *x.shape), x.dtype) for x in group] for n, group in zip(
+    kept = tuple([jnp.zeros((n + 1, *x.shape), x.dtype) for x in group] for n, group in zip(
         (table.n_res_slots, table.n_w_slots, table.n_w_slots), nothing))
     start = (jnp.zeros((table.n_slots, *act_shape), act_dtype),
              jnp.zeros((table.n_grad_slots, *act_shape), act_dtype) if train else (),
