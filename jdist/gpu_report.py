@@ -175,12 +175,14 @@ def executions(hlo_text: str, comps: dict[str, str] | None = None,
                 n = 1 if key != "body" else int(trips.group(1)) if trips else unknown_trips
                 if callee in times:
                     times[callee] += times[name] * n
-            branches = re.search(r"branch_computations=\{([^}]*)\}", line) or \
-                re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)",
-                          line)
-            if branches:
-                names = [b.strip().lstrip("%") for b in ",".join(
-                    g for g in branches.groups() if g).split(",")]
+            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            # A predicate's conditional (XLA GPU rewrites two-way `lax.cond`s so) lists
+            # true first; in branch-index order false is branch 0.
+            pred = re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)",
+                             line)
+            names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] \
+                if branches else [pred.group(2), pred.group(1)] if pred else []
+            if names:
                 shares = (branch_shares or {}).get(len(names)) or [1 / len(names)] * len(names)
                 for b, share in zip(names, shares):
                     if b in times:
