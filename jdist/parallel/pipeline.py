@@ -68,10 +68,15 @@ def pipeline_for(flags, model, mesh, rules: Rules = DEFAULT_RULES) -> PipelineCo
         return None
     check_pipeline(config, model, mesh, flags.data.batch_size, flags.memory.grad_accum,
                    rules)
-    require(config.schedule not in sched.SPLIT_BACKWARD or stashes(flags.memory.remat),
-            f"--pp-schedule {config.schedule} splits the backward of the forward's stashed "
-            "residuals, which --remat full does not keep; use --remat none or selective")
+    check_remat(config, flags.memory.remat)
     return config
+
+
+def check_remat(config: PipelineConfig, remat: str) -> None:
+    """A schedule that splits backwards needs the forward's stash (`stashes`)."""
+    require(config.schedule not in sched.SPLIT_BACKWARD or stashes(remat),
+            f"--pp-schedule {config.schedule} splits the backward of the forward's stashed "
+            f"residuals, which --remat {remat} does not keep; use --remat none or selective")
 
 
 def show_schedule(config: PipelineConfig, stages: int) -> str:

@@ -22,7 +22,7 @@ from jdist import loss as objective
 from jdist.models.names import BLOCKS
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program
-from jdist.parallel.pipeline import stashes
+from jdist.parallel.pipeline import check_remat, stashes
 from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk
 from jdist.step.grads import (
@@ -41,6 +41,7 @@ PIPE_MANUAL = (ax.STAGE, *MANUAL)
 
 def _run(plan, params: dict, batch: dict, train: bool):
     mesh = plan.mesh
+    check_remat(plan.pipeline, plan.remat)  # a plan's remat may change after planning
     stash = train and stashes(plan.remat)
     table = plan.pipeline.table(mesh.shape[ax.STAGE], forward_only=not train, stash=stash)
     sync = syncs(plan)
