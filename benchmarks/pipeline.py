@@ -44,12 +44,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jdist import gpu_report
+from jdist import data, gpu_report
 from jdist.hlo import executed_collective_bytes
 from jdist.memory import compile_step
 from jdist.mesh import build_mesh
 from jdist.models import get_preset
-from jdist import data
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.plan.cost import pipeline_bubble
 from jdist.step import init_state, make_train_step
