@@ -7,7 +7,7 @@ device. So the loop has its own VJP (as the vocabulary loss has):
 
   forward   gather layer 0; each iteration starts gathering layer i+1, runs layer i under
             the remat policy and keeps what the policy saves, except the gathered weights
-  backward  from the last layer (its weights carried over from the forward): each iteration
+  backward  from the last layer (its weights gathered again): each iteration
             starts gathering layer i-1 and reducing layer i+1's weight gradient
             (`grad_sync.reduce`), and pulls the cotangent back through layer i (with the
             weights gathered again)
@@ -19,10 +19,12 @@ dropped from what is stacked and put back, gathered again, when the layer is pul
 Memory over the plain loop: one more layer's gathered weights (the one in flight), and in
 the backward one layer's unreduced float32 gradient while the next is produced.
 Traffic: the forward's last iteration gathers the last layer again (a loop body cannot skip
-a collective without a conditional, which would end the overlap), and the backward starts
-from that copy; so a forward and backward gather 2n layers, as the plain loop does (a
-forward alone n+1). The backward's first and last layers run outside its loop. `applies`
-says when the loop runs (n > 1).
+a collective without a conditional, which would end the overlap), and the backward gathers
+its last two layers itself rather than keep gathered weights from the forward (a pipeline
+stage's stash would hold them per micro-batch); so a forward and backward gather 2n + 1
+layers, one more than the plain loop (a forward alone n+1). With two layers the backward
+takes both from the forward instead. The backward's first and last layers run outside its
+loop. `applies` says when the loop runs (n > 1).
 """
 
 from __future__ import annotations
@@ -87,13 +89,17 @@ def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool,
         return y, stats
 
     def loop_fwd(x, primal, consts):
-        y, stats, kept, (w_last, w_first) = forward(x, consts, keep=True)
-        # Two layers: the backward's gather of layer 0 would repeat the forward's first,
-        # which one compiler merges (CPU) and another does not (GPU): keep that one.
-        return (y, stats), (kept, (w_last, w_first if n == 2 else None), consts)
+        y, stats, kept, ends = forward(x, consts, keep=True)
+        # Beyond two layers no gathered weights are handed to the backward: it gathers its
+        # own first two. Kept, they would be two layers' gathered weights per micro-batch in
+        # a pipeline's stash (jdist.parallel.residuals). With two layers the backward's
+        # gathers would repeat the forward's, which one compiler merges (CPU) and another
+        # does not (GPU): keep those.
+        return (y, stats), (kept, ends if n == 2 else None, consts)
 
     def loop_bwd(saved, cts):
-        kept, (w_last, w_first), consts = saved
+        kept, ends, consts = saved
+        w_last, w_first = ends if n == 2 else (gather(n - 1), None)
         dy, dstats = cts
         synced = select(sync, trained)
 

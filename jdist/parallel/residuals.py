@@ -90,13 +90,40 @@ def split(fn: Callable, consts: list, params: list, x, m) -> Split:
     known, _, out_unknown, _ = pe.partial_eval_jaxpr_nounits(closed, unknown, instantiate=False)
     # The known jaxpr returns its known outputs, then what it hands the unknown part (the
     # gathered weights, say): keep the parameter-only residuals, drop the rest unevaluated.
-    n_known = sum(not u for u in out_unknown)
+    # One whose recomputation communicates (a gathered weight carried out of a layer loop
+    # is recomputed by the whole loop's gathers) is stashed instead.
+    flat = pe.convert_constvars_jaxpr(known.jaxpr)
+    n_out = len(flat.outvars)
     lead_known = sum(not u for u in out_unknown[:2])
-    used = [lead_known <= i < n_known for i in range(len(known.jaxpr.outvars))]
-    params_only, _ = pe.dce_jaxpr(pe.convert_constvars_jaxpr(known.jaxpr), used,
+    stashed, k = [], lead_known
+    for unknown_res in out_unknown[2:]:
+        if not unknown_res:
+            alone, _ = pe.dce_jaxpr(flat, [i == k for i in range(n_out)])
+            unknown_res = _communicates(alone)
+            k += 1
+        stashed.append(unknown_res)
+    stash_known = iter(stashed[i] for i, u in enumerate(out_unknown[2:]) if not u)
+    used = [False] * lead_known + [not next(stash_known) for u in out_unknown[2:] if not u]
+    params_only, _ = pe.dce_jaxpr(flat, used + [False] * (n_out - len(used)),
                                   instantiate=True)
-    return Split(closed, params_only, tuple(known.consts), box["backward"],
-                 tuple(out_unknown[2:]))
+    return Split(closed, params_only, tuple(known.consts), box["backward"], tuple(stashed))
+
+
+COLLECTIVES = ("all_gather", "psum", "reduce_scatter", "ppermute", "all_to_all", "pmax",
+               "pmin")
+
+
+def _communicates(jaxpr) -> bool:
+    """Whether `jaxpr` (or a jaxpr inside it: a loop's body, a branch) runs a collective."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith(COLLECTIVES):
+            return True
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and _communicates(inner):
+                    return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,13 +49,13 @@ def prefetched(st: Step, layers: int) -> bool:
 
 def prefetch_gathers(layers: int) -> tuple[int, int]:
     """Layer gathers of a prefetching forward and backward: (inside its loops, at fixed
-    layers). 2 x layers in all: the forward's loop gathers each layer after the first
+    layers). 2 x layers + 1 in all: the forward's loop gathers each layer after the first
     (and the last again), the backward's layers - 2; the forward's first gather and the
-    backward's first are of fixed layers, which XLA hoists out of a micro-batch scan
-    (fitted, jax 0.10.2). With two layers the backward reuses the forward's first: 3."""
+    backward's first two are of fixed layers, which XLA hoists out of a micro-batch scan
+    (fitted, jax 0.10.2). With two layers the backward takes both from the forward: 3."""
     if layers == 2:
         return 2, 1
-    return 2 * layers - 2, 2
+    return 2 * layers - 2, 3
 
 
 def layer_forward(st: Step, gathers: bool = True) -> list[Collective]:
