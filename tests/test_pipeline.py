@@ -116,7 +116,7 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0,
               remat: str = "none"):
     key = (mesh, schedule, micro, zero, remat)
     if key not in _RUNS:
-        virtual = 2 if schedule == "interleaved" else 1
+        virtual = 2 if schedule in ("interleaved", "zbv") else 1
         # `--prefetch on`: auto prefetches on GPUs only, and stages that gather run it here.
         sp = mesh in SEQUENCE_PARALLEL
         _RUNS[key] = train_steps(DEEP, mesh, corpus.train,
@@ -150,7 +150,10 @@ MATRIX = [(f"pp={p}", schedule, p * factor, 0, "none")
                           # Zero-bubble: backwards split into input and weight gradients.
                           ("pp=4", "zb-h1", 8, 0, "none"),
                           ("pp=2,fsdp=2,tp=2", "zb-h1", 4, 0, "none"),
-                          ("dp=2,pp=2,tp=2", "zb-h1", 4, 2, "selective")])
+                          ("dp=2,pp=2,tp=2", "zb-h1", 4, 2, "selective"),
+                          # ZB-V: two chunks per stage in a V, the last stage's turn local.
+                          ("pp=4", "zbv", 8, 0, "none"),
+                          ("pp=2,fsdp=2,tp=2", "zbv", 4, 2, "selective")])
 def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero, remat):
     run = pipelined(corpus, mesh, schedule, micro, zero, remat)
     assert_matches(run, reference)

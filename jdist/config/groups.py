@@ -130,7 +130,9 @@ class ParallelFlags:
                              "stages (default: one per stage)")
     pp_schedule: Schedule = flag("1f1b", "pipeline schedule: gpipe (all forwards, then all "
                                  "backwards), 1f1b (activations of about pp micro-batches "
-                                 "alive), interleaved (virtual stages)")
+                                 "alive), interleaved (virtual stages), zb-h1 (zero bubble: "
+                                 "weight gradients fill the drain), zbv (zero bubble, two "
+                                 "chunks per stage in a V)")
     pp_virtual_stages: int = flag(1, "layer chunks per stage for --pp-schedule interleaved")
     pp_show_schedule: bool = flag(False, "print the pipeline schedule (stage x tick grid, "
                                   "bubble) and exit")

@@ -60,9 +60,10 @@ def pipeline_for(flags, model, mesh, rules: Rules = DEFAULT_RULES) -> PipelineCo
     `--pp-virtual-stages`), checked; None when the mesh has one stage."""
     parallel = flags.parallel
     config = PipelineConfig(parallel.pp_schedule, parallel.microbatches,
-                            parallel.pp_virtual_stages)
+                            sched.virtual_stages(parallel.pp_schedule, parallel.pp_virtual_stages))
     if mesh.shape[ax.STAGE] == 1:
-        require(config.microbatches == 0 and config.virtual == 1 and not parallel.pp_show_schedule,
+        require(config.microbatches == 0 and parallel.pp_virtual_stages == 1
+                and not parallel.pp_show_schedule,
                 "--microbatches, --pp-virtual-stages and --pp-show-schedule pipeline the "
                 "model over stages; add pp=P to --mesh")
         return None

@@ -10,7 +10,10 @@ what the `jax.shard_map` kernel in `jdist.parallel.pipeline` executes, so the bu
 by `--pp-show-schedule` and measured by `benchmarks/pipeline.py` is the executed one.
 
 Layers are cut into C = P x V chunks; chunk c lives on stage c % P as its virtual chunk
-c // P (V = 1: chunk c is stage c).
+c // P (V = 1: chunk c is stage c), except in the V shape (ZB-V), where the second chunk
+runs back down: stage s holds chunks s and 2P-1-s, so the first stage embeds and takes the
+loss, and the last stage passes its first chunk's output to its own second chunk
+(`chunk_index`).
 """
 
 from __future__ import annotations
@@ -20,20 +23,45 @@ import functools
 
 from jdist.errors import require
 
-GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB_H1 = "gpipe", "1f1b", "interleaved", "zb-h1"
-SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB_H1)
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB_H1, ZB_V = "gpipe", "1f1b", "interleaved", "zb-h1", "zbv"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB_H1, ZB_V)
 # Operation kinds, as the kernel's `lax.switch` indexes them. Zero-bubble schedules split a
 # backward in two: BWD pulls the cotangent back to the chunk input only (the critical path),
 # WGT computes the weight gradients later, where the stage would otherwise idle.
 IDLE, FWD, BWD, WGT = 0, 1, 2, 3
-SPLIT_BACKWARD = (ZB_H1,)
+SPLIT_BACKWARD = (ZB_H1, ZB_V)
+V_SHAPED = (ZB_V,)  # two chunks per stage, the second run from the last stage back to the first
+# Where what a stage receives at the end of a tick comes from: the stage below it (by the
+# permute that passes activations on: forwards, and the V's second chunk's backwards), the
+# stage above it (the other permute), or itself (the V's turn on the last stage).
+BELOW, ABOVE, SELF = 0, 1, 2
+SOURCES = (BELOW, ABOVE, SELF)
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
     kind: int   # FWD or BWD
     micro: int  # micro-batch
-    chunk: int  # virtual chunk on its stage (global chunk = chunk * P + stage)
+    chunk: int  # virtual chunk on its stage (global chunk: `chunk_index`)
+
+
+def chunk_index(schedule: str, stage: int, v: int, stages: int) -> int:
+    """The global chunk (its layers in model order) that virtual chunk v of `stage` runs:
+    v * P + stage, or in the V shape 2P-1-stage for the second chunk."""
+    if schedule in V_SHAPED and v == 1:
+        return 2 * stages - 1 - stage
+    return v * stages + stage
+
+
+def stage_of(schedule: str, c: int, stages: int) -> int:
+    """The stage that runs global chunk c."""
+    return 2 * stages - 1 - c if schedule in V_SHAPED and c >= stages else c % stages
+
+
+def virtual_stages(schedule: str, virtual: int) -> int:
+    """Chunks per stage a run of `schedule` uses when `--pp-virtual-stages` says `virtual`:
+    the V shape always runs two."""
+    return 2 if schedule in V_SHAPED and virtual == 1 else virtual
 
 
 def check(schedule: str, stages: int, micro: int, virtual: int, n_layers: int) -> None:
@@ -48,10 +76,13 @@ def check(schedule: str, stages: int, micro: int, virtual: int, n_layers: int) -
         require(micro % stages == 0,
                 f"--pp-schedule interleaved runs micro-batches in groups of pp={stages}; "
                 f"change --microbatches {micro} to a multiple of {stages}")
+    elif schedule in V_SHAPED:
+        require(virtual == 2, f"--pp-schedule {schedule} runs 2 chunks per stage (a V), not "
+                              f"--pp-virtual-stages {virtual}; drop --pp-virtual-stages")
     else:
         require(virtual == 1, f"--pp-virtual-stages {virtual} needs --pp-schedule interleaved; "
                               "drop it or switch schedule")
-    if schedule in (ONE_F_ONE_B, ZB_H1):
+    if schedule in (ONE_F_ONE_B, *SPLIT_BACKWARD):
         require(micro >= stages,
                 f"--pp-schedule {schedule} needs at least pp={stages} micro-batches to fill "
                 f"the pipeline, got --microbatches {micro}; raise it or use gpipe")
@@ -62,43 +93,62 @@ def check(schedule: str, stages: int, micro: int, virtual: int, n_layers: int) -
             f"multiple of {chunks}")
 
 
-def zero_bubble_h1(stages: int, micro: int) -> list[list[Op | None]]:
-    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023), played greedily tick by
-    tick. A stage runs, in this order of preference: a weight gradient that may wait no
-    longer (more than P-1 pending), the next backward once its cotangent arrived, the next
-    forward once its input arrived and fewer than P-s micro-batches await their backward
-    (1F1B's limit on stashed activations), else any pending weight gradient. Deferred
-    weight gradients fill the drain's idle ticks: the bubble is (P-1) ticks of 3M+P-1,
-    a third of 1F1B's (P-1)/(M+P-1) when F, B and W take a tick each."""
-    done: dict[tuple[int, int, int], int] = {}  # (kind, micro, stage) -> tick
-    forwards, backwards = [0] * stages, [0] * stages
-    pending: list[list[int]] = [[] for _ in range(stages)]
+def zero_bubble(schedule: str, stages: int, micro: int) -> list[list[Op | None]]:
+    """ZB-H1 and ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", 2023, and "Pipeline
+    Parallelism with Controllable Memory", 2024), played greedily tick by tick. A stage
+    runs, in this order of preference: a weight gradient that may wait no longer (more than
+    P-1 pending), a backward whose cotangent arrived (ZB-V: the first chunk's, which the
+    stage below waits for, before the second's), a forward whose input arrived while the
+    stash has room (ZB-V: the second chunk's first, which leads to the loss), else the
+    oldest pending weight gradient. The stash's room is 1F1B's: P-s chunk residuals on
+    stage s under ZB-H1; under ZB-V 2P half-size chunks on every stage, 1F1B's first stage's
+    memory. Deferred weight gradients fill the drain's idle ticks: the bubble is P-1 ticks of
+    3VM+P-1 (for M a multiple of P), with a tick per F, B and W of a chunk: ZB-H1's a third
+    of 1F1B's, ZB-V's half of ZB-H1's again."""
+    vshape = schedule in V_SHAPED
+    chunks = (0, 1) if vshape else (0,)
+    last = len(chunks) * stages - 1
+    room = lambda s: 2 * stages if vshape else stages - s
+    done: dict[tuple[int, int, int], int] = {}  # (kind, micro, global chunk) -> tick
+    forwards = [[0] * len(chunks) for _ in range(stages)]  # next micro-batch per chunk
+    backwards = [[0] * len(chunks) for _ in range(stages)]
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(stages)]  # (micro, chunk)
     grid: list[list[Op | None]] = []
     arrived = lambda key, t: done.get(key, t) < t
-    while any(backwards[s] < micro or pending[s] for s in range(stages)):
+
+    def backward(s: int, t: int) -> Op | None:
+        for v in chunks:
+            m, c = backwards[s][v], chunk_index(schedule, s, v, stages)
+            if m < micro and arrived((FWD, m, c), t) and (
+                    c == last or arrived((BWD, m, c + 1), t)):
+                return Op(BWD, m, v)
+        return None
+
+    def forward(s: int, t: int) -> Op | None:
+        if sum(forwards[s]) - sum(backwards[s]) >= room(s):
+            return None
+        for v in reversed(chunks):
+            m, c = forwards[s][v], chunk_index(schedule, s, v, stages)
+            if m < micro and (c == 0 or arrived((FWD, m, c - 1), t)):
+                return Op(FWD, m, v)
+        return None
+
+    while any(min(backwards[s]) < micro or pending[s] for s in range(stages)):
         t = len(grid)
         row: list[Op | None] = []
         for s in range(stages):
-            f, b = forwards[s], backwards[s]
-            if len(pending[s]) > stages - 1:
-                op = Op(WGT, pending[s][0], 0)
-            elif b < micro and arrived((FWD, b, s), t) and (
-                    s == stages - 1 or arrived((BWD, b, s + 1), t)):
-                op = Op(BWD, b, 0)
-            elif f < micro and (s == 0 or arrived((FWD, f, s - 1), t)) and f - b < stages - s:
-                op = Op(FWD, f, 0)
-            else:
-                op = Op(WGT, pending[s][0], 0) if pending[s] else None
-            row.append(op)
+            oldest = Op(WGT, *pending[s][0]) if pending[s] else None
+            op = oldest if len(pending[s]) > stages - 1 else None
+            row.append(op or backward(s, t) or forward(s, t) or oldest)
         for s, op in enumerate(row):
             if op is None:
                 continue
-            done[(op.kind, op.micro, s)] = t
+            done[(op.kind, op.micro, chunk_index(schedule, s, op.chunk, stages))] = t
             if op.kind == FWD:
-                forwards[s] += 1
+                forwards[s][op.chunk] += 1
             elif op.kind == BWD:
-                backwards[s] += 1
-                pending[s].append(op.micro)
+                backwards[s][op.chunk] += 1
+                pending[s].append((op.micro, op.chunk))
             else:
                 pending[s].pop(0)
         grid.append(row)
@@ -145,8 +195,9 @@ class Schedule:
 
     `in_slot`: stash slot holding the chunk input an op reads (-1: the first chunk reads
     tokens). `grad_slot`: slot of the output cotangent a backward reads (-1: the last chunk
-    starts from the loss). `recv_fwd`/`recv_bwd`: slot where the activation / cotangent
-    arriving at the end of the tick is stored (-1: nothing arrives)."""
+    starts from the loss). `recv_fwd`/`recv_bwd`, one table per source (`SOURCES`): slot
+    where the activation / cotangent arriving from there at the end of the tick is stored
+    (-1: nothing arrives)."""
 
     name: str
     stages: int
@@ -155,8 +206,8 @@ class Schedule:
     grid: tuple[tuple[Op | None, ...], ...]
     in_slot: tuple[tuple[int, ...], ...]
     grad_slot: tuple[tuple[int, ...], ...]
-    recv_fwd: tuple[tuple[int, ...], ...]
-    recv_bwd: tuple[tuple[int, ...], ...]
+    recv_fwd: tuple[tuple[tuple[int, ...], ...], ...]  # [source][tick][stage]
+    recv_bwd: tuple[tuple[tuple[int, ...], ...], ...]
     n_slots: int       # stashed chunk inputs per stage: the activation memory of the schedule
     n_grad_slots: int  # cotangents waiting for their backward
     # With `stash` (the backward reads its forward's residuals, `jdist.parallel.residuals`):
@@ -190,9 +241,10 @@ class Schedule:
 
     def expected_bubble(self) -> float:
         """(P-1)/(V*M+P-1): GPipe's and 1F1B's (V=1) formula and its interleaved
-        counterpart; ZB-H1's (P-1)/(3M+P-1), a tick per F, B and W."""
+        counterpart; split (zero-bubble), (P-1)/(3VM+P-1), a tick per F, B and W of a
+        chunk: ZB-H1's, and ZB-V's (V=2) for M a multiple of P."""
         if self.split_backward:
-            return (self.stages - 1) / (3 * self.micro + self.stages - 1)
+            return (self.stages - 1) / (3 * self.virtual * self.micro + self.stages - 1)
         return (self.stages - 1) / (self.virtual * self.micro + self.stages - 1)
 
     def render(self) -> str:
@@ -231,19 +283,24 @@ def build(schedule: str, stages: int, micro: int, virtual: int = 1,
     residuals (kept in `res_slot`s) instead of recomputing from the chunk input, which its
     forward therefore frees (always, for a schedule that splits backwards)."""
     check(schedule, stages, micro, virtual, stages * virtual)
-    if schedule in SPLIT_BACKWARD and not forward_only:
+    if schedule in SPLIT_BACKWARD:
         stash = True  # what it splits is the backward of the forward's residuals
-        grid = zero_bubble_h1(stages, micro)
+        grid = zero_bubble(schedule, stages, micro)
+        # Evaluation: the same forwards in the same order, replayed without backwards.
+        orders = [[row[s] for row in grid if row[s] is not None and row[s].kind == FWD]
+                  for s in range(stages)]
     else:
-        orders = op_orders(ONE_F_ONE_B if schedule in SPLIT_BACKWARD else schedule, stages,
-                           micro, virtual)
-        if forward_only:
-            orders = [[op for op in order if op.kind == FWD] for order in orders]
-        grid = simulate(orders, stages, virtual)
+        orders = op_orders(schedule, stages, micro, virtual)
+    if forward_only:
+        grid = simulate(schedule, [[op for op in order if op.kind == FWD] for order in orders],
+                        stages, virtual)
+    elif schedule not in SPLIT_BACKWARD:
+        grid = simulate(schedule, orders, stages, virtual)
     return _with_slots(schedule, stages, micro, virtual, grid, stash and not forward_only)
 
 
-def simulate(orders: list[list[Op]], stages: int, virtual: int) -> list[list[Op | None]]:
+def simulate(schedule: str, orders: list[list[Op]], stages: int,
+             virtual: int) -> list[list[Op | None]]:
     """Greedy in-order execution: each tick, each stage runs the next op of its order if its
     inputs arrived in an earlier tick, else idles."""
     last = stages * virtual - 1
@@ -257,7 +314,7 @@ def simulate(orders: list[list[Op]], stages: int, virtual: int) -> list[list[Op 
         for s in range(stages):
             op = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
             if op is not None:
-                c = op.chunk * stages + s
+                c = chunk_index(schedule, s, op.chunk, stages)
                 needs = [(FWD, op.micro, c - 1)] if op.kind == FWD and c > 0 else []
                 if op.kind == BWD:
                     needs = [(FWD, op.micro, c)] + ([(BWD, op.micro, c + 1)] if c < last else [])
@@ -266,7 +323,7 @@ def simulate(orders: list[list[Op]], stages: int, virtual: int) -> list[list[Op 
             row.append(op)
         for s, op in enumerate(row):
             if op is not None:
-                done[(op.kind, op.micro, op.chunk * stages + s)] = t
+                done[(op.kind, op.micro, chunk_index(schedule, s, op.chunk, stages))] = t
                 pos[s] += 1
         grid.append(row)
     return grid
@@ -283,7 +340,8 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
     ticks = len(grid)
     backwards = any(op is not None and op.kind == BWD for row in grid for op in row)
     shape = lambda: [[-1] * stages for _ in range(ticks)]
-    in_slot, grad_slot, recv_fwd, recv_bwd, res_slot, w_slot = (shape() for _ in range(6))
+    in_slot, grad_slot, res_slot, w_slot = (shape() for _ in range(4))
+    recv_fwd, recv_bwd = ([shape() for _ in SOURCES] for _ in range(2))
     inputs = [_Slots() for _ in range(stages)]
     grads = [_Slots() for _ in range(stages)]
     residuals = [_Slots() for _ in range(stages)]
@@ -293,7 +351,7 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
         for s, op in enumerate(row):  # reads first: backwards free their slots
             if op is None:
                 continue
-            c = op.chunk * stages + s
+            c = chunk_index(name, s, op.chunk, stages)
             key = (op.micro, c)
             if op.kind == WGT:
                 w_slot[t][s] = weights[s].pop(key)
@@ -316,20 +374,34 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
         for s, op in enumerate(row):  # then what this tick sends lands on the neighbour
             if op is None:
                 continue
-            c = op.chunk * stages + s
+            c = chunk_index(name, s, op.chunk, stages)
             if op.kind == FWD and c < last:
-                dst = (c + 1) % stages
-                recv_fwd[t][dst] = inputs[dst].take((op.micro, c + 1))
+                dst = stage_of(name, c + 1, stages)
+                recv_fwd[_source(name, s, dst, FWD)][t][dst] = inputs[dst].take(
+                    (op.micro, c + 1))
             if op.kind == BWD and c > 0:
-                dst = (c - 1) % stages
-                recv_bwd[t][dst] = grads[dst].take((op.micro, c - 1))
+                dst = stage_of(name, c - 1, stages)
+                recv_bwd[_source(name, s, dst, BWD)][t][dst] = grads[dst].take(
+                    (op.micro, c - 1))
     freeze = lambda table: tuple(tuple(r) for r in table)
     return Schedule(name, stages, micro, virtual, freeze(grid), freeze(in_slot),
-                    freeze(grad_slot), freeze(recv_fwd), freeze(recv_bwd),
+                    freeze(grad_slot), tuple(map(freeze, recv_fwd)),
+                    tuple(map(freeze, recv_bwd)),
                     max(1, max(s.high for s in inputs)), max(1, max(g.high for g in grads)),
                     freeze(res_slot) if stash else (),
                     max(r.high for r in residuals) if stash else 0,
                     freeze(w_slot) if split else (), max(w.high for w in weights))
+
+
+def _source(name: str, sender: int, receiver: int, kind: int) -> int:
+    """How what `sender` passes on reaches `receiver` (`SOURCES`): a forward's output goes
+    up and a backward's cotangent down (wrapping from the last stage to the first under
+    interleaving); in the V shape, by where the receiver is."""
+    if sender == receiver:
+        return SELF
+    if name in V_SHAPED:
+        return BELOW if receiver > sender else ABOVE
+    return BELOW if kind == FWD else ABOVE
 
 
 class _Slots:

@@ -12,10 +12,13 @@ reads, as the layer's remat policy decides (`jdist.parallel.residuals`): the sam
 an unpipelined step, residuals of the in-flight micro-batches held. Without, the backward
 recomputes the chunk from its stashed input (`jax.vjp`): only chunk inputs are held, and
 every chunk's forward runs twice.
-After the `lax.switch`, `ppermute`s pass the forward output to the next stage and the input
-cotangent to the previous one; the table says which slot receives them. Permutes stay
-outside the switch: see `jdist.parallel.ring_attention.Ring.shift` for what a permute
-inside one stage's branch does on XLA.
+After the `lax.switch`, one `ppermute` passes what the tick produced up to the next stage
+and one down to the previous: a forward's output goes up and a backward's input cotangent
+down, except on the V shape's second chunk (ZB-V), which runs from the last stage back to
+the first, and whose last stage hands its first chunk's output to itself. The table says,
+per source, which slot receives what. Permutes stay outside the switch: see
+`jdist.parallel.ring_attention.Ring.shift` for what a permute inside one stage's branch
+does on XLA.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
     chunks = jax.tree.map(lambda b: b.reshape(virtual, -1, *b.shape[1:]), blocks)
     act = jnp.zeros(act_shape, act_dtype)
     no_loss = jnp.zeros(n_terms, jnp.float32)
-    cyclic = virtual > 1  # the last stage's chunk v feeds the first stage's chunk v+1
+    vshape = table.name in sched.V_SHAPED
+    # Interleaved, the last stage's chunk v feeds the first stage's chunk v+1.
+    cyclic = virtual > 1 and not vshape
     to_next = [(i, (i + 1) % stages) for i in range(stages if cyclic else stages - 1)]
     to_prev = [(j, i) for i, j in to_next]
 
@@ -56,7 +61,9 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
         return chunk_fn(v, *jax.tree.unflatten(params_def, p), x, m, first, last)
 
     def where_of(v):  # the chunk a tick runs, and whether it is the first or the last
-        c = v * stages + stage
+        c = v * stages + stage  # sched.chunk_index, on a traced stage
+        if vshape:
+            c = jnp.where(v == 1, 2 * stages - 1 - stage, c)
         return [v, c == 0, c == last_chunk]
 
     # Traced once for all ticks: chunks differ only in the (traced) chunk index.
@@ -75,10 +82,14 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
                zeros(a for a, b in zip(stashed, by_input) if not b),
                zeros(halves.handover_avals() if halves else []))
 
+    columns = _columns(table)
+    used = {source for source in sched.SOURCES  # [ticks, 13, stages]: see _columns
+            if (columns[:, [7 + source, 10 + source]] >= 0).any()}
+
     def tick(carry, row):
         stash, grads_in, kept, acc, loss_sum = carry
-        kind, m, v, in_slot, grad_slot, recv_fwd, recv_bwd, res_slot, w_slot = (
-            row[i][stage] for i in range(9))
+        kind, m, v, in_slot, grad_slot, res_slot, w_slot, *recv = (
+            row[i][stage] for i in range(len(row)))
         where, p = where_of(v), chunk_params(v)
         last = where[2]
         x_in = stash[jnp.maximum(in_slot, 0)]
@@ -132,9 +143,18 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
 
         ops = (idle, forward, backward, weights)[:4 if halves else 3 if train else 2]
         y, d_x, acc, loss, writes = jax.lax.switch(kind, ops)
-        stash = _store(stash, recv_fwd, jax.lax.ppermute(y, ax.STAGE, to_next))
-        if train:
-            grads_in = _store(grads_in, recv_bwd, jax.lax.ppermute(d_x, ax.STAGE, to_prev))
+        # What goes up and what goes down: the V's second chunk reverses both directions.
+        flip = (v == 1) if vshape else False
+        up, down = jnp.where(flip, d_x, y), jnp.where(flip, y, d_x)
+        arriving = {sched.BELOW: lambda: jax.lax.ppermute(up, ax.STAGE, to_next),
+                    sched.ABOVE: lambda: jax.lax.ppermute(down, ax.STAGE, to_prev),
+                    sched.SELF: lambda: up}  # the V's turn: the last stage's own output
+        for source, fwd_slot, bwd_slot in zip(sched.SOURCES, recv[:3], recv[3:]):
+            if source in used:  # a permute nothing ever arrives by is not even traced
+                value = arriving[source]()
+                stash = _store(stash, fwd_slot, value)
+                if train:
+                    grads_in = _store(grads_in, bwd_slot, value)
         slots = (jnp.where(kind == sched.FWD, res_slot, -1),
                  jnp.where(kind == sched.FWD, w_slot, -1),
                  jnp.where(kind == sched.BWD, w_slot, -1))
@@ -151,7 +171,7 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
     start = (jnp.zeros((table.n_slots, *act_shape), act_dtype),
              jnp.zeros((table.n_grad_slots, *act_shape), act_dtype) if train else (),
              kept, (f32_zeros(chunks), f32_zeros(shared)) if train else (), no_loss)
-    (_, _, _, acc, loss_sum), _ = jax.lax.scan(tick, start, jnp.asarray(_columns(table)))
+    (_, _, _, acc, loss_sum), _ = jax.lax.scan(tick, start, jnp.asarray(columns))
     if not train:
         return loss_sum / micro
     d_chunks, d_shared = acc
@@ -167,11 +187,13 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def _columns(table: sched.Schedule) -> np.ndarray:
-    """The schedule as int32 [ticks, 9, stages]: kind, micro-batch, chunk and the slots."""
+    """The schedule as int32 [ticks, 13, stages]: kind, micro-batch, chunk, the slots read
+    and written (in, grad, res, w), and where what arrives is stored, activations then
+    cotangents, per source (`sched.SOURCES`)."""
     kind = [[op.kind if op else sched.IDLE for op in row] for row in table.grid]
     micro = [[op.micro if op else 0 for op in row] for row in table.grid]
     chunk = [[op.chunk if op else 0 for op in row] for row in table.grid]
     none = [[-1] * table.stages for _ in table.grid]
     return np.stack([np.array(x, np.int32) for x in (
-        kind, micro, chunk, table.in_slot, table.grad_slot, table.recv_fwd, table.recv_bwd,
-        table.res_slot or none, table.w_slot or none)], axis=1)
+        kind, micro, chunk, table.in_slot, table.grad_slot, table.res_slot or none,
+        table.w_slot or none, *table.recv_fwd, *table.recv_bwd)], axis=1)

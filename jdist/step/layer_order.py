@@ -1,7 +1,8 @@
 """Where each layer of the stacked blocks is *stored* when a pipeline interleaves.
 
 The rule `layers -> stage` gives each stage a contiguous run of the stack. An interleaved
-schedule (V virtual stages) runs chunks s, s+P, s+2P, ... on stage s, so a run that kept
+schedule (V virtual stages) runs chunks s, s+P, s+2P, ... on stage s (the V shape: s and
+2P-1-s), so a run that kept
 the model's order would move parameters to the stage that runs them, and gradients back,
 every step. Instead the stack is stored permuted (`layer_order`): stage s's contiguous
 shard *is* its chunks, and nothing but activations ever crosses stages.
@@ -23,25 +24,29 @@ import numpy as np
 from jdist import axes as ax
 from jdist.errors import require
 from jdist.models.names import BLOCKS
+from jdist.parallel import schedule as sched
 from jdist.parallel.layer_shuffle import shuffle
 
 CHECKPOINT_KEY = "layer_order"  # in checkpoint metadata: stored position -> model layer
 
 
-def layer_order(n_layers: int, stages: int, virtual: int) -> np.ndarray:
+def layer_order(n_layers: int, stages: int, virtual: int,
+                schedule: str = sched.INTERLEAVED) -> np.ndarray:
     """Model layer index at each stored position: stage-major, then virtual chunk, so stage
-    s's contiguous shard holds chunks s, s+P, ... (the identity for V = 1)."""
+    s's contiguous shard holds the chunks it runs (`schedule.chunk_index`): s, s+P, ...
+    interleaved, s and 2P-1-s in the V shape (the identity for V = 1)."""
     k = n_layers // (stages * virtual)
-    return np.array([(v * stages + s) * k + j
+    return np.array([sched.chunk_index(schedule, s, v, stages) * k + j
                      for s in range(stages) for v in range(virtual) for j in range(k)])
 
 
 def order_of(plan) -> np.ndarray:
-    """The stored layer order of a plan (the identity unless it interleaves)."""
+    """The stored layer order of a plan (the identity unless a stage runs several chunks)."""
     n = plan.model.n_layers
     if plan.pipeline is None or plan.pipeline.virtual == 1:
         return np.arange(n)
-    return layer_order(n, plan.mesh.shape[ax.STAGE], plan.pipeline.virtual)
+    return layer_order(n, plan.mesh.shape[ax.STAGE], plan.pipeline.virtual,
+                       plan.pipeline.schedule)
 
 
 def in_model_order(plan) -> bool:
