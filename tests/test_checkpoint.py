@@ -207,7 +207,8 @@ def test_on_nan_stop_exits_3_without_saving_the_bad_state(tmp_path, capsys):
 
 def test_interleaved_layer_order_moves_both_ways(tmp_path):
     """An interleaved pipeline stores the layer stack permuted (stage s holds chunks s, s+P);
-    its checkpoints record that order and resume onto a plain mesh and back."""
+    its checkpoints record that order and resume onto a plain mesh and back, and onto the
+    V shape's order (stage s holds chunks s and 2P-1-s)."""
     deep = {"n_layers": 4, "steps": 15, "checkpoint_every": 5}
     interleaved = {"mesh": "pp=2", "pp_schedule": "interleaved", "pp_virtual_stages": 2,
                    "microbatches": 4}
@@ -218,8 +219,12 @@ def test_interleaved_layer_order_moves_both_ways(tmp_path):
     assert ckpt.read_meta(tmp_path / "b" / "checkpoints" / "10")["layer_order"] == [0, 1, 2, 3]
     back = losses(train(config(tmp_path / "c", **deep, **interleaved,
                                resume=str(tmp_path / "b" / "checkpoints" / "10"))))
-    assert sorted(plain) == list(range(6, 16)) and sorted(back) == list(range(11, 16))
-    for step, loss in [*plain.items(), *back.items()]:
+    vee = losses(train(config(tmp_path / "d", **deep, mesh="pp=2", pp_schedule="zbv",
+                              microbatches=4, resume=str(tmp_path / "b" / "checkpoints" / "10"))))
+    assert ckpt.read_meta(tmp_path / "d" / "checkpoints" / "15")["layer_order"] == [0, 3, 1, 2]
+    assert sorted(plain) == list(range(6, 16)) and sorted(back) == sorted(vee) == list(
+        range(11, 16))
+    for step, loss in [*plain.items(), *back.items(), *vee.items()]:
         assert abs(loss - full[step]) <= 1e-5 * abs(full[step]), (step, loss, full[step])
 
 

@@ -168,13 +168,15 @@ def tied_reference(single_device):
 
 
 @pytest.mark.parametrize("mesh, schedule, micro", [("pp=4,dp=2", "zb-h1", 4),
-                                                   ("pp=2,fsdp=2", "1f1b", 4)])
+                                                   ("pp=2,fsdp=2", "1f1b", 4),
+                                                   ("pp=2,dp=2", "zbv", 4)])
 def test_tied_embeddings_match_single_device(corpus, tied_reference, mesh, schedule, micro):
     """One table read by the first chunk's lookup and the last chunk's head: its gradient
-    is the sum of both, over stages (ZeRO-2: reduce-scattered over fsdp in each tick)."""
+    is the sum of both, over stages (ZeRO-2: reduce-scattered over fsdp in each tick; ZB-V:
+    both on the first stage)."""
     run = train_steps(TIED, mesh, corpus.train,
                       config(batch_size=BATCH, zero=2, prefetch="on"),
-                      pipeline=PipelineConfig(schedule, micro))
+                      pipeline=PipelineConfig(schedule, micro, 1 + (schedule == "zbv")))
     assert_matches(run, tied_reference)
 
 
@@ -208,6 +210,54 @@ def test_zero_bubble_fills_the_drain_with_weight_gradients(stages, factor):
     assert table.n_res_slots <= stages and table.n_w_slots <= 2 * stages - 1
 
 
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_zero_bubble_v_halves_zero_bubble_h1s_idle_time(stages, factor):
+    """ZB-V's table: stage s runs chunks s and 2P-1-s (the first stage embeds and takes the
+    loss; the last passes its first chunk's output to its own second chunk); every F, B and
+    W of both chunks once, a W after its B, a B after the next chunk's B; at most 2P
+    half-size chunks' residuals on any stage (1F1B's first stage's memory) and P W pending.
+    Idle: P-1 half-chunk ticks per stage, half of ZB-H1's P-1 chunk ticks."""
+    micro = factor * stages
+    table = sched.build("zbv", stages, micro, 2)
+    assert table.bubble_fraction() == pytest.approx(table.expected_bubble(), abs=1e-12)
+    assert table.bubble_fraction() * table.ticks == pytest.approx(stages - 1)
+    h1 = sched.build("zb-h1", stages, micro)
+    assert table.bubble_fraction() * table.ticks / 2 == pytest.approx(
+        h1.bubble_fraction() * h1.ticks / 2)  # in units of a whole chunk's F
+    place = lambda s, v: sched.chunk_index("zbv", s, v, stages)
+    assert sorted(place(s, v) for s in range(stages) for v in (0, 1)) == list(
+        range(2 * stages))
+    assert place(0, 0) == 0 and place(0, 1) == 2 * stages - 1
+    assert place(stages - 1, 1) == place(stages - 1, 0) + 1
+    done: dict = {}
+    for t, row in enumerate(table.grid):
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            c = place(s, op.chunk)
+            assert (op.kind, op.micro, c) not in done
+            needs = {sched.FWD: [(sched.FWD, op.micro, c - 1)] if c else [],
+                     sched.BWD: [(sched.FWD, op.micro, c)] + (
+                         [(sched.BWD, op.micro, c + 1)] if c < 2 * stages - 1 else []),
+                     sched.WGT: [(sched.BWD, op.micro, c)]}[op.kind]
+            assert all(done[n] < t for n in needs), (t, s, op)
+            done[(op.kind, op.micro, c)] = t
+    assert len(done) == 3 * 2 * stages * micro
+    for s in range(stages):
+        kinds = collections.Counter()
+        for row in table.grid:
+            if row[s] is not None:
+                kinds[row[s].kind] += 1
+                assert kinds[sched.FWD] - kinds[sched.BWD] <= 2 * stages
+                assert kinds[sched.BWD] - kinds[sched.WGT] <= stages
+    # Only the last stage hands anything to itself: its first chunk's output, and the
+    # cotangent its second chunk pulls back to it.
+    for source in (table.recv_fwd, table.recv_bwd):
+        turns = {s for row in source[sched.SELF] for s, slot in enumerate(row) if slot >= 0}
+        assert turns == {stages - 1}
+
+
 def test_stash_executes_no_forward_twice(corpus):
     """The compiled step's matmul FLOPs (loops by their trips, the switch's branches by the
     schedule's share of ticks): recomputing each chunk from its input (`--remat full`) runs
@@ -225,11 +275,14 @@ def test_stash_executes_no_forward_twice(corpus):
     assert 1.4 < flops["full"] / flops["none"] < 1.8, flops
 
 
-@pytest.mark.parametrize("mesh, schedule", [("pp=4", "1f1b"), ("pp=2", "interleaved")])
-def test_activations_move_with_collective_permutes_only(corpus, mesh, schedule):
-    hlo = pipelined(corpus, mesh, schedule, 4).hlo
+@pytest.mark.parametrize("mesh, schedule, micro", [("pp=4", "1f1b", 4),
+                                                   ("pp=2", "interleaved", 4),
+                                                   ("pp=4", "zbv", 8)])
+def test_activations_move_with_collective_permutes_only(corpus, mesh, schedule, micro):
+    hlo = pipelined(corpus, mesh, schedule, micro).hlo
     counts = collective_counts(hlo)
-    # The tick loop: one permute forward, one backward, nothing else crosses stages.
+    # The tick loop: one permute up, one down (ZB-V too: what a tick sends goes one way,
+    # and the last stage's turn stays on it), nothing else crosses stages.
     ticks = [b for b in loop_bodies(hlo) if collective_counts(b)["collective-permute"]]
     assert len(ticks) == 1
     assert collective_counts(ticks[0]) == {**dict.fromkeys(counts, 0), "collective-permute": 2}
@@ -436,6 +489,9 @@ def test_interleaved_storage_order_round_trips():
     (("zigzag", 2, 2, 1, 8), "unknown pipeline schedule 'zigzag'"),
     (("zb-h1", 4, 2, 1, 8), "zb-h1 needs at least pp=4 micro-batches"),
     (("zb-h1", 2, 4, 2, 8), "--pp-virtual-stages 2 needs --pp-schedule interleaved"),
+    (("zbv", 2, 4, 3, 12), "zbv runs 2 chunks per stage"),
+    (("zbv", 4, 3, 2, 8), "zbv needs at least pp=4 micro-batches"),
+    (("zbv", 4, 4, 2, 4), "4 layers do not split into pp=4 x 2 virtual stages = 8"),
 ])
 def test_bad_configurations_name_the_fix(args, message):
     with pytest.raises(ConfigError, match=message):
