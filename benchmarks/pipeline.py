@@ -1,5 +1,6 @@
 """Pipeline schedules: the bubble fraction of the executed schedule next to its formula, and
-peak per-device temporary bytes of the compiled step, for gpipe, 1f1b and interleaved; then
+peak per-device temporary bytes of the compiled step, for gpipe, 1f1b, interleaved and the
+zero-bubble zb-h1 and zbv; then
 the executed FLOPs of a pipelined step against the unpipelined one's; and each schedule's
 step time at P=4, M=8 against 1f1b's.
 
@@ -15,11 +16,12 @@ collectives (per device, loop bodies times their trip counts): activation/cotang
 collective-permutes, and everything else (the embedding/head gradient sum over stage only:
 block parameters and gradients never leave their stage, interleaved included). The steps
 run `--remat none`: a backward reads its forward's residuals, held for `stashed` micro-batches
-(the chunk inputs, freed by the forward, in `inputs`; zb-h1's micro-batches awaiting their
-weight gradients in `awaiting W`). `weighted` is the bubble of the executed lockstep ticks,
-each as long as its slowest operation (F 1, a whole backward 2, zb-h1's B and W 1 each):
-the share of time a stage idles (`jdist.plan.cost.pipeline_bubble`). Target: zb-h1's at
-most a third of 1f1b's.
+(the chunk inputs, freed by the forward, in `inputs`; zero-bubble micro-batches awaiting
+their weight gradients in `awaiting W`; zbv counts half-size chunks). `weighted` is the
+bubble of the executed lockstep ticks, each as long as its slowest operation (F 1, a whole
+backward 2, split B and W 1 each): the share of time a stage idles
+(`jdist.plan.cost.pipeline_bubble`). Target: zb-h1's at most a third of 1f1b's, zbv's
+less again.
 
 FLOPs: the matmul FLOPs the compiled step executes (`jdist.gpu_report`: loops by their trip
 counts, the stage program's branches by the schedule's share of ticks), summed over devices,
@@ -54,7 +56,7 @@ from jdist.plan.cost import pipeline_bubble
 from jdist.step import init_state, make_train_step
 from jdist.step.state import with_pipeline
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
 COLUMNS = (Column("P", ">2", "stages"), Column("M", ">3", "micro"),
            Column("schedule", "14", lambda r: r["schedule"] + (f" V={r['virtual']}"
                                                                if r["virtual"] > 1 else "")),

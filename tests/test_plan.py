@@ -96,6 +96,13 @@ def test_pipeline_bubble_weighs_backward_ticks():
     large = cost.pipeline_bubble(PipelineConfig("1f1b", 8).table(2), "none")
     assert small > PipelineConfig("1f1b", 2).table(2).bubble_fraction() * 0.99
     assert 0 < large < small < 0.5
+    # Split backwards at P=4, M=8: ZB-H1 idles at most a third of 1F1B's time, ZB-V less
+    # again; the planner enumerates both.
+    weighted = {name: cost.pipeline_bubble(PipelineConfig(name, 8, v).table(4, stash=True),
+                                           "none")
+                for name, v in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2))}
+    assert weighted["zbv"] < weighted["zb-h1"] <= weighted["1f1b"] / 3, weighted
+    assert {("zb-h1", 8, 1), ("zbv", 8, 2)} <= set(layouts.pipelines(4, 8, 8))
 
 
 def test_overlap_hides_replica_collectives_only():

@@ -67,7 +67,7 @@ class Layout:
         if s[ax.STAGE] > 1:
             if self.pp_schedule != sched.ONE_F_ONE_B:
                 out += ["--pp-schedule", self.pp_schedule]
-            if self.virtual > 1:
+            if self.virtual > 1 and self.pp_schedule not in sched.V_SHAPED:
                 out += ["--pp-virtual-stages", str(self.virtual)]
             if self.microbatches:
                 out += ["--microbatches", str(self.microbatches)]
@@ -124,7 +124,8 @@ def divisors(n: int) -> list[int]:
 def pipelines(stages: int, per_replica: int, n_layers: int) -> Iterator[tuple[str, int, int]]:
     """(schedule, micro-batches, virtual stages) for `stages` stages when each batch
     replica holds `per_replica` sequences: 1f1b and zb-h1 with M in {P, 2P, 4P, ...} up to
-    one sequence per micro-batch, and interleaved with V=2 when the layers split. GPipe is
+    one sequence per micro-batch, and interleaved and zbv (two chunks per stage) when the
+    layers split. GPipe is
     left out: its bubble is 1F1B's at equal M and it stashes all M micro-batches, not
     about P."""
     if stages == 1:
@@ -137,6 +138,7 @@ def pipelines(stages: int, per_replica: int, n_layers: int) -> Iterator[tuple[st
             yield sched.ZB_H1, m, 1
             if n_layers % (2 * stages) == 0:
                 yield sched.INTERLEAVED, m, 2
+                yield sched.ZB_V, m, 2
         m *= 2
 
 
