@@ -150,10 +150,10 @@ MATRIX = [(f"pp={p}", schedule, p * factor, 0, "none")
                           # Zero-bubble: backwards split into input and weight gradients.
                           ("pp=4", "zb-h1", 8, 0, "none"),
                           ("pp=2,fsdp=2,tp=2", "zb-h1", 4, 0, "none"),
-                          ("dp=2,pp=2,tp=2", "zb-h1", 4, 2, "selective"),
+                          ("dp=2,pp=2,tp=2", "zb-h1", 4, 2, "everything_saveable"),
                           # ZB-V: two chunks per stage in a V, the last stage's turn local.
                           ("pp=4", "zbv", 8, 0, "none"),
-                          ("pp=2,fsdp=2,tp=2", "zbv", 4, 2, "selective")])
+                          ("pp=2,fsdp=2,tp=2", "zbv", 4, 2, "none")])
 def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero, remat):
     run = pipelined(corpus, mesh, schedule, micro, zero, remat)
     assert_matches(run, reference)
@@ -256,6 +256,57 @@ def test_zero_bubble_v_halves_zero_bubble_h1s_idle_time(stages, factor):
     for source in (table.recv_fwd, table.recv_bwd):
         turns = {s for row in source[sched.SELF] for s, slot in enumerate(row) if slot >= 0}
         assert turns == {stages - 1}
+
+
+def _matmul_flops(jaxpr, trips: int = 1) -> int:
+    """Matmul FLOPs of a jaxpr, loops by their length (both branches of a cond counted)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            k = math.prod(eqn.invars[0].aval.shape[i] for i in contracted)
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * k * trips
+        inner = trips * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else trips
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    total += _matmul_flops(sub, inner)
+    return total
+
+
+def test_zero_bubble_remats_are_those_whose_weight_half_does_work(monkeypatch):
+    """`pipeline.SPLITTING_REMATS` against the tiny model's own chunk: under those policies
+    the weight half of the stashed backward runs a third or more of its matmul FLOPs; under
+    every other stashing policy (under which zb-h1 and zbv are refused) at most a twentieth,
+    because the layer recomputes from residuals the input gradient reads too."""
+    from jdist.parallel import pipeline, residuals
+    from jdist.remat import NAMES
+    from jdist.step import pipelined as pipelined_step
+
+    halves: dict = {}
+    original = residuals._halves
+
+    def spy(backward, n_res):
+        split = original(backward, n_res)
+        halves[remat] = (_matmul_flops(split.input_grad.jaxpr),
+                         _matmul_flops(split.weight_grad.jaxpr))
+        return split
+
+    monkeypatch.setattr(residuals, "_halves", spy)
+    monkeypatch.setattr(pipelined_step, "check_remat", lambda *_: None)  # trace them all
+    tx, _ = make_optimizer(1e-3, 10, 1)
+    tokens = jax.ShapeDtypeStruct((8, 32), np.int32)
+    for remat in (n for n in NAMES if pipeline.stashes(n)):
+        plan = with_pipeline(make_plan(DEEP, build_mesh("pp=2", jax.devices()[:2]),
+                                       DEFAULT_RULES, tx, MemoryFlags(remat=remat)),
+                             PipelineConfig("zb-h1", 2))
+        make_train_step(plan).lower(plan.abstract, {"inputs": tokens, "targets": tokens})
+    share = {name: w / (b + w) for name, (b, w) in halves.items()}
+    assert {name for name, w in share.items() if w > 1 / 3} == set(
+        pipeline.SPLITTING_REMATS), share
+    assert all(w < 1 / 20 for name, w in share.items()
+               if name not in pipeline.SPLITTING_REMATS), share
 
 
 def test_stash_executes_no_forward_twice(corpus):
@@ -500,15 +551,16 @@ def test_bad_configurations_name_the_fix(args, message):
         sched.check(*args)
 
 
-def test_cli_zero_bubble_under_full_remat_is_one_line_and_exit_2():
+def test_cli_zero_bubble_without_weight_gradients_to_defer_is_one_line_and_exit_2():
     result = subprocess.run(
         [sys.executable, "-m", "jdist.train", "--model", "tiny", "--mesh", "pp=2",
-         "--pp-schedule", "zb-h1", "--remat", "full", "--pp-show-schedule"],
+         "--pp-schedule", "zb-h1", "--remat", "selective", "--pp-show-schedule"],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "jdist: error: --pp-schedule zb-h1 splits the backward of the forward's stashed "
-        "residuals, which --remat full does not keep; use --remat none or selective"]
+        "jdist: error: --pp-schedule zb-h1 defers weight gradients, but under --remat "
+        "selective the input gradient reads every stashed residual and leaves none to defer; "
+        "use --remat none or everything_saveable, or --pp-schedule 1f1b"]
 
 
 def test_cli_bad_schedule_is_one_line_and_exit_2():
