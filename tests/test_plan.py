@@ -190,13 +190,15 @@ def flag(flags: list[str], name: str, default: str) -> str:
 
 def state_bounds_70b(flags: list[str]) -> dict[str, tuple[float, float]]:
     """(least, most) bytes per device of the float32 weights, gradients and Adam moments of
-    the layout `flags`: every parameter split over fsdp x tensor (the layers also over the
-    stages; ZeRO-1 splits the moments over data, ZeRO-2 the gradients too, ZeRO-3 all), and at most
-    the norm scales (whole on every device) and Adam's step count above that."""
+    the layout `flags`: every parameter split over fsdp x tensor (the layers, embedding and
+    head also over the stages; ZeRO-1 splits the moments over data, ZeRO-2 the gradients
+    too, ZeRO-3 all), and at most the norm scales (whole on every device) and Adam's step
+    count above that."""
     mesh = {k: int(v) for k, v in (a.split("=") for a in flag(flags, "--mesh", "").split(","))}
-    zero, data = int(flag(flags, "--zero", "0")), mesh.get("dp", 1)
+    zero, data, stages = int(flag(flags, "--zero", "0")), mesh.get("dp", 1), mesh.get("pp", 1)
     split = mesh.get("fsdp", 1) * mesh.get("tp", 1) * mesh.get("ep", 1)
-    least = 4 * (LAYERS_70B * LAYER_PARAMS_70B / mesh.get("pp", 1) + OUTER_PARAMS_70B) / split
+    least = 4 * ((LAYERS_70B * LAYER_PARAMS_70B + OUTER_PARAMS_70B - D_70B) / stages
+                 + D_70B) / split
     bounds = {}
     for term, copies, zero_splits in (("params", 1, 3), ("grads", 1, 2), ("optimizer", 2, 1)):
         per = copies * least / (data if zero >= zero_splits else 1)

@@ -253,7 +253,8 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
     (it does not change with remat, accumulation, attention or the pipeline schedule)."""
     params, grads, optimizer, in_flight = state or state_bytes(plan)
     backward = in_flight + activation_bytes(plan, micro_batch, seq_len,
-                                            plan.compute_dtype.itemsize, plan.remat)
+                                            plan.compute_dtype.itemsize, plan.remat) \
+        + stage_gathered_bytes(plan)
     # After the backward, the optimizer update holds one more float32 tree the size of the
     # gradients on XLA CPU: optax.clip_by_global_norm scales every leaf into a new buffer
     # (AdamW's moments and the parameters are then updated in place, the state being
@@ -261,6 +262,32 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
     # fine-tuning of 1B/8B/70B on one H100 target, jax 0.10.2).
     update = 0 if on_gpu(plan) else grads
     return Breakdown(params, grads, optimizer, max(backward, update))
+
+
+def stage_gathered_bytes(plan) -> int:
+    """Pipelined, the shared leaves stored split over `stage` (`jdist.parallel.stage_shared`)
+    are held whole over it for the step, as stored (float32), and a trained one's gradient
+    accumulates whole over it until the reduce-scatter after the ticks."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jdist import axes as ax
+    from jdist.models.names import BLOCKS
+    from jdist.parallel.stage_shared import stage_dim
+    from jdist.rules import as_candidate, mesh_axes_of
+
+    if plan.pipeline is None:
+        return 0
+    trained = trainable.select(plan.model, plan.abstract.params)
+    total = 0
+    for key, leaf in plan.abstract.params.items():
+        sharding = plan.shardings.params[key]
+        if key == BLOCKS or not isinstance(sharding, NamedSharding) or \
+                stage_dim(sharding) is None:
+            continue
+        whole = NamedSharding(sharding.mesh, PartitionSpec(*(
+            as_candidate(a for a in mesh_axes_of(e) if a != ax.STAGE) for e in sharding.spec)))
+        total += per_device_bytes(leaf, whole) * (2 if trained.get(key) is not None else 1)
+    return total
 
 
 def on_gpu(plan) -> bool:

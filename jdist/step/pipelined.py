@@ -4,10 +4,11 @@ reduction by `jdist.parallel.grad_sync`, one objective from `jdist.loss`), with 
 micro-batches run by the stage schedule (`jdist.parallel.stage_program`).
 
 The shard_map is manual over `stage` too. A stage holds its contiguous shard of the stored
-layer stack (its chunks; `jdist.step.layer_order`), and the embedding, final norm and
-head replicated over stages: the first chunk embeds, the last computes the cross-entropy.
-Their gradients (zero on the stages that do not use them) are summed over `stage` once per
-step; block gradients never leave their stage. Under ZeRO-0/1 the micro-batches accumulate
+layer stack (its chunks; `jdist.step.layer_order`), and 1/P of the embedding and head
+(`jdist.parallel.stage_shared`), gathered over `stage` before the ticks: the first chunk
+embeds, the last computes the cross-entropy. Their gradients (zero on the stages that do
+not use them) are reduce-scattered over `stage` once per step; block gradients never
+leave their stage. Under ZeRO-0/1 the micro-batches accumulate
 locally and are all-reduced once; under ZeRO-2/3 each layer's gradient is reduce-scattered
 in every backward tick, into the sharded accumulator.
 """
@@ -21,7 +22,7 @@ from jdist import axes as ax
 from jdist import loss as objective
 from jdist.models.names import BLOCKS
 from jdist.parallel import grad_sync as gs
-from jdist.parallel import stage_program
+from jdist.parallel import stage_program, stage_shared
 from jdist.parallel.pipeline import check_remat, stashes
 from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk
@@ -51,6 +52,8 @@ def _run(plan, params: dict, batch: dict, train: bool):
     fw = Forward(plan, PIPE_MANUAL, True, batch["inputs"].shape[1], sync[BLOCKS])
 
     def local(stored, inputs, targets):
+        # The embedding and head are stored split over `stage`: whole for the ticks.
+        stored = stage_shared.gather(stored, plan.shardings.params, sync)
         scale = objective.piece_scale(table.micro * n_replicas,
                                       jax.lax.psum(objective.token_count(targets), MANUAL))
         tokens, labels, segments, positions = fw.in_kernel_order(inputs, targets)
@@ -83,7 +86,10 @@ def _run(plan, params: dict, batch: dict, train: bool):
         if not train:
             return terms
         d_blocks, d_shared = grads
-        d_shared = jax.lax.psum(d_shared, ax.STAGE)  # first stage: embedding; last: head
+        # The first stage's embedding gradient, the last's head gradient (ZB-V: both on
+        # the first), into their split over `stage`.
+        d_shared = stage_shared.reduce(d_shared, {k: plan.grad_shardings[k] for k in d_shared},
+                                       {k: sync[k] for k in d_shared})
         grads = {**d_shared, BLOCKS: d_blocks}
         return terms, trainable.tree_map(gs.finish_reduce, grads, sync)
 

@@ -20,6 +20,7 @@ from jdist.config.groups import FinetuneFlags, MemoryFlags, ParallelFlags, compu
 from jdist.errors import require
 from jdist.loss import CHUNKED
 from jdist.models import Llama, ModelConfig
+from jdist.parallel import stage_shared
 from jdist.parallel.grad_sync import manual_part
 from jdist.rules import Rules, mesh_axes_of, resolve
 from jdist.step import trainable
@@ -124,6 +125,9 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     base = sh.param_shardings(abstract_params, names, mesh, rules)
     check_replica_layout(base, abstract_params, mesh)
     sharded = zero_shardings(abstract_params, base, names, mesh)
+    # Pipelined, the embedding and head are split over stages too (after ZeRO's split).
+    stage_dims = stage_shared.split_dims(abstract_params, sharded, names, mesh)
+    base, sharded = (stage_shared.over_stages(t, stage_dims) for t in (base, sharded))
     pick = lambda stage: sharded if zero >= stage else base
     # Gradients and optimizer state exist for the trained parameters only.
     trained = trainable.select(cfg, abstract_params)

@@ -92,7 +92,7 @@ def finish(st: Step, leaf: Leaf, layers: int) -> list[Collective]:
     if not (leaf.trained and leaf.sync.reduce):
         return []
     return [Collective(AR, mesh_axes(leaf.sync.reduce, st.plan.mesh), 1,
-                       layers * leaf.local // st.ways(leaf.sync.grad), F32,
+                       layers * leaf.local // st.ways(leaf.sync.grad) // leaf.stages, F32,
                        "grad_sync.finish_reduce")]
 
 
@@ -251,7 +251,17 @@ def stage_permutes(st: Step, ticks: int) -> list[Collective]:
 
 
 def stage_sums(st: Step) -> list[Collective]:
-    """pipelined._run: the shared parameters' gradients summed over stage."""
-    return [Collective(AR, (ax.STAGE,), 1, leaf.local // st.ways(leaf.sync.grad), F32,
-                       "pipelined: shared gradients over stage")
-            for leaf in st.shared() if leaf.trained]
+    """pipelined._run: the shared parameters split over stage gathered whole before the
+    ticks and their gradients reduce-scattered back after them; the others' gradients
+    summed over stage (`jdist.parallel.stage_shared`)."""
+    out = []
+    for leaf in st.shared():
+        grad = leaf.local // st.ways(leaf.sync.grad)
+        if leaf.stages > 1:
+            out.append(Collective(AG, (ax.STAGE,), 1, leaf.stored * leaf.stages, leaf.dtype,
+                                  "pipelined: shared parameters over stage"))
+        if leaf.trained:
+            out.append(Collective(RS if leaf.stages > 1 else AR, (ax.STAGE,), 1,
+                                  grad // leaf.stages, F32,
+                                  "pipelined: shared gradients over stage"))
+    return out

@@ -68,6 +68,7 @@ class Leaf:
     grad_groups: tuple[tuple[str, ...], ...]  # per split dimension, its gradient's axes
     stored: int              # elements per device as stored between steps (float32)
     zero_split: bool         # ZeRO-1/2 split its optimizer state over data (jdist.zero)
+    stages: int = 1          # ways `stage` splits a shared leaf between steps (stage_shared)
 
     @property
     def local(self) -> int:
@@ -136,8 +137,11 @@ def mesh_axes(names: Iterable[str], mesh) -> tuple[str, ...]:
 
 
 def automatic(spec: Iterable, mesh) -> tuple[str, ...]:
-    """The automatic mesh axes (size > 1, not replica axes) of partition spec entries."""
-    return mesh_axes((a for e in spec for a in mesh_axes_of(e) if a not in ax.REPLICA_AXES), mesh)
+    """The automatic mesh axes (size > 1, not replica axes) of partition spec entries;
+    not `stage`, over which a shared leaf is gathered whole for the step
+    (`jdist.parallel.stage_shared`)."""
+    return mesh_axes((a for e in spec for a in mesh_axes_of(e)
+                      if a not in (*ax.REPLICA_AXES, ax.STAGE)), mesh)
 
 
 def resolved(plan, names: tuple[str, ...], dim: int, manual=MANUAL) -> tuple[str, ...]:
@@ -172,7 +176,9 @@ def leaves_of(plan) -> tuple[Leaf, ...]:
                         len(shape) - drop >= 2 and jnp.issubdtype(leaf.dtype, jnp.floating),
                         HLO_DTYPE[jnp.dtype(leaf.dtype).name],
                         tuple(g for g in groups if g), math.prod(stored.shard_shape(shape)),
-                        zero_dim(shape, base_sh.spec, names, mesh) is not None))
+                        zero_dim(shape, base_sh.spec, names, mesh) is not None,
+                        mesh.shape[ax.STAGE] if key != BLOCKS and any(
+                            ax.STAGE in mesh_axes_of(e) for e in stored.spec) else 1))
     return tuple(out)
 
 
