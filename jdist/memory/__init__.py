@@ -268,12 +268,11 @@ def stage_gathered_bytes(plan) -> int:
     """Pipelined, the shared leaves stored split over `stage` (`jdist.parallel.stage_shared`)
     are held whole over it for the step, as stored (float32), and a trained one's gradient
     accumulates whole over it until the reduce-scatter after the ticks."""
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding
 
     from jdist import axes as ax
     from jdist.models.names import BLOCKS
     from jdist.parallel.stage_shared import stage_dim
-    from jdist.rules import as_candidate, mesh_axes_of
 
     if plan.pipeline is None:
         return 0
@@ -284,9 +283,8 @@ def stage_gathered_bytes(plan) -> int:
         if key == BLOCKS or not isinstance(sharding, NamedSharding) or \
                 stage_dim(sharding) is None:
             continue
-        whole = NamedSharding(sharding.mesh, PartitionSpec(*(
-            as_candidate(a for a in mesh_axes_of(e) if a != ax.STAGE) for e in sharding.spec)))
-        total += per_device_bytes(leaf, whole) * (2 if trained.get(key) is not None else 1)
+        copies = 2 if trained.get(key) is not None else 1
+        total += copies * _gathered(leaf, sharding, None, (ax.STAGE,))
     return total
 
 
@@ -366,8 +364,9 @@ def _table_scatter(plan) -> int:
     return stored - per_device_bytes(table, plan.grad_shardings[EMBED], 4)
 
 
-def _gathered(tree, shardings, itemsize: int | None) -> int:
-    """Per-device bytes of `tree` as laid out, less the replica axes (gathered there)."""
+def _gathered(tree, shardings, itemsize: int | None, axes: tuple[str, ...] = ()) -> int:
+    """Per-device bytes of `tree` as laid out, less the mesh `axes` (gathered there; default:
+    the replica axes)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -376,7 +375,7 @@ def _gathered(tree, shardings, itemsize: int | None) -> int:
 
     def strip(s):
         spec = tuple(s.spec)
-        for a in ax.REPLICA_AXES:
+        for a in axes or ax.REPLICA_AXES:
             spec = tuple(c for _, c in without_axis(tuple(("", e) for e in spec), a))
         return NamedSharding(s.mesh, PartitionSpec(*spec))
     return per_device_bytes(tree, jax.tree.map(strip, shardings), itemsize)

@@ -116,22 +116,19 @@ def zero_bubble(schedule: str, stages: int, micro: int) -> list[list[Op | None]]
     grid: list[list[Op | None]] = []
     arrived = lambda key, t: done.get(key, t) < t
 
+    def ready(kind: int, m: int, s: int, v: int, t: int) -> bool:
+        c = chunk_index(schedule, s, v, stages)
+        return m < micro and all(arrived(n, t) for n in _needs(kind, m, c, last))
+
     def backward(s: int, t: int) -> Op | None:
-        for v in chunks:
-            m, c = backwards[s][v], chunk_index(schedule, s, v, stages)
-            if m < micro and arrived((FWD, m, c), t) and (
-                    c == last or arrived((BWD, m, c + 1), t)):
-                return Op(BWD, m, v)
-        return None
+        return next((Op(BWD, backwards[s][v], v) for v in chunks
+                     if ready(BWD, backwards[s][v], s, v, t)), None)
 
     def forward(s: int, t: int) -> Op | None:
         if sum(forwards[s]) - sum(backwards[s]) >= room(s):
             return None
-        for v in reversed(chunks):
-            m, c = forwards[s][v], chunk_index(schedule, s, v, stages)
-            if m < micro and (c == 0 or arrived((FWD, m, c - 1), t)):
-                return Op(FWD, m, v)
-        return None
+        return next((Op(FWD, forwards[s][v], v) for v in reversed(chunks)
+                     if ready(FWD, forwards[s][v], s, v, t)), None)
 
     while any(min(backwards[s]) < micro or pending[s] for s in range(stages)):
         t = len(grid)
@@ -314,10 +311,8 @@ def simulate(schedule: str, orders: list[list[Op]], stages: int,
         for s in range(stages):
             op = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
             if op is not None:
-                c = chunk_index(schedule, s, op.chunk, stages)
-                needs = [(FWD, op.micro, c - 1)] if op.kind == FWD and c > 0 else []
-                if op.kind == BWD:
-                    needs = [(FWD, op.micro, c)] + ([(BWD, op.micro, c + 1)] if c < last else [])
+                needs = _needs(op.kind, op.micro, chunk_index(schedule, s, op.chunk, stages),
+                               last)
                 if not all(done.get(n, t) < t for n in needs):
                     op = None
             row.append(op)
@@ -327,6 +322,17 @@ def simulate(schedule: str, orders: list[list[Op]], stages: int,
                 pos[s] += 1
         grid.append(row)
     return grid
+
+
+def _needs(kind: int, micro: int, c: int, last: int) -> list[tuple[int, int, int]]:
+    """The (kind, micro-batch, global chunk) operations an operation waits for: a forward
+    for the previous chunk's forward, a backward for its own forward and the next chunk's
+    backward, a weight gradient for its own backward."""
+    if kind == FWD:
+        return [(FWD, micro, c - 1)] if c > 0 else []
+    if kind == BWD:
+        return [(FWD, micro, c)] + ([(BWD, micro, c + 1)] if c < last else [])
+    return [(BWD, micro, c)]
 
 
 def _with_slots(name: str, stages: int, micro: int, virtual: int,

@@ -82,9 +82,9 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
                zeros(a for a, b in zip(stashed, by_input) if not b),
                zeros(halves.handover_avals() if halves else []))
 
-    columns = _columns(table)
-    used = {source for source in sched.SOURCES  # [ticks, 13, stages]: see _columns
-            if (columns[:, [7 + source, 10 + source]] >= 0).any()}
+    used = {source for source in sched.SOURCES  # the sources anything arrives by
+            if any(slot >= 0 for recv in (table.recv_fwd, table.recv_bwd)
+                   for row in recv[source] for slot in row)}
 
     def tick(carry, row):
         stash, grads_in, kept, acc, loss_sum = carry
@@ -171,7 +171,7 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
     start = (jnp.zeros((table.n_slots, *act_shape), act_dtype),
              jnp.zeros((table.n_grad_slots, *act_shape), act_dtype) if train else (),
              kept, (f32_zeros(chunks), f32_zeros(shared)) if train else (), no_loss)
-    (_, _, _, acc, loss_sum), _ = jax.lax.scan(tick, start, jnp.asarray(columns))
+    (_, _, _, acc, loss_sum), _ = jax.lax.scan(tick, start, jnp.asarray(_columns(table)))
     if not train:
         return loss_sum / micro
     d_chunks, d_shared = acc

@@ -17,6 +17,7 @@ from jdist.hlo import COLLECTIVES
 from jdist.models.names import BLOCKS, EMBED, HEAD
 from jdist.parallel import collective_matmul
 from jdist.parallel.grad_sync import Sync
+from jdist.parallel.stage_shared import stage_dim
 from jdist.rules import mesh_axes_of, resolve
 from jdist.step import trainable
 from jdist.step.forward import context_parallel_of, inner_rules
@@ -177,8 +178,8 @@ def leaves_of(plan) -> tuple[Leaf, ...]:
                         HLO_DTYPE[jnp.dtype(leaf.dtype).name],
                         tuple(g for g in groups if g), math.prod(stored.shard_shape(shape)),
                         zero_dim(shape, base_sh.spec, names, mesh) is not None,
-                        mesh.shape[ax.STAGE] if key != BLOCKS and any(
-                            ax.STAGE in mesh_axes_of(e) for e in stored.spec) else 1))
+                        mesh.shape[ax.STAGE] if key != BLOCKS and
+                        stage_dim(stored) is not None else 1))
     return tuple(out)
 
 
