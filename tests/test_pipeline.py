@@ -132,7 +132,8 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0,
 # tp with ZeRO-2, and fsdp x tp inside stages (the prefetching layer loop, sequence
 # parallelism). All under `--remat none`, where a backward reads its forward's stash; one
 # 1f1b and one interleaved table recompute from the chunk input (`--remat full`), and one
-# stashes what the selective policy keeps. (M = 4P, gpipe on pp=4 - all forwards then all
+# interleaved and two zero-bubble tables stash what the selective policy keeps (their
+# weight halves compute the layer's norms and activations again). (M = 4P, gpipe on pp=4 - all forwards then all
 # backwards, the simplest table - and M = 2P for gpipe and 1f1b on pp=2 added compiles and
 # no new schedule shape: the tables' own tests cover every M.)
 MATRIX = [(f"pp={p}", schedule, p * factor, 0, "none")
@@ -149,10 +150,10 @@ MATRIX = [(f"pp={p}", schedule, p * factor, 0, "none")
                           ("pp=2,fsdp=2", "interleaved", 4, 2, "selective"),
                           # Zero-bubble: backwards split into input and weight gradients.
                           ("pp=4", "zb-h1", 8, 0, "none"),
-                          ("pp=2,fsdp=2,tp=2", "zb-h1", 4, 0, "none"),
+                          ("pp=2,fsdp=2,tp=2", "zb-h1", 4, 0, "selective"),
                           ("dp=2,pp=2,tp=2", "zb-h1", 4, 2, "everything_saveable"),
                           # ZB-V: two chunks per stage in a V, the last stage's turn local.
-                          ("pp=4", "zbv", 8, 0, "none"),
+                          ("pp=4", "zbv", 8, 0, "selective"),
                           ("pp=2,fsdp=2,tp=2", "zbv", 4, 2, "none")])
 def test_pipeline_matches_single_device(corpus, reference, mesh, schedule, micro, zero, remat):
     run = pipelined(corpus, mesh, schedule, micro, zero, remat)
@@ -275,38 +276,35 @@ def _matmul_flops(jaxpr, trips: int = 1) -> int:
     return total
 
 
-def test_zero_bubble_remats_are_those_whose_weight_half_does_work(monkeypatch):
-    """`pipeline.SPLITTING_REMATS` against the tiny model's own chunk: under those policies
-    the weight half of the stashed backward runs a third or more of its matmul FLOPs; under
-    every other stashing policy (under which zb-h1 and zbv are refused) at most a twentieth,
-    because the layer recomputes from residuals the input gradient reads too."""
-    from jdist.parallel import pipeline, residuals
+def test_weight_half_does_a_third_of_the_backward_under_every_stashing_remat(monkeypatch):
+    """The split backward of the tiny model's own chunk, under each `--remat` a zero-bubble
+    schedule accepts: the weight half runs a third or more of the backward's matmul FLOPs,
+    also where the layer recomputes its forward (selective), and no matmul runs twice."""
+    from jdist.parallel import pipeline, split_backward
     from jdist.remat import NAMES
-    from jdist.step import pipelined as pipelined_step
 
-    halves: dict = {}
-    original = residuals._halves
+    flops: dict = {}
+    original = split_backward.halves
 
     def spy(backward, n_res):
         split = original(backward, n_res)
-        halves[remat] = (_matmul_flops(split.input_grad.jaxpr),
-                         _matmul_flops(split.weight_grad.jaxpr))
+        flops[remat] = (_matmul_flops(split.input_grad.jaxpr),
+                        _matmul_flops(split.weight_grad.jaxpr), _matmul_flops(backward))
         return split
 
-    monkeypatch.setattr(residuals, "_halves", spy)
-    monkeypatch.setattr(pipelined_step, "check_remat", lambda *_: None)  # trace them all
+    monkeypatch.setattr(split_backward, "halves", spy)
     tx, _ = make_optimizer(1e-3, 10, 1)
     tokens = jax.ShapeDtypeStruct((8, 32), np.int32)
-    for remat in (n for n in NAMES if pipeline.stashes(n)):
+    remats = [n for n in NAMES if pipeline.stashes(n)]
+    assert "selective" in remats
+    for remat in remats:
         plan = with_pipeline(make_plan(DEEP, build_mesh("pp=2", jax.devices()[:2]),
                                        DEFAULT_RULES, tx, MemoryFlags(remat=remat)),
                              PipelineConfig("zb-h1", 2))
         make_train_step(plan).lower(plan.abstract, {"inputs": tokens, "targets": tokens})
-    share = {name: w / (b + w) for name, (b, w) in halves.items()}
-    assert {name for name, w in share.items() if w > 1 / 3} == set(
-        pipeline.SPLITTING_REMATS), share
-    assert all(w < 1 / 20 for name, w in share.items()
-               if name not in pipeline.SPLITTING_REMATS), share
+    for remat, (b, w, whole) in flops.items():
+        assert w / (b + w) > 1 / 3, (remat, b, w)
+        assert b + w == whole, (remat, b, w, whole)
 
 
 def test_stash_executes_no_forward_twice(corpus):
@@ -557,16 +555,16 @@ def test_bad_configurations_name_the_fix(args, message):
         sched.check(*args)
 
 
-def test_cli_zero_bubble_without_weight_gradients_to_defer_is_one_line_and_exit_2():
+def test_cli_zero_bubble_without_a_stash_is_one_line_and_exit_2():
     result = subprocess.run(
         [sys.executable, "-m", "jdist.train", "--model", "tiny", "--mesh", "pp=2",
-         "--pp-schedule", "zb-h1", "--remat", "selective", "--pp-show-schedule"],
+         "--pp-schedule", "zb-h1", "--remat", "full", "--pp-show-schedule"],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "jdist: error: --pp-schedule zb-h1 defers weight gradients, but under --remat "
-        "selective the input gradient reads every stashed residual and leaves none to defer; "
-        "use --remat none or everything_saveable, or --pp-schedule 1f1b"]
+        "jdist: error: --pp-schedule zb-h1 defers weight gradients, which read the forward's "
+        "residuals, but --remat full keeps none on the device; use --remat selective or "
+        "none, or --pp-schedule 1f1b"]
 
 
 def test_cli_bad_schedule_is_one_line_and_exit_2():

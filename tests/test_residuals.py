@@ -7,13 +7,14 @@ every schedule is tests/test_pipeline.py's.)"""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jdist.parallel import residuals
 
 LAYERS, D, ROWS = 3, 8, 5
 
 
-def chunk(where, params, x, m):
+def chunk(where, params, x, m, policy=jax.checkpoint_policies.everything_saveable):
     """A chunk as the stage program hands it over: `where` known per tick, `params` flat,
     `x` the micro-batch's input, `m` its index (here it picks a per-micro-batch scale)."""
     (scale,) = where
@@ -23,9 +24,9 @@ def chunk(where, params, x, m):
     def layer(h, weights):
         w_l, n_l = weights
         cast = w_l.astype(jnp.bfloat16).astype(jnp.float32)  # depends on the weights only
-        return jnp.tanh((h * n_l) @ cast) + h, None
+        return jnp.tanh(checkpoint_name((h * n_l) @ cast, "proj")) + h, None
 
-    body = jax.checkpoint(layer, policy=jax.checkpoint_policies.everything_saveable)
+    body = jax.checkpoint(layer, policy=policy)
     y, _ = jax.lax.scan(body, x * scale + bias, (w, norm))
     return y, jnp.stack([jnp.sum(y**2), jnp.sum(y)])
 
@@ -71,7 +72,7 @@ def test_halves_give_the_input_gradient_first_and_the_weights_from_its_hand_over
     _, _, stash = split.forward([*where, *params], x, m)
     res = split.residuals([*where, *params], stash)
     # Some residual is read only by the weight gradients (a layer's normalised input).
-    assert not all(halves.for_input)
+    assert not all(halves.b_reads) and any(halves.w_reads)
     early, handover = halves.input_half(res, cot)
     # The input's gradient is ready before any weight gradient runs.
     assert halves.early[-1]
@@ -83,3 +84,35 @@ def test_halves_give_the_input_gradient_first_and_the_weights_from_its_hand_over
     # The weight half recomputes nothing of the input half: its hand-over carries the
     # per-layer cotangents, stacked over the loop's layers.
     assert any(a.shape[:1] == (LAYERS,) for a in halves.handover_avals())
+
+
+def _dots(jaxpr) -> int:
+    """dot_general equations in `jaxpr`, loop bodies included (once each)."""
+    return sum(eqn.primitive.name == "dot_general" for eqn in jaxpr.eqns) + sum(
+        _dots(getattr(sub, "jaxpr", sub)) for eqn in jaxpr.eqns for sub in eqn.params.values()
+        if hasattr(getattr(sub, "jaxpr", sub), "eqns"))
+
+
+def test_halves_split_a_layer_that_recomputes_its_forward():
+    """Selective remat: the layer keeps its projection and recomputes the norm and tanh in
+    the backward, so every residual feeds the input gradient. The weight half still gets
+    the weight matmuls, reading the projection's cotangent handed over per layer and
+    computing the (elementwise) normalised input again; neither half runs a matmul twice."""
+    where, params, x, m, cot = inputs()
+    selective = jax.checkpoint_policies.save_only_these_names("proj")
+    fn = lambda w, p, x, m: chunk(w, p, x, m, selective)
+    split = residuals.split(fn, where, params, x, m)
+    halves = split.halves()
+    _, _, stash = split.forward([*where, *params], x, m)
+    res = split.residuals([*where, *params], stash)
+    early, handover = halves.input_half(res, cot)
+    late = halves.weight_half(handover, res)
+    *d_p, d_x = halves.merge(early, late)
+    _, pullback = jax.vjp(lambda p, x: fn(where, p, x, m), params, x)
+    want_dp, want_dx = pullback(cot)
+    for a, b in zip([*d_p, d_x], [*want_dp, want_dx]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert halves.early[-1] and not halves.early[0]  # the weight gradient comes late
+    # One matmul per layer in each half: the input's gradient, then the weight's.
+    assert _dots(halves.input_grad.jaxpr) == 1 and _dots(halves.weight_grad.jaxpr) == 1
+    assert any(a.shape == (LAYERS, ROWS, D) for a in halves.handover_avals())

@@ -75,29 +75,13 @@ def pipeline_for(flags, model, mesh, rules: Rules = DEFAULT_RULES) -> PipelineCo
     return config
 
 
-# The `--remat` policies under which a stashed backward splits into an input gradient and a
-# weight gradient that both do work (`jdist.parallel.residuals.Halves`): the projections'
-# inputs are residuals of their own, which only the weight gradients read. Under the others
-# every residual also feeds the input gradient (the layer recomputes from them), so the
-# split leaves the weight half empty and a zero-bubble table would idle in its W ticks
-# (tiny, pp=2: the weight half does 35% of the backward's matmul FLOPs under none and
-# everything_saveable, 4% under dots_saveable, 0 under selective and the rest; jax 0.10.2).
-# tests/test_residuals.py checks this list against the halves.
-SPLITTING_REMATS = ("none", "everything_saveable")
-
-
-def splits(remat: str) -> bool:
-    """Whether a zero-bubble schedule has weight gradients to defer under `remat`."""
-    return remat in SPLITTING_REMATS
-
-
 def check_remat(config: PipelineConfig, remat: str) -> None:
-    """A schedule that splits backwards needs a stash whose weight gradients it can defer
-    (`splits`)."""
-    require(config.schedule not in sched.SPLIT_BACKWARD or splits(remat),
-            f"--pp-schedule {config.schedule} defers weight gradients, but under --remat "
-            f"{remat} the input gradient reads every stashed residual and leaves none to "
-            f"defer; use --remat {' or '.join(SPLITTING_REMATS)}, or --pp-schedule 1f1b")
+    """A schedule that splits backwards runs the weight half ticks after the input half,
+    from residuals the forward kept: it needs a stash (`stashes`)."""
+    require(config.schedule not in sched.SPLIT_BACKWARD or stashes(remat),
+            f"--pp-schedule {config.schedule} defers weight gradients, which read the "
+            f"forward's residuals, but --remat {remat} keeps none on the device; use --remat "
+            "selective or none, or --pp-schedule 1f1b")
 
 
 def show_schedule(config: PipelineConfig, stages: int) -> str:

@@ -20,7 +20,9 @@ from collections.abc import Callable
 
 import jax
 from jax._src.interpreters import partial_eval as pe  # see the module docstring
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.extend.core import jaxpr_as_fun
+
+from jdist.parallel import split_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +57,9 @@ class Split:
             return d_params, d_x
         return pull
 
-    def halves(self) -> Halves:
-        """The backward split in two for zero-bubble schedules (`Halves`)."""
-        return _halves(self.backward, len(self.stashed))
+    def halves(self) -> split_backward.Halves:
+        """The backward split in two for zero-bubble schedules."""
+        return split_backward.halves(self.backward, len(self.stashed))
 
     def stash_avals(self) -> list:
         res = self.jaxpr.out_avals[2:]
@@ -109,14 +111,10 @@ def split(fn: Callable, consts: list, params: list, x, m) -> Split:
     return Split(closed, params_only, tuple(known.consts), box["backward"], tuple(stashed))
 
 
-COLLECTIVES = ("all_gather", "psum", "reduce_scatter", "ppermute", "all_to_all", "pmax",
-               "pmin")
-
-
 def _communicates(jaxpr) -> bool:
     """Whether `jaxpr` (or a jaxpr inside it: a loop's body, a branch) runs a collective."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name.startswith(COLLECTIVES):
+        if eqn.primitive.name.startswith(split_backward.COLLECTIVES):
             return True
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
@@ -124,51 +122,3 @@ def _communicates(jaxpr) -> bool:
                 if hasattr(inner, "eqns") and _communicates(inner):
                     return True
     return False
-
-
-@dataclasses.dataclass(frozen=True)
-class Halves:
-    """A backward split where the weight gradients need nothing more of the input gradient
-    than what it hands over. `input_grad` reads the residuals in `for_input` and the
-    cotangents, and returns the outputs in `early` (the chunk input's gradient, and any
-    parameter gradient that reads no residual of the weight half) then the hand-over (the
-    cotangents of the layers' projections, stacked over the chunk's layers, say).
-    `weight_grad` reads the hand-over and the other residuals and returns the rest."""
-
-    input_grad: object           # ClosedJaxpr (*residuals for_input, cot_y, cot_terms) -> ..
-    weight_grad: object          # ClosedJaxpr (*hand-over, *the other residuals) -> ...
-    for_input: tuple[bool, ...]  # per residual
-    early: tuple[bool, ...]      # per backward output (*d_params, d_x)
-
-    def handover_avals(self) -> list:
-        return self.input_grad.out_avals[sum(self.early):]
-
-    def input_half(self, residuals: list, cot: tuple) -> tuple[list, list]:
-        """-> (the `early` outputs, the hand-over)."""
-        mine = [r for r, b in zip(residuals, self.for_input) if b]
-        out = jaxpr_as_fun(self.input_grad)(*mine, *cot)
-        n = sum(self.early)
-        return out[:n], out[n:]
-
-    def weight_half(self, handover: list, residuals: list) -> list:
-        theirs = [r for r, b in zip(residuals, self.for_input) if not b]
-        return jaxpr_as_fun(self.weight_grad)(*handover, *theirs)
-
-    def merge(self, early: list, late: list) -> list:
-        """All backward outputs in order, from the two halves'."""
-        early, late = iter(early), iter(late)
-        return [next(early) if e else next(late) for e in self.early]
-
-
-def _halves(backward, n_res: int) -> Halves:
-    """Residuals the chunk input's gradient does not read (dead code to it) belong to the
-    weight half; jax's partial evaluation with those unknown splits the backward, loops
-    included, into what can run without them and the rest."""
-    n_out = len(backward.outvars)
-    _, used = pe.dce_jaxpr(backward, [False] * (n_out - 1) + [True], instantiate=False)
-    for_input = used[:n_res]
-    unknown = [not u for u in for_input] + [False] * (len(backward.invars) - n_res)
-    known, late, out_unknown, _ = pe.partial_eval_jaxpr_nounits(
-        ClosedJaxpr(backward, ()), unknown, instantiate=False)
-    assert not out_unknown[-1], "the input gradient must not wait for the weight half"
-    return Halves(known, late, tuple(for_input), tuple(not u for u in out_unknown))

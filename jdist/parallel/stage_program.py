@@ -75,7 +75,7 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
     # forward's residuals the backward reads (F -> B, `res_slot`); split, those only the
     # weight gradient reads (F -> W, `w_slot`) and the backward's hand-over (B -> W).
     stashed = split.stash_avals() if split else []
-    by_input = [b for b, s in zip(halves.for_input, split.stashed) if s] if halves else \
+    by_input = [not w for w, s in zip(halves.w_reads, split.stashed) if s] if halves else \
         [True] * len(stashed)
     zeros = lambda avals: [jnp.zeros(a.shape, a.dtype) for a in avals]
     nothing = (zeros(a for a, b in zip(stashed, by_input) if b),

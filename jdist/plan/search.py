@@ -24,7 +24,7 @@ from jdist.errors import ConfigError
 from jdist.memory import predict
 from jdist.mesh import dcn_sizes
 from jdist.parallel import collective_matmul
-from jdist.parallel.pipeline import splits
+from jdist.parallel.pipeline import stashes
 from jdist.parallel.schedule import SPLIT_BACKWARD
 from jdist.plan import cost
 from jdist.plan.layouts import REMATS, Layout, divisors, mesh_variants, meshes
@@ -159,8 +159,8 @@ def _best_variant(base, layout: Layout, plan, state, profile, dcn_axes, budget: 
     replicas = batch_split(shape, plan.rules)[1]
     best = None
     for remat in REMATS:
-        if plan.pipeline and plan.pipeline.schedule in SPLIT_BACKWARD and not splits(remat):
-            continue  # nothing for a split backward to defer (`pipeline.splits`)
+        if plan.pipeline and plan.pipeline.schedule in SPLIT_BACKWARD and not stashes(remat):
+            continue  # a split backward reads a stash (`pipeline.check_remat`)
         for attention in attentions(plan, base.data.seq_len):
             for accum in accumulations(base.data.batch_size // replicas, plan.pipeline is not None):
                 variant = dataclasses.replace(plan, remat=remat, grad_accum=accum,
