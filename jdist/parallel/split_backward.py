@@ -187,7 +187,7 @@ def _plan(jaxpr, early: list, late: list, taint: list, from_input: list) -> _Pla
 def _split_loop(eqn, live: list, rest: list, tainted: set) -> tuple[_Loop, list]:
     """A loop the input half runs, with `rest`: the outputs only the weight half wants.
     Returns the split and which of the loop's inputs the weight half reads."""
-    nc, nk, body = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["jaxpr"].jaxpr
+    (nc, nk), body = _counts(eqn), eqn.params["jaxpr"].jaxpr
     taint_in = [isinstance(v, Var) and v in tainted for v in eqn.invars]
     carry_taint = _loop_taint(eqn, taint_in)[:nk]
     body_taint = taint_in[:nc] + carry_taint + taint_in[nc + nk:]
@@ -234,7 +234,7 @@ def _live(jaxpr, outs: list) -> tuple[dict, list]:
 
 
 def _live_loop(eqn, mask: list) -> tuple[list, list]:
-    nc, nk, body = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["jaxpr"].jaxpr
+    (nc, nk), body = _counts(eqn), eqn.params["jaxpr"].jaxpr
     carry = mask[:nk]
     while True:
         _, used = _live(body, carry + mask[nk:])
@@ -256,7 +256,7 @@ def _tainted(jaxpr, taint: list) -> set:
 
 
 def _loop_taint(eqn, ins: list) -> list:
-    nc, nk, body = eqn.params["num_consts"], eqn.params["num_carry"], eqn.params["jaxpr"].jaxpr
+    (nc, nk), body = _counts(eqn), eqn.params["jaxpr"].jaxpr
     carry = ins[nc:nc + nk]
     while True:
         inner = _tainted(body, ins[:nc] + carry + ins[nc + nk:])
@@ -297,8 +297,7 @@ def _run_weight(jaxpr, plan: _Plan, env: dict) -> None:
 def _input_loop(eqn, i: int, loop: _Loop, env: dict) -> None:
     """The loop's input half: its live carries and outputs, and its per-iteration hand-over
     stacked as extra outputs under keys (i, k)."""
-    p, body = eqn.params, eqn.params["jaxpr"]
-    nc, nk = p["num_consts"], p["num_carry"]
+    (p, body), (nc, nk) = (eqn.params, eqn.params["jaxpr"]), _counts(eqn)
     plan, jx = loop.body, body.jaxpr
     ins = list(zip(jx.invars, eqn.invars, plan.b_in))
     consts = [(v, _read(env, o)) for v, o, u in ins[:nc] if u]
@@ -324,8 +323,7 @@ def _input_loop(eqn, i: int, loop: _Loop, env: dict) -> None:
 
 
 def _weight_loop(eqn, i: int, loop: _Loop, env: dict) -> None:
-    p, body = eqn.params, eqn.params["jaxpr"]
-    nc, nk = p["num_consts"], p["num_carry"]
+    (p, body), (nc, nk) = (eqn.params, eqn.params["jaxpr"]), _counts(eqn)
     plan, jx = loop.body, body.jaxpr
     ins = list(zip(jx.invars, eqn.invars, plan.w_in))
     consts = [(v, _read(env, o)) for v, o, u in ins[:nc] if u]
@@ -377,8 +375,7 @@ def _eval(jaxpr, consts, args) -> list:
 
 
 def _scan(eqn, ins: list) -> list:
-    p, body = eqn.params, eqn.params["jaxpr"]
-    nc, nk = p["num_consts"], p["num_carry"]
+    (p, body), (nc, nk) = (eqn.params, eqn.params["jaxpr"]), _counts(eqn)
 
     def step(c, x):
         out = _eval(body.jaxpr, body.consts, [*ins[:nc], *c, *x])
@@ -387,6 +384,15 @@ def _scan(eqn, ins: list) -> list:
     c, ys = jax.lax.scan(step, ins[nc:nc + nk], ins[nc + nk:], length=p["length"],
                          reverse=p["reverse"], unroll=p["unroll"])
     return [*c, *ys]
+
+
+def _counts(eqn) -> tuple[int, int]:
+    """A loop's numbers of consts and carries (jax 0.12 gives their tree, not the counts)."""
+    p = eqn.params
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, _ = p["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def _bind(eqn, ins: list) -> list:
