@@ -90,3 +90,36 @@ def test_dry_run_refuses_what_does_not_fit_and_suggests_a_fix():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "try --zero" in lines[0], lines
     assert "predicted" in result.stdout and "measured" in result.stdout
+
+
+@pytest.mark.parametrize("remat", ["none", "selective"])
+def test_awaiting_weight_gradients_hold_what_the_split_hands_over(monkeypatch, remat):
+    """Per micro-batch awaiting its weight gradients, a zero-bubble stage holds the
+    residuals the weight half reads and the input half's hand-over; the memory model's
+    per-layer count of them, against the split the step actually traces (tiny's layer: the
+    seven projections, two norms, a dense attention)."""
+    import jax
+    import numpy as np
+
+    from jdist.memory import _activations, _awaiting_weights
+    from jdist.parallel import residuals, split_backward
+    from jdist.step import make_train_step
+
+    seen: dict = {}
+    for module, name in ((residuals, "split"), (split_backward, "halves")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name: seen.setdefault(
+            _n, _f(*a)))
+    tx, _ = make_optimizer(1e-3, 10, 1)
+    deep = get_preset("tiny", n_layers=8)
+    p = with_pipeline(make_plan(deep, build_mesh("dp=2,pp=4"), DEFAULT_RULES, tx,
+                                MemoryFlags(remat=remat)), PipelineConfig("zb-h1", 16))
+    tokens = jax.ShapeDtypeStruct((64, 128), np.int32)
+    make_train_step(p).lower(p.abstract, {"inputs": tokens, "targets": tokens})
+    split, halves = seen["split"], seen["halves"]
+    nbytes = lambda avals: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
+    held = [a for a, s, w in zip(split.jaxpr.out_avals[2:], split.stashed, halves.w_reads)
+            if s and w]
+    layers = deep.n_layers // 4
+    per_layer = (nbytes(held) + nbytes(halves.handover_avals())) / layers
+    assert per_layer == _awaiting_weights(_activations(p, 64 // 16, 128, 4))

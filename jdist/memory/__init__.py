@@ -88,9 +88,8 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
         micro_batch, layers = micro_batch // table.micro, cfg.n_layers // table.chunks
         stashed = table.n_slots + table.n_grad_slots
         held = table.n_res_slots  # micro-batches whose chunk residuals wait in the stash
-        # Split (zero-bubble), those awaiting their weight gradient: what only it reads and
-        # the input gradient's hand-over, about a third of a chunk's residuals (fitted:
-        # zb-h1 on pp=2 and dp=2,pp=4, tiny, XLA CPU, jax 0.10.2, within 2%).
+        # Split (zero-bubble), those awaiting their weight gradient (jdist.parallel.
+        # split_backward): per layer, the residuals it reads and the input half's hand-over.
         awaiting = table.n_w_slots
         # stage_program.tick: the zeros of an idle branch, the chunk input read from the
         # stash, the forward output and the input cotangent passed on by the permutes.
@@ -145,9 +144,23 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     # the loss's and XLA's own (fitted: within 3.5% on 1f1b, gpipe and interleaved
     # tables on pp=2 and dp=2,pp=4, tiny, XLA CPU, jax 0.10.2).
     chunk = layers * per_layer
-    stash = chunk * held + (chunk * 7 // 2 if held else chunk) + chunk * awaiting // 3
+    stash = chunk * held + (chunk * 7 // 2 if held else chunk) + \
+        layers * awaiting * _awaiting_weights(a)
     return (stash + max(working, a.loss) + mask
             + (stashed + ticks) * a.x + accumulator + (transposed_stacks(plan) if gpu else 0))
+
+
+def _awaiting_weights(a: _Sizes) -> int:
+    """What one layer of a micro-batch awaiting its weight gradients holds, under every
+    `--remat` that stashes: the cotangents of the seven projections' outputs and of the two
+    norms' (4x + q + 2k + 2f), the attention output and normalised inputs (2x + 2q), and
+    the MLP's two hidden activations (2f). Under `none` the weight half reads the normalised
+    inputs and the attention output from the stash; under `selective` the input half hands
+    the attention output over and the weight half normalises the kept inputs again. (Read
+    off the hand-over and residuals of tiny's split under both policies: the compiled zb-h1
+    step holds this much more than the compiled 1f1b step within 1%, selective, dp=2,pp=4,
+    M=16, XLA CPU, jax 0.10.2.)"""
+    return 6 * a.x + 2 * a.q + 2 * a.k + 4 * a.f
 
 
 def _grad_bytes(plan, blocks_only: bool = False) -> int:

@@ -76,12 +76,12 @@ def halves(backward, n_res: int) -> Halves:
     closed = _inlined(backward)
     jaxpr, consts = closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts))
     n_out, n_in = len(jaxpr.outvars), len(jaxpr.invars)
-    live, _ = _live(jaxpr, [False] * (n_out - 1) + [True])
+    cot = [i >= n_res for i in range(n_in)]
+    live, _ = _live(jaxpr, [False] * (n_out - 1) + [True], cot)
     made = _made_by(jaxpr, live)
     # What the input half computes anyway is returned by it, not handed over.
     early = [i == n_out - 1 or not isinstance(v, Var) or v in made or v in jaxpr.invars
              for i, v in enumerate(jaxpr.outvars)]
-    cot = [i >= n_res for i in range(n_in)]
     plan = _plan(jaxpr, early, [not e for e in early], cot, cot)
     b_reads = tuple(plan.b_in[:n_res])
     w_reads = tuple(plan.w_in[:n_res])
@@ -144,7 +144,7 @@ def _plan(jaxpr, early: list, late: list, taint: list, from_input: list) -> _Pla
     """`early`/`late`: the outputs each half returns. `taint`: inputs that are cotangents
     (or computed from them). `from_input`: inputs the weight half gets only by hand-over (the
     cotangents; in a loop body, the input half's carries)."""
-    live, b_in = _live(jaxpr, early)
+    live, b_in = _live(jaxpr, early, taint)
     tainted = _tainted(jaxpr, taint)
     need = {v for v, w in zip(jaxpr.outvars, late) if w and isinstance(v, Var)}
     weight, loops, handover = {}, {}, []
@@ -188,9 +188,7 @@ def _split_loop(eqn, live: list, rest: list, tainted: set) -> tuple[_Loop, list]
     """A loop the input half runs, with `rest`: the outputs only the weight half wants.
     Returns the split and which of the loop's inputs the weight half reads."""
     (nc, nk), body = _counts(eqn), eqn.params["jaxpr"].jaxpr
-    taint_in = [isinstance(v, Var) and v in tainted for v in eqn.invars]
-    carry_taint = _loop_taint(eqn, taint_in)[:nk]
-    body_taint = taint_in[:nc] + carry_taint + taint_in[nc + nk:]
+    body_taint = _body_taint(eqn, [isinstance(v, Var) and v in tainted for v in eqn.invars])
     b_carry, w_carry = live[:nk], rest[:nk]
     nx = len(eqn.invars) - nc - nk
     while True:
@@ -214,10 +212,19 @@ def _recomputable(eqn, tainted: set) -> bool:
                 or _subjaxprs(eqn))
 
 
-def _live(jaxpr, outs: list) -> tuple[dict, list]:
+def _live(jaxpr, outs: list, taint: list | None = None) -> tuple[dict, list]:
     """Dead-code analysis through loops: equation index -> which outputs `outs` need, and
-    which inputs they read."""
+    which inputs they read. With `taint` (the inputs that are cotangents), the input half's:
+    it also computes every matmul of forward values the backward runs, so that the weight
+    half is handed the product (an attention output) rather than computing it again from
+    larger operands (the attention probabilities)."""
     need = {v for v, o in zip(jaxpr.outvars, outs) if o and isinstance(v, Var)}
+    tainted = set()
+    if taint is not None:
+        tainted = _tainted(jaxpr, taint)
+        every, _ = _live(jaxpr, [True] * len(jaxpr.outvars))
+        need.update(v for i in every for v in jaxpr.eqns[i].outvars
+                    if _forward_matmul(jaxpr.eqns[i], tainted))
     live = {}
     for i in reversed(range(len(jaxpr.eqns))):
         eqn = jaxpr.eqns[i]
@@ -225,7 +232,9 @@ def _live(jaxpr, outs: list) -> tuple[dict, list]:
         if not any(mask):
             continue
         if eqn.primitive.name == "scan":
-            mask, used = _live_loop(eqn, mask)
+            ins = None if taint is None else [isinstance(v, Var) and v in tainted
+                                              for v in eqn.invars]
+            mask, used = _live_loop(eqn, mask, ins)
         else:
             mask, used = [True] * len(mask), [True] * len(eqn.invars)
         live[i] = mask
@@ -233,15 +242,21 @@ def _live(jaxpr, outs: list) -> tuple[dict, list]:
     return live, [v in need for v in jaxpr.invars]
 
 
-def _live_loop(eqn, mask: list) -> tuple[list, list]:
+def _live_loop(eqn, mask: list, taint: list | None) -> tuple[list, list]:
     (nc, nk), body = _counts(eqn), eqn.params["jaxpr"].jaxpr
+    inner = None if taint is None else _body_taint(eqn, taint)
     carry = mask[:nk]
     while True:
-        _, used = _live(body, carry + mask[nk:])
+        _, used = _live(body, carry + mask[nk:], inner)
         more = [c or u for c, u in zip(carry, used[nc:nc + nk])]
         if more == carry:
             return carry + mask[nk:], used[:nc] + carry + used[nc + nk:]
         carry = more
+
+
+def _forward_matmul(eqn, tainted: set) -> bool:
+    return (eqn.primitive.name in HEAVY or "custom" in eqn.primitive.name) and not any(
+        isinstance(v, Var) and v in tainted for v in eqn.outvars)
 
 
 def _tainted(jaxpr, taint: list) -> set:
@@ -256,14 +271,21 @@ def _tainted(jaxpr, taint: list) -> set:
 
 
 def _loop_taint(eqn, ins: list) -> list:
+    """Which of a loop's outputs are tainted, given which of its inputs are."""
+    body = eqn.params["jaxpr"].jaxpr
+    inner = _tainted(body, _body_taint(eqn, ins))
+    return [isinstance(v, Var) and v in inner for v in body.outvars]
+
+
+def _body_taint(eqn, ins: list) -> list:
+    """Which of a loop body's inputs are tainted: a carry is, once any iteration taints it."""
     (nc, nk), body = _counts(eqn), eqn.params["jaxpr"].jaxpr
     carry = ins[nc:nc + nk]
     while True:
         inner = _tainted(body, ins[:nc] + carry + ins[nc + nk:])
-        outs = [isinstance(v, Var) and v in inner for v in body.outvars]
-        more = [c or o for c, o in zip(carry, outs[:nk])]
+        more = [c or (isinstance(v, Var) and v in inner) for c, v in zip(carry, body.outvars)]
         if more == carry:
-            return more + outs[nk:]
+            return ins[:nc] + carry + ins[nc + nk:]
         carry = more
 
 
