@@ -94,14 +94,14 @@ def test_dry_run_refuses_what_does_not_fit_and_suggests_a_fix():
 
 @pytest.mark.parametrize("remat", ["none", "selective"])
 def test_awaiting_weight_gradients_hold_what_the_split_hands_over(monkeypatch, remat):
-    """Per micro-batch awaiting its weight gradients, a zero-bubble stage holds the
-    residuals the weight half reads and the input half's hand-over; the memory model's
-    per-layer count of them, against the split the step actually traces (tiny's layer: the
-    seven projections, two norms, a dense attention)."""
+    """For a micro-batch's weight gradients a zero-bubble stage holds the residuals the
+    weight half reads and the input half's hand-over: the memory model's per-layer count
+    of each, against the split the step actually traces (tiny's layer: seven projections,
+    two norms, a dense attention)."""
     import jax
     import numpy as np
 
-    from jdist.memory import _activations, _awaiting_weights
+    from jdist.memory import _activations, _for_weights
     from jdist.parallel import residuals, split_backward
     from jdist.step import make_train_step
 
@@ -121,5 +121,5 @@ def test_awaiting_weight_gradients_hold_what_the_split_hands_over(monkeypatch, r
     held = [a for a, s, w in zip(split.jaxpr.out_avals[2:], split.stashed, halves.w_reads)
             if s and w]
     layers = deep.n_layers // 4
-    per_layer = (nbytes(held) + nbytes(halves.handover_avals())) / layers
-    assert per_layer == _awaiting_weights(_activations(p, 64 // 16, 128, 4))
+    assert _for_weights(_activations(p, 64 // 16, 128, 4), remat == "none") == (
+        nbytes(held) / layers, nbytes(halves.handover_avals()) / layers)

@@ -133,9 +133,9 @@ def pipelined(corpus, mesh: str, schedule: str, micro: int, zero: int = 0,
 # parallelism). All under `--remat none`, where a backward reads its forward's stash; one
 # 1f1b and one interleaved table recompute from the chunk input (`--remat full`), and one
 # interleaved and two zero-bubble tables stash what the selective policy keeps (their
-# weight halves compute the layer's norms and activations again). (M = 4P, gpipe on pp=4 - all forwards then all
-# backwards, the simplest table - and M = 2P for gpipe and 1f1b on pp=2 added compiles and
-# no new schedule shape: the tables' own tests cover every M.)
+# weight halves compute the layer's norms and activations again). (M = 4P, gpipe on pp=4 -
+# all forwards then all backwards, the simplest table - and M = 2P for gpipe and 1f1b on
+# pp=2 added compiles and no new schedule shape: the tables' own tests cover every M.)
 MATRIX = [(f"pp={p}", schedule, p * factor, 0, "none")
           for schedule in ("gpipe", "1f1b", "interleaved")
           for p in (2, 4) for factor in (1, 2)

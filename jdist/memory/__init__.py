@@ -82,15 +82,17 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     from jdist.parallel.pipeline import stashes
 
     m, cfg = plan.mesh.shape, plan.model
-    layers, stashed, ticks, accumulator, held, awaiting = cfg.n_layers, 0, 0, 0, 0, 0
+    layers, stashed, ticks, accumulator, held, awaiting, handed = cfg.n_layers, 0, 0, 0, 0, \
+        0, 0
     if plan.pipeline is not None:
         table = plan.pipeline.table(m[ax.STAGE], stash=stashes(remat))
         micro_batch, layers = micro_batch // table.micro, cfg.n_layers // table.chunks
         stashed = table.n_slots + table.n_grad_slots
         held = table.n_res_slots  # micro-batches whose chunk residuals wait in the stash
-        # Split (zero-bubble), those awaiting their weight gradient (jdist.parallel.
-        # split_backward): per layer, the residuals it reads and the input half's hand-over.
-        awaiting = table.n_w_slots
+        # Split (zero-bubble, jdist.parallel.split_backward): the micro-batches whose
+        # residuals the weight gradient reads, from forward to weight gradient, and those
+        # whose input half's hand-over awaits it.
+        awaiting, handed = table.n_w_slots, table.n_h_slots
         # stage_program.tick: the zeros of an idle branch, the chunk input read from the
         # stash, the forward output and the input cotangent passed on by the permutes.
         ticks = 4
@@ -144,23 +146,28 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     # the loss's and XLA's own (fitted: within 3.5% on 1f1b, gpipe and interleaved
     # tables on pp=2 and dp=2,pp=4, tiny, XLA CPU, jax 0.10.2).
     chunk = layers * per_layer
-    stash = chunk * held + (chunk * 7 // 2 if held else chunk) + \
-        layers * awaiting * _awaiting_weights(a)
+    weights_read, handover = _for_weights(a, saves_all) if awaiting else (0, 0)
+    # Split, two hand-overs more: the backward branch's output and the weight branch's
+    # read of its slot (fitted as the 7/2 chunks: zb-h1 and zbv, tiny, XLA CPU).
+    stash = layers * ((per_layer - weights_read) * held + weights_read * awaiting
+                      + handover * (handed + 2 if handed else 0)) + \
+        (chunk * 7 // 2 if held else chunk)
     return (stash + max(working, a.loss) + mask
             + (stashed + ticks) * a.x + accumulator + (transposed_stacks(plan) if gpu else 0))
 
 
-def _awaiting_weights(a: _Sizes) -> int:
-    """What one layer of a micro-batch awaiting its weight gradients holds, under every
-    `--remat` that stashes: the cotangents of the seven projections' outputs and of the two
-    norms' (4x + q + 2k + 2f), the attention output and normalised inputs (2x + 2q), and
-    the MLP's two hidden activations (2f). Under `none` the weight half reads the normalised
-    inputs and the attention output from the stash; under `selective` the input half hands
-    the attention output over and the weight half normalises the kept inputs again. (Read
-    off the hand-over and residuals of tiny's split under both policies: the compiled zb-h1
-    step holds this much more than the compiled 1f1b step within 1%, selective, dp=2,pp=4,
-    M=16, XLA CPU, jax 0.10.2.)"""
-    return 6 * a.x + 2 * a.q + 2 * a.k + 4 * a.f
+def _for_weights(a: _Sizes, saves_all: bool) -> tuple[int, int]:
+    """What one layer of a micro-batch holds for a split backward's weight gradients
+    (`jdist.parallel.split_backward`): the residuals they read, and the input half's
+    hand-over. The hand-over: the cotangents of the seven projections' outputs and of the
+    two norms' (4x + q + 2k + 2f), and under a policy that recomputes the attention, its
+    output. The residuals: the MLP's two hidden activations and the normalised inputs or
+    those they are normalised from (2x + 2f), and under `none` (everything_saveable) the
+    attention output. (Read off tiny's split under both; the compiled zb-h1 step holds
+    this much more than the compiled 1f1b step within 1%, selective, dp=2,pp=4, M=16, XLA
+    CPU, jax 0.10.2.)"""
+    residuals = 2 * a.x + 2 * a.f + (a.q if saves_all else 0)
+    return residuals, 4 * a.x + a.q + 2 * a.k + 2 * a.f + (0 if saves_all else a.q)
 
 
 def _grad_bytes(plan, blocks_only: bool = False) -> int:

@@ -212,11 +212,14 @@ class Schedule:
     # many micro-batches' residuals a stage holds at once (0 without stash).
     res_slot: tuple[tuple[int, ...], ...] = ()
     n_res_slots: int = 0
-    # Split backwards (zero-bubble): the slot a forward writes what only its weight
-    # gradient reads to, which the backward adds its hand-over to and the weight gradient
-    # reads and frees (`res_slot` then holds what the backward reads, until it ran).
+    # Split backwards (zero-bubble): the slot a forward writes the residuals its weight
+    # gradient reads to, which the weight gradient frees (`res_slot` then holds those only
+    # the backward reads, until it ran), and the slot the backward writes its hand-over to,
+    # held only from the backward to the weight gradient.
     w_slot: tuple[tuple[int, ...], ...] = ()
     n_w_slots: int = 0
+    h_slot: tuple[tuple[int, ...], ...] = ()
+    n_h_slots: int = 0
 
     @property
     def split_backward(self) -> bool:
@@ -268,7 +271,8 @@ class Schedule:
                 f"{self.n_slots}"
                 + (f" chunk inputs, {self.n_res_slots} micro-batches' residuals"
                    if self.n_res_slots else "")
-                + (f", {self.n_w_slots} awaiting weight gradients" if self.n_w_slots else ""))
+                + (f", {self.n_w_slots} read by weight gradients ({self.n_h_slots} awaiting "
+                   "them)" if self.n_w_slots else ""))
 
 
 @functools.lru_cache(maxsize=256)  # pure; the planner and memory model ask for the same tables
@@ -346,12 +350,13 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
     ticks = len(grid)
     backwards = any(op is not None and op.kind == BWD for row in grid for op in row)
     shape = lambda: [[-1] * stages for _ in range(ticks)]
-    in_slot, grad_slot, res_slot, w_slot = (shape() for _ in range(4))
+    in_slot, grad_slot, res_slot, w_slot, h_slot = (shape() for _ in range(5))
     recv_fwd, recv_bwd = ([shape() for _ in SOURCES] for _ in range(2))
     inputs = [_Slots() for _ in range(stages)]
     grads = [_Slots() for _ in range(stages)]
     residuals = [_Slots() for _ in range(stages)]
-    weights = [_Slots() for _ in range(stages)]  # what a split backward's W reads
+    weights = [_Slots() for _ in range(stages)]  # the residuals a split backward's W reads
+    handed = [_Slots() for _ in range(stages)]   # and what its B hands over
     split = name in SPLIT_BACKWARD and backwards
     for t, row in enumerate(grid):
         for s, op in enumerate(row):  # reads first: backwards free their slots
@@ -360,7 +365,7 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
             c = chunk_index(name, s, op.chunk, stages)
             key = (op.micro, c)
             if op.kind == WGT:
-                w_slot[t][s] = weights[s].pop(key)
+                w_slot[t][s], h_slot[t][s] = weights[s].pop(key), handed[s].pop(key)
                 continue
             if c > 0 and (op.kind == FWD or not stash):
                 in_slot[t][s] = inputs[s].find(key)
@@ -372,7 +377,7 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
                 if stash:
                     res_slot[t][s] = residuals[s].pop(key)
                 if split:
-                    w_slot[t][s] = weights[s].find(key)
+                    w_slot[t][s], h_slot[t][s] = weights[s].find(key), handed[s].take(key)
             elif stash:
                 res_slot[t][s] = residuals[s].take(key)
                 if split:
@@ -396,7 +401,8 @@ def _with_slots(name: str, stages: int, micro: int, virtual: int,
                     max(1, max(s.high for s in inputs)), max(1, max(g.high for g in grads)),
                     freeze(res_slot) if stash else (),
                     max(r.high for r in residuals) if stash else 0,
-                    freeze(w_slot) if split else (), max(w.high for w in weights))
+                    freeze(w_slot) if split else (), max(w.high for w in weights),
+                    freeze(h_slot) if split else (), max(h.high for h in handed))
 
 
 def _source(name: str, sender: int, receiver: int, kind: int) -> int:

@@ -72,8 +72,9 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
         if stash_residuals and train else None
     halves = split.halves() if split and table.split_backward else None
     # What waits between ticks besides activations, as zeros of one micro-batch: the
-    # forward's residuals the backward reads (F -> B, `res_slot`); split, those only the
-    # weight gradient reads (F -> W, `w_slot`) and the backward's hand-over (B -> W).
+    # forward's residuals only the backward reads (F -> B, `res_slot`); split, those the
+    # weight gradient reads (F -> W, `w_slot`) and the backward's hand-over (B -> W,
+    # `h_slot`).
     stashed = split.stash_avals() if split else []
     by_input = [not w for w, s in zip(halves.w_reads, split.stashed) if s] if halves else \
         [True] * len(stashed)
@@ -88,7 +89,7 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
 
     def tick(carry, row):
         stash, grads_in, kept, acc, loss_sum = carry
-        kind, m, v, in_slot, grad_slot, res_slot, w_slot, *recv = (
+        kind, m, v, in_slot, grad_slot, res_slot, w_slot, h_slot, *recv = (
             row[i][stage] for i in range(len(row)))
         where, p = where_of(v), chunk_params(v)
         last = where[2]
@@ -135,7 +136,7 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
             return act, d_x, accumulate(d_p), no_loss, nothing
 
         def weights():  # a split backward's weight gradients, from its hand-over
-            late = halves.weight_half(read(kept[2], w_slot), stashed_now())
+            late = halves.weight_half(read(kept[2], h_slot), stashed_now())
             early = [jnp.zeros(o.aval.shape, o.aval.dtype) for o, e in zip(
                 split.backward.outvars, halves.early) if e]
             *d_p, _ = halves.merge(early, late)
@@ -157,7 +158,7 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
                     grads_in = _store(grads_in, bwd_slot, value)
         slots = (jnp.where(kind == sched.FWD, res_slot, -1),
                  jnp.where(kind == sched.FWD, w_slot, -1),
-                 jnp.where(kind == sched.BWD, w_slot, -1))
+                 jnp.where(kind == sched.BWD, h_slot, -1))
         # A tick that writes nothing writes its zeros to the spare last row: an update in
         # place, where a select would read and copy a slot's worth each tick.
         kept = tuple([jax.lax.dynamic_update_index_in_dim(
@@ -167,7 +168,7 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
 
     f32_zeros = lambda t: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), t)
     kept = tuple([jnp.zeros((n + 1, *x.shape), x.dtype) for x in group] for n, group in zip(
-        (table.n_res_slots, table.n_w_slots, table.n_w_slots), nothing))
+        (table.n_res_slots, table.n_w_slots, table.n_h_slots), nothing))
     start = (jnp.zeros((table.n_slots, *act_shape), act_dtype),
              jnp.zeros((table.n_grad_slots, *act_shape), act_dtype) if train else (),
              kept, (f32_zeros(chunks), f32_zeros(shared)) if train else (), no_loss)
@@ -187,8 +188,8 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def _columns(table: sched.Schedule) -> np.ndarray:
-    """The schedule as int32 [ticks, 13, stages]: kind, micro-batch, chunk, the slots read
-    and written (in, grad, res, w), and where what arrives is stored, activations then
+    """The schedule as int32 [ticks, 14, stages]: kind, micro-batch, chunk, the slots read
+    and written (in, grad, res, w, h), and where what arrives is stored, activations then
     cotangents, per source (`sched.SOURCES`)."""
     kind = [[op.kind if op else sched.IDLE for op in row] for row in table.grid]
     micro = [[op.micro if op else 0 for op in row] for row in table.grid]
@@ -196,4 +197,5 @@ def _columns(table: sched.Schedule) -> np.ndarray:
     none = [[-1] * table.stages for _ in table.grid]
     return np.stack([np.array(x, np.int32) for x in (
         kind, micro, chunk, table.in_slot, table.grad_slot, table.res_slot or none,
-        table.w_slot or none, *table.recv_fwd, *table.recv_bwd)], axis=1)
+        table.w_slot or none, table.h_slot or none, *table.recv_fwd, *table.recv_bwd)],
+        axis=1)
