@@ -16,8 +16,9 @@ collectives (per device, loop bodies times their trip counts): activation/cotang
 collective-permutes, and everything else (the embedding/head gradient sum over stage only:
 block parameters and gradients never leave their stage, interleaved included). The steps
 run `--remat none`: a backward reads its forward's residuals, held for `stashed` micro-batches
-(the chunk inputs, freed by the forward, in `inputs`; zero-bubble micro-batches awaiting
-their weight gradients in `awaiting W`; zbv counts half-size chunks). `weighted` is the
+(the chunk inputs, freed by the forward, in `inputs`; zero-bubble micro-batches whose
+residuals the weight gradient reads in `read by W`, those whose hand-over awaits it in
+`awaiting W`; zbv counts half-size chunks). `weighted` is the
 bubble of the executed lockstep ticks, each as long as its slowest operation (F 1, a whole
 backward 2, split B and W 1 each): the share of time a stage idles
 (`jdist.plan.cost.pipeline_bubble`). Target: zb-h1's at most a third of 1f1b's, zbv's
@@ -25,9 +26,11 @@ less again.
 
 FLOPs: the matmul FLOPs the compiled step executes (`jdist.gpu_report`: loops by their trip
 counts, the stage program's branches by the schedule's share of ticks), summed over devices,
-for `--flops-model` on pp=4 (1f1b, 8 micro-batches) under `--remat none` (the stash) and
-`full` (each chunk recomputed from its input), over the same global batch on one device.
-Target: the stash within 3% of the unpipelined step. On the CPU compiler, and with
+for `--flops-model` on pp=4 (8 micro-batches): 1f1b under `--remat none` (the stash) and
+`full` (each chunk recomputed from its input), and 1f1b and zb-h1 under `selective` (zb-h1's
+backward split in two, `jdist.parallel.split_backward`), each against one device's step
+under the same remat (`full` against `none`'s) over the same global batch. Target: the stash
+within 3% of the unpipelined step, and zb-h1 no more than 1f1b. On the CPU compiler, and with
 `--target` (default where jax's CUDA plugin is installed) on the GPU compiler too, which
 runs in a subprocess (`python -m jdist.memory --measure --target`: one backend per process).
 """
@@ -63,7 +66,8 @@ COLUMNS = (Column("P", ">2", "stages"), Column("M", ">3", "micro"),
            Column("ticks", ">5"), Column("bubble", "7.4f"),
            Column("formula", "7.4f", "bubble_formula"),
            Column("weighted", "8.4f", "weighted_bubble"), Column("stashed", ">7"),
-           Column("inputs", ">6"), Column("awaiting W", ">10", "awaiting_w"),
+           Column("inputs", ">6"), Column("read by W", ">9", "read_by_w"),
+           Column("awaiting W", ">10", "awaiting_w"),
            Column("temp MiB", "9.2f", "temp_bytes", MiB),
            Column("permute MiB", "11.2f", "permute_bytes", MiB),
            Column("other MiB", "9.2f", "other_collective_bytes", MiB))
@@ -85,19 +89,27 @@ def measure(model, stages: int, micro: int, schedule: str, virtual: int, micro_b
             "ticks": table.ticks, "bubble": table.bubble_fraction(),
             "bubble_formula": table.expected_bubble(),
             "weighted_bubble": pipeline_bubble(table, plan.remat),
-            "stashed": table.n_res_slots, "inputs": table.n_slots, "awaiting_w": table.n_w_slots,
+            "stashed": table.n_res_slots, "inputs": table.n_slots,
+            "read_by_w": table.n_w_slots, "awaiting_w": table.n_h_slots,
             "temp_bytes": common.temp_bytes(compiled),
             "permute_bytes": permute, "other_collective_bytes": sum(moved.values())}
 
 
-FLOPS_COLUMNS = (Column("compiler", "8"), Column("step", "26"),
+FLOPS_COLUMNS = (Column("compiler", "8"), Column("step", "29"),
                  Column("TFLOP", ">10.4f", "flops", 1e12),
                  Column("vs unpipelined", ">14.3f", "ratio"))
-FLOPS_STEPS = (("unpipelined, 1 device", "dp=1", "none"), ("pp=4 1f1b, remat none", "pp=4", "none"),
-               ("pp=4 1f1b, remat full", "pp=4", "full"))
+# (row, mesh, remat, schedule): each pipelined row against the unpipelined step under its
+# remat (`full` against `none`'s: what recomputing costs over the stash).
+FLOPS_STEPS = (("unpipelined, remat none", "dp=1", "none", None),
+               ("pp=4 1f1b, remat none", "pp=4", "none", "1f1b"),
+               ("pp=4 1f1b, remat full", "pp=4", "full", "1f1b"),
+               ("unpipelined, remat selective", "dp=1", "selective", None),
+               ("pp=4 1f1b, remat selective", "pp=4", "selective", "1f1b"),
+               ("pp=4 zb-h1, remat selective", "pp=4", "selective", "zb-h1"))
 
 
-def flops_cpu(model_name: str, mesh_text: str, remat: str, batch: int, seq_len: int) -> float:
+def flops_cpu(model_name: str, mesh_text: str, remat: str, schedule: str | None, batch: int,
+              seq_len: int) -> float:
     """Executed matmul FLOPs of the step on all devices, CPU compiler (in this process)."""
     import dataclasses
 
@@ -105,19 +117,19 @@ def flops_cpu(model_name: str, mesh_text: str, remat: str, batch: int, seq_len: 
     plan = common.simple_plan(get_preset(model_name), build_mesh(mesh_text, jax.devices()[:n]))
     plan = dataclasses.replace(plan, remat=remat)
     if n > 1:
-        plan = with_pipeline(plan, PipelineConfig("1f1b", 8))
+        plan = with_pipeline(plan, PipelineConfig(schedule, 8))
     compiled = compile_step(plan, batch, seq_len)
     return n * gpu_report.step_report(compiled, plan, batch, seq_len).executed_flops
 
 
-def flops_gpu(target: str, model_name: str, mesh_text: str, remat: str, batch: int,
-              seq_len: int) -> float:
+def flops_gpu(target: str, model_name: str, mesh_text: str, remat: str, schedule: str | None,
+              batch: int, seq_len: int) -> float:
     """The same on the GPU compiler (deviceless `target`), from `jdist.memory`'s report."""
     args = ["--model", model_name, "--mesh", mesh_text, "--batch-size", str(batch),
             "--seq-len", str(seq_len), "--remat", remat, "--compute-dtype", "bfloat16",
             "--measure", "--json", "--target", target]
     if mesh_text != "dp=1":
-        args += ["--pp-schedule", "1f1b", "--microbatches", "8"]
+        args += ["--pp-schedule", schedule, "--microbatches", "8"]
     out = subprocess.run([sys.executable, "-m", "jdist.memory", *args], check=True,
                          capture_output=True, text=True, cwd=common.ROOT).stdout
     report = json.loads(out)
@@ -127,13 +139,15 @@ def flops_gpu(target: str, model_name: str, mesh_text: str, remat: str, batch: i
 def flops_rows(model_name: str, target: str | None, batch: int, seq_len: int) -> list[dict]:
     rows = []
     for compiler in ("cpu", *([target] if target else [])):
-        base = None
-        for step, mesh_text, remat in FLOPS_STEPS:
-            flops = flops_cpu(model_name, mesh_text, remat, batch, seq_len) if compiler == "cpu" \
-                else flops_gpu(target, model_name, mesh_text, remat, batch, seq_len)
-            base = base or flops
+        base = {}
+        for step, mesh_text, remat, schedule in FLOPS_STEPS:
+            measure_flops = flops_cpu if compiler == "cpu" else \
+                lambda *a: flops_gpu(target, *a)
+            flops = measure_flops(model_name, mesh_text, remat, schedule, batch, seq_len)
+            if schedule is None:
+                base[remat] = flops
             rows.append({"compiler": compiler, "step": step, "flops": flops,
-                         "ratio": flops / base})
+                         "ratio": flops / base.get(remat, base["none"])})
     return rows
 
 
