@@ -169,6 +169,10 @@ class MemoryFlags:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = flag(
         "auto", "dtype of matmuls and activations; master weights stay float32 (auto: "
         "float32, or bfloat16 with --quantize-base, as QLoRA computes)")
+    fp8: Literal["off", "tensorwise", "rowwise"] = flag(
+        "off", "the block projections' matmuls (q, k, v, o, gate, up, down) in FP8: e4m3 "
+        "operands, e5m2 gradients, float32 accumulation, scales from the current amax per "
+        "tensor (tensorwise) or per row (rowwise); off: the compute dtype")
     zero: Literal[0, 1, 2, 3] = flag(0, "ZeRO stage over the data axis: 0 DDP, 1 +optimizer "
                                      "state sharded, 2 +gradients (reduce-scatter), 3 "
                                      "+parameters")
@@ -215,6 +219,14 @@ class MemoryFlags:
         require(self.attention in IMPLEMENTATIONS,
                 f"unknown --attention {self.attention!r}; use {', '.join(IMPLEMENTATIONS)}")
         require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; use {', '.join(LOSSES)}")
+        require(self.fp8 in ("off", "tensorwise", "rowwise"),
+                f"unknown --fp8 {self.fp8!r}; use off, tensorwise or rowwise")
+        require(self.fp8 == "off" or not self.tp_halves,
+                "--fp8 scales over all of a micro-batch's tokens, --tp-halves splits them; "
+                "drop one")
+        require(self.fp8 == "off" or self.collective_matmul != "on",
+                "--collective-matmul on runs its own matmuls, not FP8 ones; use "
+                "--collective-matmul off with --fp8")
 
 
 @dataclasses.dataclass

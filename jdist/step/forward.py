@@ -33,8 +33,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
+from jdist import fp8, packing, remat
 from jdist import loss as objective
-from jdist import packing, remat
 from jdist.models.context import ModelContext
 from jdist.models.layers import weight
 from jdist.models.names import BLOCKS, EMBED, HEAD
@@ -45,7 +45,15 @@ from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
 from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
-from jdist.rules import Rules, as_candidate, constrainer, mesh_axes_of, resolve, without_axis
+from jdist.rules import (
+    Rules,
+    as_candidate,
+    batch_split,
+    constrainer,
+    mesh_axes_of,
+    resolve,
+    without_axis,
+)
 from jdist.step import trainable
 
 # --------------------------------------------------------------- the forward, composed once
@@ -234,8 +242,11 @@ def model_context(plan, manual: tuple[str, ...], seq_len: int,
     rules = inner_rules(plan.rules, manual)
     cp = ContextParallel(plan.mesh, rules, plan.cp_strategy)
     extra = {} if layer_loop is None else {"layer_loop": layer_loop}
-    if collective_matmul.applies(plan.collective_matmul, plan.mesh, rules,
-                                 plan.pipeline is not None):
+    if plan.fp8 != "off":  # amaxes combined over the manual axes the batch is split over
+        batch = batch_split(plan.mesh.shape, plan.rules)[0]
+        extra |= fp8.hooks(plan.fp8, tuple(a for a in manual if a in batch))
+    elif collective_matmul.applies(plan.collective_matmul, plan.mesh, rules,
+                                   plan.pipeline is not None):
         extra |= collective_matmul.hooks(plan.mesh, rules)
     name = attention_of(plan, seq_len)
     return ModelContext(

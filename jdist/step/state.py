@@ -59,6 +59,7 @@ class Plan:
     prefetch: str = "auto"         # gather layer i+1 while layer i computes (parallel.prefetch)
     tp_halves: bool = False        # each layer on two halves of the rows (parallel.halves)
     collective_matmul: str = "auto"  # SP's collectives as transfers beside matmuls
+    fp8: str = "off"               # the block projections in FP8 (jdist.fp8)
     grad_accum: int = 1
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
     loss: str = CHUNKED            # jdist.loss.LOSSES
@@ -116,6 +117,9 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     require(quantize == "none" or trainable.frozen_base(cfg),
             f"--quantize-base {quantize} quantizes a frozen base, which only LoRA has; add "
             "--lora-rank R")
+    require(memory.fp8 == "off" or not cfg.n_experts,
+            f"--fp8 {memory.fp8} runs dense projections in FP8; expert layers are not built "
+            "for it yet: drop --fp8 for MoE models")
     names = sh.logical_names(abstract_vars)
     model_params = nnx.to_pure_dict(abstract_vars)
     check_quantizable(model_params, names, mesh, rules, quantize)
@@ -143,7 +147,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
                 zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, parallel.cp_strategy,
                 compute_dtype=compute_dtype, remat=memory.remat, grad_accum=memory.grad_accum,
                 prefetch=memory.prefetch, tp_halves=memory.tp_halves,
-                collective_matmul=memory.collective_matmul,
+                collective_matmul=memory.collective_matmul, fp8=memory.fp8,
                 attention=memory.attention, loss=memory.loss,
                 eod_id=eod_id, quantize=quantize, double_quant=double_quant)
 
