@@ -17,11 +17,14 @@ the result up to float32 summation order, do not depend on the mesh. The backwar
 quantizes again from the kept compute-dtype x and w: a recomputed forward quantizes
 identically.
 
-The dot reads float8 operands converted to the compute dtype (exact: e4m3 and e5m2 values
-are representable in bfloat16): the pattern XLA's GPU compiler rewrites into a cuBLASLt
-FP8 gemm, and on the CPU the same arithmetic as that gemm. Flax's `fp8_ops` keep delayed-
-scaling state (amax histories updated through the gradient) in a linen module; current
-scaling needs none of it, so this is a function over `jnp.einsum`.
+The dot takes the float8 operands themselves (`jnp.einsum` with `preferred_element_type`
+float32; e4m3 by e5m2 in the backward): XLA's GPU compiler emits an FP8 gemm for it, and
+the CPU computes the same products exactly (float8 values are exact in float32) with a
+float32 accumulator. A dot of float8 values converted to the compute dtype first is not
+the same program on the GPU: XLA fuses the converts into a bf16 Triton gemm (H100 target,
+jax 0.10.2). Flax's `fp8_ops` keep delayed-scaling state (amax histories updated through
+the gradient) in a linen module; current scaling needs none of it, so this is a function
+over `jnp.einsum`.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def quantize(a, dtype, scale) -> jax.Array:
     return jnp.clip(a.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
 
 
-def scaled_einsum(eq: str, a, a_dtype, b, b_dtype, mode: str, compute_dtype,
+def scaled_einsum(eq: str, a, a_dtype, b, b_dtype, mode: str,
                   manual: dict[str, tuple[str, ...]]) -> jax.Array:
     """float32 `einsum(eq, a, b)` from `a` and `b` quantized to `a_dtype`/`b_dtype`.
     `manual`: subscript letter -> the manual mesh axes that dimension is split over."""
@@ -69,7 +72,7 @@ def scaled_einsum(eq: str, a, a_dtype, b, b_dtype, mode: str, compute_dtype,
         reduced = [i for i, c in enumerate(sub) if mode == "tensorwise" or c in contracted]
         axes = tuple(dict.fromkeys(m for i in reduced for m in manual.get(sub[i], ())))
         s = scale_of(x, dtype, tuple(reduced), axes)
-        quantized.append(quantize(x, dtype, s).astype(compute_dtype))
+        quantized.append(quantize(x, dtype, s))
         scales.append(s)
     y = jnp.einsum(eq, *quantized, preferred_element_type=jnp.float32)
     # The scales have size 1 on the contracted dims: their einsum is the outer product of
@@ -81,7 +84,7 @@ def scaled_einsum(eq: str, a, a_dtype, b, b_dtype, mode: str, compute_dtype,
 def project(eq: str, mode: str, manual: tuple, x, w):
     """`einsum(eq, x, w)` in FP8 (module doc); `manual`: (letter, mesh axes) pairs, as
     `scaled_einsum`'s (a tuple, to be hashable)."""
-    return scaled_einsum(eq, x, E4M3, w, E4M3, mode, x.dtype, dict(manual)).astype(x.dtype)
+    return scaled_einsum(eq, x, E4M3, w, E4M3, mode, dict(manual)).astype(x.dtype)
 
 
 def _project_fwd(eq, mode, manual, x, w):
@@ -92,9 +95,9 @@ def _project_bwd(eq, mode, manual, residuals, g):
     x, w = residuals
     to_x, to_w = transposed(eq)
     split = dict(manual)
-    dx = scaled_einsum(to_x, g, E5M2, w, E4M3, mode, x.dtype, split)
+    dx = scaled_einsum(to_x, g, E5M2, w, E4M3, mode, split)
     # The weight gradient leaves its matmul in float32, as `models.projection.project`'s.
-    dw = scaled_einsum(to_w, x, E4M3, g, E5M2, mode, x.dtype, split)
+    dw = scaled_einsum(to_w, x, E4M3, g, E5M2, mode, split)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

@@ -57,6 +57,9 @@ class GpuReport:
     rows: list[Row]
     executed_flops: float  # per device per step
     model_flops: float     # per device per step (PaLM's convention), 0 if not given
+    gemms: float = 0.0     # gemm executions per step (dots and cuBLAS calls; not attention)
+    fp8_gemms: float = 0.0  # of which on float8 operands (`--fp8`, jdist.fp8)
+    fp8_flops: float = 0.0  # their FLOPs
 
     def total(self) -> Row:
         return Row("total", (), sum(r.count for r in self.rows),
@@ -72,7 +75,8 @@ class GpuReport:
                          "bytes": r.bytes, "exposed_bytes": r.exposed_bytes,
                          "exposed": r.exposed}
         return {"rows": [row(r) for r in self.rows], "total": row(self.total()),
-                "executed_flops": self.executed_flops, "model_flops": self.model_flops}
+                "executed_flops": self.executed_flops, "model_flops": self.model_flops,
+                "gemms": self.gemms, "fp8_gemms": self.fp8_gemms, "fp8_flops": self.fp8_flops}
 
 
 def matmul_computations(computations: dict[str, str]) -> set[str]:
@@ -119,11 +123,16 @@ def report(hlo_text: str, mesh, model_flops: float = 0.0,
     runs = executions(hlo_text, comps, branch_shares, unknown_trips)
     types = {i.name: i.type for text in comps.values() for i in hlo.instructions(text)}
     rows: dict[tuple[str, tuple[str, ...]], Row] = {}
-    flops = 0.0
+    flops = gemms = fp8_gemms = fp8_flops = 0.0
     for name, text in comps.items():
         body = hlo.instructions(text)
         times = runs.get(name, 0)
         flops += times * sum(_flops(i, types) for i in body)
+        for i in filter(_gemm, body):
+            gemms += times
+            if _fp8(i, types):
+                fp8_gemms += times
+                fp8_flops += times * _flops(i, types)
         for kind, nbytes, rest, exposed in _collectives(body, heavy):
             groups = hlo.device_groups(rest, mesh.devices.size)
             axes = axes_of(groups, mesh)
@@ -133,7 +142,22 @@ def report(hlo_text: str, mesh, model_flops: float = 0.0,
             row.exposed_bytes += times * nbytes * exposed
     order = {kind: i for i, kind in enumerate(hlo.COLLECTIVES)}
     return GpuReport(sorted(rows.values(), key=lambda r: (order[r.kind], r.axes)), flops,
-                     model_flops)
+                     model_flops, gemms, fp8_gemms, fp8_flops)
+
+
+def _gemm(i: hlo.Instruction) -> bool:
+    """A gemm: a dot (alone or in a Triton gemm fusion) or a cuBLAS call."""
+    target = _TARGET.search(i.rest) if i.op == "custom-call" else None
+    return i.op == "dot" or bool(target) and target.group(1).startswith("__cublas$")
+
+
+def _fp8(i: hlo.Instruction, types: dict[str, str]) -> bool:
+    """A gemm on float8 operands: a dot of float8 values (XLA's Triton FP8 gemm) or
+    cuBLASLt's FP8 gemm (`__cublas$lt$matmul$f8`)."""
+    if i.op == "dot":
+        return any(types.get(o, "").startswith("f8") for o in _operands(i.rest)[:2])
+    target = _TARGET.search(i.rest)
+    return bool(target) and "f8" in target.group(1)
 
 
 def _collectives(body: list[hlo.Instruction], heavy: set[str]):
@@ -256,7 +280,9 @@ def table(rep: GpuReport) -> str:
     if rep.model_flops:
         line += (f" (model FLOPs {rep.model_flops / 1e12:.4g} TFLOP, executed/model "
                  f"{rep.executed_flops / rep.model_flops:.3f})")
-    return "\n".join([*lines, line])
+    gemms = (f"gemms per step: {rep.gemms:.0f}, {rep.fp8_gemms:.0f} on float8 operands "
+             f"({rep.fp8_flops / 1e12:.4g} TFLOP)")
+    return "\n".join([*lines, line, gemms])
 
 
 def step_report(compiled, plan, batch_size: int, seq_len: int) -> GpuReport:
