@@ -8,7 +8,10 @@ import re
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+                # float8 (`--fp8`): the formats XLA prints
+                "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3": 1,
+                "f8e4m3b11fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1}
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 

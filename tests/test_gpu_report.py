@@ -53,6 +53,43 @@ def test_causal_cudnn_attention_counts_half_its_score_matmuls():
     assert gpu_report.report(text, mesh).executed_flops == 0.5 * 2 * 2 * 2 * 4 * 256 * 256 * 64
 
 
+@pytest.mark.parametrize("mode", ["rowwise", "off"])
+def test_fp8_projection_runs_three_fp8_gemms(mode):
+    """`--fp8`'s projection (jdist.fp8) and its gradient on the H100 compiler: forward,
+    input gradient and weight gradient are each a gemm on float8 operands, counted at their
+    FLOPs; the bf16 projection's three gemms are not FP8 (control)."""
+    from jdist import fp8
+    from jdist.models.projection import project
+
+    mesh = gpu_mesh("dp=1", 1)
+    sharding = NamedSharding(mesh, PartitionSpec())
+    x = jax.ShapeDtypeStruct((2, 128, 256), jnp.bfloat16, sharding=sharding)
+    w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=sharding)
+    fn = (lambda x, w: project("bse,ef->bsf", x, w)) if mode == "off" else \
+        (lambda x, w: fp8.project("bse,ef->bsf", mode, (), x, w))
+    loss = lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) ** 2)
+    text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile(
+        target.COMPILER_OPTIONS).as_text()
+    rep = gpu_report.report(text, mesh)
+    assert rep.gemms == 3 and rep.executed_flops == 3 * 2 * 256 * 256 * 512
+    assert rep.fp8_gemms == (0 if mode == "off" else 3)
+    assert rep.fp8_flops == (0 if mode == "off" else rep.executed_flops)
+
+
+@pytest.mark.parametrize("remat", ["full", "selective"])
+def test_fp8_flops_of_the_cost_model_are_the_compiled_steps(remat):
+    """The planner prices `--fp8` steps by the projections' FLOPs (`plan.cost.fp8_flops`):
+    the GPU-compiled step (tiny, fsdp=8, rowwise) runs exactly those on float8 operands."""
+    from jdist.plan.cost import fp8_flops
+
+    config = TrainConfig.of(model="tiny", mesh="fsdp=8", batch_size=8, seq_len=128,
+                            compute_dtype="bfloat16", fp8="rowwise", remat=remat,
+                            target=H100)
+    _, plan, _ = plan_for(config)
+    rep = gpu_report.step_report(compile_step(plan, 8, 128), plan, 8, 128)
+    assert rep.fp8_flops == fp8_flops(plan.model, 8 * 128 / 8, remat, False, 1)
+
+
 def test_collective_bytes_agree_with_the_communication_report(fsdp_step):
     plan, text = fsdp_step
     rep = gpu_report.report(text, plan.mesh)

@@ -115,6 +115,21 @@ def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: st
     return tokens * ((blocks_matmul + scores + recompute) / stages + head)
 
 
+def fp8_flops(model, tokens: float, remat: str, pipelined: bool, stages: int) -> float:
+    """Of one stage's `executed_flops`, the dense block projections' (forward, backward,
+    and the forward recomputed under `--remat full`, less the down projection, whose output
+    no backward reads, and pipelined from the chunk input): what `--fp8` runs at the FP8
+    rate (`jdist.fp8`; equal to the GPU-compiled step's FP8 gemm FLOPs, tests/
+    test_gpu_report.py)."""
+    d, hd = model.d_model, model.dim_per_head
+    attention = d * hd * (2 * model.n_heads + 2 * model.n_kv_heads)
+    forward = 2.0 * model.n_layers * (attention + 3 * d * model.d_ff)
+    passes = 3.0 if model.lora is None else 2.0  # a frozen base: no weight gradients
+    recompute = (forward - 2.0 * model.n_layers * d * model.d_ff if remat == "full" else 0.0) \
+        + (forward if pipelined and not stashes(remat) else 0.0)
+    return tokens * (passes * forward + recompute) / stages
+
+
 def model_flops(model, seq_len: int, tokens: float) -> float:
     """Model FLOPs (PaLM's convention, what MFU counts)."""
     return tokens * flops_per_token(model, seq_len)
@@ -191,7 +206,10 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
                             shape.get(ax.EXPERT, 1))
     flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
                            plan.remat, stages > 1, plan.loss, stages, experts)
-    compute = flops / profile.achievable_flops
+    # `--fp8`: the projections' share at the profile's FP8 rate.
+    fast = fp8_flops(plan.model, tokens_per_stage_group, plan.remat, stages > 1, stages) \
+        if plan.fp8 != "off" else 0.0
+    compute = (flops - fast + fast / profile.fp8_rate) / profile.achievable_flops
     comm = price(rows, plan, profile, dcn_axes)
     # Each class hides its overlap fraction, the two together never more than the compute.
     wanted = {True: profile.overlap, False: profile.overlap_tensor}

@@ -54,6 +54,7 @@ class Profile:
     ici_by_kind: tuple[tuple[str, Link], ...] = ()
     calibrated: bool = False
     source: str = ""  # the files the numbers came from
+    fp8_rate: float = 1.0  # FP8 matmul throughput over bf16's (`--fp8`)
 
     @property
     def achievable_flops(self) -> float:
@@ -153,7 +154,7 @@ def _profile(name: str, entries: dict, source: str, calibrated: bool) -> Profile
     where = f"profile {name!r} ({source})"
     missing = [f for f in FIELDS if f not in entries
                and f not in ("name", "ici_by_kind", "calibrated", "source", "shared_cores",
-                                   "step_overhead_ms")]
+                                   "step_overhead_ms", "fp8_rate")]
     require(not missing, f"{where} lacks {', '.join(missing)}; add it to the table")
     unknown = sorted(set(entries) - set(FIELDS) - {"name"})
     require(not unknown, f"{where} has unknown field(s) {', '.join(unknown)}; see the field "
