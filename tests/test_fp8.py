@@ -106,6 +106,7 @@ FP8_RTOL = 1e-3
 @pytest.mark.parametrize("mesh, mode, flags, sequence_parallel", [
     ("dp=2,fsdp=2,tp=2", "rowwise", {"zero": 3}, False),
     ("fsdp=2,tp=4", "tensorwise", {"remat": "selective"}, True),
+    ("dp=2,sp=2,tp=2", "rowwise", {"cp_strategy": "ring"}, False),
 ])
 def test_fp8_run_matches_one_device(corpus, single_device, mesh, mode, flags,
                                     sequence_parallel):
