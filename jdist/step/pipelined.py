@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec
 
 from jdist import axes as ax
 from jdist import loss as objective
-from jdist.errors import require
 from jdist.models.names import BLOCKS
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program, stage_shared
