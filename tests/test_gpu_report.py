@@ -76,10 +76,12 @@ def test_fp8_projection_runs_three_fp8_gemms(mode):
     assert rep.fp8_flops == (0 if mode == "off" else rep.executed_flops)
 
 
-@pytest.mark.parametrize("remat", ["full", "selective"])
-def test_fp8_flops_of_the_cost_model_are_the_compiled_steps(remat):
+def test_fp8_flops_of_the_cost_model_are_the_compiled_steps():
     """The planner prices `--fp8` steps by the projections' FLOPs (`plan.cost.fp8_flops`):
-    the GPU-compiled step (tiny, fsdp=8, rowwise) runs exactly those on float8 operands."""
+    the GPU-compiled step (tiny, fsdp=8, rowwise) runs exactly those on float8 operands,
+    under `--remat full` the recomputed forward less the down projection, whose output no
+    backward reads (`selective` matched too when measured; one compile is kept here)."""
+    remat = "full"
     from jdist.plan.cost import fp8_flops
 
     config = TrainConfig.of(model="tiny", mesh="fsdp=8", batch_size=8, seq_len=128,
