@@ -319,56 +319,51 @@ def _run_weight(jaxpr, plan: _Plan, env: dict) -> None:
 def _input_loop(eqn, i: int, loop: _Loop, env: dict) -> None:
     """The loop's input half: its live carries and outputs, and its per-iteration hand-over
     stacked as extra outputs under keys (i, k)."""
-    (p, body), (nc, nk) = (eqn.params, eqn.params["jaxpr"]), _counts(eqn)
-    plan, jx = loop.body, body.jaxpr
-    ins = list(zip(jx.invars, eqn.invars, plan.b_in))
-    consts = [(v, _read(env, o)) for v, o, u in ins[:nc] if u]
-    carry = [(v, _read(env, o)) for (v, o, _), b in zip(ins[nc:nc + nk], loop.b_carry) if b]
-    xs = [(v, _read(env, o)) for v, o, u in ins[nc + nk:] if u]
-    live_ys = loop.b_out[nk:]
-
-    def step(c, x):
-        local = dict(zip(jx.constvars, body.consts))
-        local.update(consts)
-        local.update(zip([v for v, _ in carry], c))
-        local.update(zip([v for v, _ in xs], x))
-        _run_input(jx, plan, local)
-        c_out = [_read(local, v) for v, b in zip(jx.outvars[:nk], loop.b_carry) if b]
-        ys = [_read(local, v) for v, b in zip(jx.outvars[nk:], live_ys) if b]
-        return c_out, (ys, [local[k] for k in plan.handover])
-
-    c, (ys, stacks) = jax.lax.scan(step, [a for _, a in carry], [a for _, a in xs],
-                                   length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-    _write(env, [v for v, b in zip(eqn.outvars[:nk], loop.b_carry) if b], c)
-    _write(env, [v for v, b in zip(eqn.outvars[nk:], live_ys) if b], ys)
+    nk = _counts(eqn)[1]
+    stacks = _half_loop(eqn, _run_input, loop.body, loop.body.b_in, loop.b_carry,
+                        loop.b_out[nk:], env, hands_over=loop.body.handover)
     env.update(((i, k), s) for k, s in enumerate(stacks))
 
 
 def _weight_loop(eqn, i: int, loop: _Loop, env: dict) -> None:
+    """The loop's weight half, reading the input half's stacked hand-over per iteration."""
+    nk, handover = _counts(eqn)[1], loop.body.handover
+    _half_loop(eqn, _run_weight, loop.body, loop.body.w_in, loop.w_carry, loop.w_out[nk:],
+               env, handed=(handover, [env[(i, k)] for k in range(len(handover))]))
+
+
+def _half_loop(eqn, run, plan: _Plan, reads: list, carried: list, kept_ys: list, env: dict,
+               handed: tuple = ((), ()), hands_over: list = ()) -> list:
+    """One half of a split loop as a `lax.scan`: `run` (`_run_input`/`_run_weight`) over
+    the body by `plan`, reading the consts and xs marked in `reads` and running the carries
+    marked in `carried`; writes the loop outputs it computes (those carries, the ys marked
+    in `kept_ys`) to `env`. `handed`: (body keys, their stacked values) read per iteration;
+    returns the body values of `hands_over`, stacked."""
     (p, body), (nc, nk) = (eqn.params, eqn.params["jaxpr"]), _counts(eqn)
-    plan, jx = loop.body, body.jaxpr
-    ins = list(zip(jx.invars, eqn.invars, plan.w_in))
+    jx = body.jaxpr
+    ins = list(zip(jx.invars, eqn.invars, reads))
     consts = [(v, _read(env, o)) for v, o, u in ins[:nc] if u]
-    carry = [(v, _read(env, o)) for (v, o, _), w in zip(ins[nc:nc + nk], loop.w_carry) if w]
+    carry = [(v, _read(env, o)) for (v, o, _), c in zip(ins[nc:nc + nk], carried) if c]
     xs = [(v, _read(env, o)) for v, o, u in ins[nc + nk:] if u]
-    stacks = [env[(i, k)] for k in range(len(plan.handover))]
-    w_ys = loop.w_out[nk:]
+    keys, stacks = handed
 
     def step(c, x):
-        xs_now, handed = x
+        xs_now, handed_now = x
         local = dict(zip(jx.constvars, body.consts))
         local.update(consts)
         local.update(zip([v for v, _ in carry], c))
         local.update(zip([v for v, _ in xs], xs_now))
-        local.update(zip(plan.handover, handed))
-        _run_weight(jx, plan, local)
-        c_out = [_read(local, v) for v, w in zip(jx.outvars[:nk], loop.w_carry) if w]
-        return c_out, [_read(local, v) for v, w in zip(jx.outvars[nk:], w_ys) if w]
+        local.update(zip(keys, handed_now))
+        run(jx, plan, local)
+        c_out = [_read(local, v) for v, k in zip(jx.outvars[:nk], carried) if k]
+        ys = [_read(local, v) for v, k in zip(jx.outvars[nk:], kept_ys) if k]
+        return c_out, (ys, [local[k] for k in hands_over])
 
-    c, ys = jax.lax.scan(step, [a for _, a in carry], ([a for _, a in xs], stacks),
-                         length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-    _write(env, [v for v, w in zip(eqn.outvars[:nk], loop.w_carry) if w], c)
-    _write(env, [v for v, w in zip(eqn.outvars[nk:], w_ys) if w], ys)
+    c, (ys, out) = jax.lax.scan(step, [a for _, a in carry], ([a for _, a in xs], list(stacks)),
+                                length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    _write(env, [v for v, k in zip(eqn.outvars[:nk], carried) if k], c)
+    _write(env, [v for v, k in zip(eqn.outvars[nk:], kept_ys) if k], ys)
+    return out
 
 
 # --- evaluating equations --------------------------------------------------------------
