@@ -49,7 +49,7 @@ from jdist.parallel.moe import expert_factor
 from jdist.parallel.pipeline import stashes
 from jdist.plan.layouts import Layout
 from jdist.plan.traffic import group_size
-from jdist.train.throughput import flops_per_token
+from jdist.train.throughput import attention_params, flops_per_token
 
 
 @dataclasses.dataclass
@@ -121,9 +121,8 @@ def fp8_flops(model, tokens: float, remat: str, pipelined: bool, stages: int) ->
     no backward reads, and pipelined from the chunk input): what `--fp8` runs at the FP8
     rate (`jdist.fp8`; equal to the GPU-compiled step's FP8 gemm FLOPs, tests/
     test_gpu_report.py)."""
-    d, hd = model.d_model, model.dim_per_head
-    attention = d * hd * (2 * model.n_heads + 2 * model.n_kv_heads)
-    forward = 2.0 * model.n_layers * (attention + 3 * d * model.d_ff)
+    d = model.d_model
+    forward = 2.0 * model.n_layers * (attention_params(model) + 3 * d * model.d_ff)
     passes = 3.0 if model.lora is None else 2.0  # a frozen base: no weight gradients
     recompute = (forward - 2.0 * model.n_layers * d * model.d_ff if remat == "full" else 0.0) \
         + (forward if pipelined and not stashes(remat) else 0.0)

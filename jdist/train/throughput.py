@@ -15,10 +15,15 @@ PEAK_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100": 989.0, "NVIDIA A100": 312.0,
                "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0}
 
 
+def attention_params(model) -> int:
+    """One layer's q, k, v and output projection weights."""
+    return model.d_model * model.dim_per_head * (2 * model.n_heads + 2 * model.n_kv_heads)
+
+
 def flops_per_token(model, seq_len: int) -> float:
     """Training FLOPs per token of `model` at sequence length `seq_len`."""
     d, hd = model.d_model, model.dim_per_head
-    attention = d * hd * (2 * model.n_heads + 2 * model.n_kv_heads)
+    attention = attention_params(model)
     experts = model.top_k if model.n_experts else 1
     mlp = 3 * d * model.d_ff * experts + d * model.n_experts  # + router
     mlp += 3 * d * model.shared_d_ff + d * model.shared_gate  # a shared expert
