@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jdist import axes as ax
+from jdist.models.precision import accumulator
 from jdist.models.projection import transposed
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -42,27 +43,28 @@ MODES = ("tensorwise", "rowwise")
 
 
 def scale_of(a, dtype, axes: tuple[int, ...], manual: tuple[str, ...] = ()) -> jax.Array:
-    """The power-of-two float32 scale s, per slice of `a` over `axes` (kept as size-1
-    dims), with |a| / s <= the largest finite `dtype`; `manual`: mesh axes (manual here)
-    that split a reduced dimension, whose shards' amaxes are combined."""
-    amax = jnp.max(jnp.abs(a.astype(jnp.float32)), axis=axes, keepdims=True)
+    """The power-of-two scale s (dtype `accumulator(a)`), per slice of `a` over `axes`
+    (kept as size-1 dims), with |a| / s <= the largest finite `dtype`; `manual`: mesh axes
+    (manual here) that split a reduced dimension, whose shards' amaxes are combined."""
+    amax = jnp.max(jnp.abs(a.astype(accumulator(a))), axis=axes, keepdims=True)
     if manual:
         amax = jax.lax.pmax(amax, manual)
     # amax / max = m * 2^e with m in [0.5, 1): a / 2^e fits; exact, no log rounding.
     _, e = jnp.frexp(amax / float(jnp.finfo(dtype).max))
-    return jnp.where((amax > 0) & jnp.isfinite(amax), jnp.ldexp(jnp.float32(1), e), 1.0)
+    one = jnp.ones((), amax.dtype)
+    return jnp.where((amax > 0) & jnp.isfinite(amax), jnp.ldexp(one, e), one)
 
 
 def quantize(a, dtype, scale) -> jax.Array:
     """`a / scale` in `dtype`, saturating (a scale from a stale or smaller amax clips
     rather than overflows)."""
     limit = float(jnp.finfo(dtype).max)
-    return jnp.clip(a.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
+    return jnp.clip(a.astype(accumulator(a)) / scale, -limit, limit).astype(dtype)
 
 
 def scaled_einsum(eq: str, a, a_dtype, b, b_dtype, mode: str,
                   manual: dict[str, tuple[str, ...]]) -> jax.Array:
-    """float32 `einsum(eq, a, b)` from `a` and `b` quantized to `a_dtype`/`b_dtype`.
+    """`einsum(eq, a, b)` in `accumulator(a)` from `a` and `b` quantized to `a_dtype`/`b_dtype`.
     `manual`: subscript letter -> the manual mesh axes that dimension is split over."""
     operands, out = eq.split("->")
     subs = operands.split(",")
@@ -74,7 +76,7 @@ def scaled_einsum(eq: str, a, a_dtype, b, b_dtype, mode: str,
         s = scale_of(x, dtype, tuple(reduced), axes)
         quantized.append(quantize(x, dtype, s))
         scales.append(s)
-    y = jnp.einsum(eq, *quantized, preferred_element_type=jnp.float32)
+    y = jnp.einsum(eq, *quantized, preferred_element_type=accumulator(a))
     # The scales have size 1 on the contracted dims: their einsum is the outer product of
     # the two, laid out as y (exact: powers of two).
     return y * jnp.einsum(eq, *scales)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jdist.models.precision import accumulator
+
 OBJECTIVE, CROSS_ENTROPY = "loss", "ce_loss"  # metrics keys
 AUX_LOSS, Z_LOSS = "moe_aux_loss", "moe_z_loss"
 DROPPED_FRACTION, LOAD_IMBALANCE = "moe_dropped_fraction", "moe_load_imbalance"
@@ -28,7 +30,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     zeros) and the same one-hot gradient, and XLA's SPMD partitioner (jax 0.10) aborts on
     the gather inside a pipeline stage with two automatic axes of size > 1 (CHECK in
     ExpandDeviceGroupsWithIota)."""
-    logits = logits.astype(jnp.float32)
+    logits = logits.astype(accumulator(logits))
     hit = labels[..., None] == jax.lax.broadcasted_iota(labels.dtype, logits.shape,
                                                         logits.ndim - 1)
     return jax.nn.logsumexp(logits, axis=-1) - jnp.where(hit, logits, 0.0).sum(-1)

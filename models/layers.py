@@ -12,6 +12,7 @@ from flax import nnx
 
 from jdist.axes import NORM
 from jdist.models.config import RopeScaling
+from jdist.models.precision import accumulator
 
 INIT_STD = 0.02
 
@@ -32,9 +33,9 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(accumulator(x))
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (normed * self.scale[...].astype(x32.dtype)).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -105,7 +106,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool
     b, s, h, d = q.shape
     t, kv = k.shape[1], k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)  # heads h = kv_head * group + g share one kv head
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=accumulator(q, k))
     scores = scores * (d ** -0.5)
     if causal:
         mask = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]

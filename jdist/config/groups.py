@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import jax
+
 from jdist.config.fields import flag
 from jdist.data.sft import FORMATS
 from jdist.errors import require
@@ -166,9 +168,10 @@ class DeviceFlags:
 class MemoryFlags:
     """precision and memory: how each step computes, and what it keeps where"""
 
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = flag(
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float64"] = flag(
         "auto", "dtype of matmuls and activations; master weights stay float32 (auto: "
-        "float32, or bfloat16 with --quantize-base, as QLoRA computes)")
+        "float32, or bfloat16 with --quantize-base, as QLoRA computes; float64, with "
+        "JAX_ENABLE_X64=1, verifies FP8 runs across meshes)")
     fp8: Literal["off", "tensorwise", "rowwise"] = flag(
         "off", "the block projections' matmuls (q, k, v, o, gate, up, down) in FP8: e4m3 "
         "operands, e5m2 gradients, float32 accumulation, scales from the current amax per "
@@ -219,6 +222,8 @@ class MemoryFlags:
         require(self.attention in IMPLEMENTATIONS,
                 f"unknown --attention {self.attention!r}; use {', '.join(IMPLEMENTATIONS)}")
         require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; use {', '.join(LOSSES)}")
+        require(self.compute_dtype != "float64" or jax.config.jax_enable_x64,
+                "--compute-dtype float64 needs 64-bit JAX: set JAX_ENABLE_X64=1")
         require(self.fp8 in ("off", "tensorwise", "rowwise"),
                 f"unknown --fp8 {self.fp8!r}; use off, tensorwise or rowwise")
         require(self.fp8 == "off" or not self.tp_halves,

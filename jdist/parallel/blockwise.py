@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jdist.models.precision import accumulator
 from jdist.varying import varying, vma, zeros
 
 # A masked score. Finite, so exp(MASKED - max) is exactly 0 and an all-masked row is never NaN.
@@ -67,8 +68,8 @@ def block_mask(offset, q_start, tq: int, k_start, tk: int, segments=None):
 
 
 def scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """Scaled, masked logits [b, kv, g, s, t] in float32."""
-    s = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+    """Scaled, masked logits [b, kv, g, s, t] in float32 (`accumulator`)."""
+    s = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=accumulator(q, k))
     s = s * (q.shape[-1] ** -0.5)
     return s if mask is None else jnp.where(mask, s, MASKED)
 
@@ -77,9 +78,9 @@ def empty(q: jax.Array) -> Acc:
     """The accumulator before any key block was seen."""
     b, s, kv, g, d = q.shape
     stats = (b, kv, g, s)
-    return Acc(zeros((b, s, kv, g, d), jnp.float32, q),
-               varying(jnp.full(stats, MASKED, jnp.float32), vma(q)),
-               zeros(stats, jnp.float32, q))
+    acc = accumulator(q)
+    return Acc(zeros((b, s, kv, g, d), acc, q), varying(jnp.full(stats, MASKED, acc), vma(q)),
+               zeros(stats, acc, q))
 
 
 def attend(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> Acc:
@@ -90,7 +91,7 @@ def attend(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array |
     p = jnp.exp(s - new_max[..., None])
     rescale = jnp.exp(acc.max - new_max)
     pv = jnp.einsum("bkgst,btkd->bskgd", p.astype(v.dtype), v,
-                    preferred_element_type=jnp.float32)
+                    preferred_element_type=acc.out.dtype)
     out = acc.out * _to_rows(rescale) + pv
     return Acc(out, new_max, acc.norm * rescale + p.sum(axis=-1))
 
@@ -141,7 +142,7 @@ def block_grads(q, k, v, dout, lse, delta, mask) -> tuple[jax.Array, jax.Array, 
     p = jnp.exp(scores(q, k, mask) - lse[..., None])  # final probabilities of this block
     # Matmul operands in the inputs' dtype (bf16 runs on tensor cores, as in the forward),
     # every product accumulated in float32.
-    f32 = jnp.float32
+    f32 = accumulator(q, k, v, dout)
     dv = jnp.einsum("bkgst,bskgd->btkd", p.astype(dout.dtype), dout, preferred_element_type=f32)
     dp = jnp.einsum("bskgd,btkd->bkgst", dout, v.astype(dout.dtype), preferred_element_type=f32)
     ds = (p * (dp - delta[..., None]) * (q.shape[-1] ** -0.5)).astype(q.dtype)
@@ -183,7 +184,8 @@ def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
 
 def row_delta(out: jax.Array, dout: jax.Array) -> jax.Array:
     """sum_d dout * out per query row, [b, kv, g, s]: the softmax-backward correction."""
-    d = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
+    acc = accumulator(out, dout)
+    d = jnp.sum(out.astype(acc) * dout.astype(acc), axis=-1)
     return jnp.transpose(d, (0, 2, 3, 1))
 
 
@@ -214,9 +216,9 @@ def _stat_untile(x: jax.Array) -> jax.Array:
 
 
 def _zeros_like_all(shape, *like) -> jax.Array:
-    """float32 zeros varying over every manual axis any of `like` varies over (a loop
-    carry that the loop body makes depend on all of them)."""
-    return varying(jnp.zeros(shape, jnp.float32), tuple({a for x in like for a in vma(x)}))
+    """float32 (`accumulator`) zeros varying over every manual axis any of `like` varies
+    over (a loop carry that the loop body makes depend on all of them)."""
+    return varying(jnp.zeros(shape, accumulator(*like)), tuple({a for x in like for a in vma(x)}))
 
 
 def _varying_acc(acc: Acc, *like) -> Acc:

@@ -27,6 +27,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jdist.axes import STAGE
+from jdist.models.precision import accumulator
 from jdist.parallel import CHECK_VMA, kernel_mesh, manual_axes
 from jdist.parallel import blockwise as bw
 from jdist.parallel.load_balance import block_kind, chunk_ids
@@ -165,8 +166,9 @@ def _backward(ring: Ring, q, k, v, out, lse, dout, *seg):
                       *k_seg)
         return travelling, tuple(dqs)
 
-    zeros_kv = zeros(k.shape, jnp.float32, k)  # gradients travel in float32: sums of N parts
-    dq_init = tuple(zeros(qc.shape, jnp.float32, qc) for qc in q_chunks)
+    acc = accumulator(q, k, v)  # gradients travel in float32: sums of N parts
+    zeros_kv = zeros(k.shape, acc, k)
+    dq_init = tuple(zeros(qc.shape, acc, qc) for qc in q_chunks)
     (_, _, dk, dv, *_), dqs = ring.run(compute, (k, v, zeros_kv, zeros_kv, *seg), dq_init)
     dk, dv = ring.shift((dk, dv))  # after N steps each gradient sits one device short of home
     dq = bw.ungroup_heads(jnp.concatenate(dqs, axis=1))

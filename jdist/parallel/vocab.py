@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jdist.models.precision import accumulator
 from jdist.parallel import CHECK_VMA, kernel_mesh
 from jdist.parallel import grad_sync as gs
 from jdist.rules import mesh_axes_of
@@ -93,7 +94,7 @@ def _weight_chunk(head: Head, stored, start):
 
 def _logits(head: Head, h, w_c, fresh):
     eq = "bse,ev->bsv" if head.vocab_dim == 1 else "bse,ve->bsv"
-    logits = jnp.einsum(eq, h, w_c, preferred_element_type=jnp.float32)
+    logits = jnp.einsum(eq, h, w_c, preferred_element_type=accumulator(h))
     return logits if fresh is None else jnp.where(fresh, logits, -jnp.inf)
 
 
@@ -110,7 +111,7 @@ def _forward(head: Head, h, stored, labels):
     b, s = labels.shape
     local = stored.shape[head.vocab_dim]
     like = tuple({*vma(h), *vma(stored), *vma(labels)})
-    start = tuple(varying(jnp.full((b, s), x, jnp.float32), like) for x in (-jnp.inf, 0.0, 0.0))
+    start = tuple(varying(jnp.full((b, s), x, accumulator(h)), like) for x in (-jnp.inf, 0.0, 0.0))
 
     def body(carry, i, w_c):
         m, norm, picked = carry
@@ -137,7 +138,7 @@ def _backward(head: Head, with_weight: bool, h, primal, stored, labels, lse, g):
     `grad_sync` reduces every parameter, into the gradient layout. Without `with_weight`
     (a frozen weight) dW is neither computed nor reduced: (dh, a scalar 0)."""
     local = stored.shape[head.vocab_dim]
-    g = g.astype(jnp.float32)
+    g = g.astype(accumulator(h))
     eq_h = "bsv,ev->bse" if head.vocab_dim == 1 else "bsv,ve->bse"
     eq_w = "bse,bsv->ev" if head.vocab_dim == 1 else "bse,bsv->ve"
 
@@ -148,10 +149,10 @@ def _backward(head: Head, with_weight: bool, h, primal, stored, labels, lse, g):
         logits = _logits(head, h, w_c, fresh)
         hit = _hits(head, labels, local, first, fresh, logits.shape)
         dlogits = ((jnp.exp(logits - lse[..., None]) - hit) * g[..., None]).astype(h.dtype)
-        dh = dh + jnp.einsum(eq_h, dlogits, w_c, preferred_element_type=jnp.float32)
+        dh = dh + jnp.einsum(eq_h, dlogits, w_c, preferred_element_type=g.dtype)
         if not with_weight:
             return dh, dw
-        dw_c = jnp.einsum(eq_w, h, dlogits, preferred_element_type=jnp.float32)
+        dw_c = jnp.einsum(eq_w, h, dlogits, preferred_element_type=g.dtype)
         if head.token_axes:
             dw_c = lax.psum(dw_c, head.token_axes)
         dw_c = gs.reduce(dw_c, head.sync, head.defer).astype(primal.dtype)
@@ -164,7 +165,7 @@ def _backward(head: Head, with_weight: bool, h, primal, stored, labels, lse, g):
     # dW chunks are summed over the token axes: the gradient varies only as the weight does.
     dw = varying(jnp.zeros(primal.shape, primal.dtype), (*vma(stored), *vma(primal))) \
         if with_weight else jnp.zeros((), primal.dtype)  # a frozen weight: a placeholder
-    start = (varying(jnp.zeros(h.shape, jnp.float32), like), dw)
+    start = (varying(jnp.zeros(h.shape, g.dtype), like), dw)
     dh, dw = _over_chunks(body, start, head, stored, reverse=True)
     if head.vocab_axes:  # every vocab slice contributed to each token's hidden-state gradient
         dh = lax.psum(dh, head.vocab_axes)

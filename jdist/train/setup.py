@@ -37,7 +37,7 @@ from jdist.step.optim import make_optimizer
 from jdist.step.state import Plan, make_plan, with_pipeline
 from jdist.train import faults
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass
