@@ -30,6 +30,7 @@ over `jnp.einsum`.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from jdist import axes as ax
 from jdist.models.precision import accumulator
 from jdist.models.projection import transposed
+from jdist.varying import varying, vma
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MODES = ("tensorwise", "rowwise")
@@ -63,15 +65,18 @@ def quantize(a, dtype, scale) -> jax.Array:
 
 
 def scaled_einsum(eq: str, a, a_dtype, b, b_dtype, mode: str,
-                  manual: dict[str, tuple[str, ...]]) -> jax.Array:
+                  manual: dict[str, tuple[str, ...]], keep: str = "") -> jax.Array:
     """`einsum(eq, a, b)` in `accumulator(a)` from `a` and `b` quantized to `a_dtype`/`b_dtype`.
-    `manual`: subscript letter -> the manual mesh axes that dimension is split over."""
+    `manual`: subscript letter -> the manual mesh axes that dimension is split over.
+    `keep`: letters whose every slice has scales of its own in either mode (an expert's
+    weights, a token's row)."""
     operands, out = eq.split("->")
     subs = operands.split(",")
     contracted = set(subs[0]) & set(subs[1]) - set(out)
     quantized, scales = [], []
     for x, sub, dtype in ((a, subs[0], a_dtype), (b, subs[1], b_dtype)):
-        reduced = [i for i, c in enumerate(sub) if mode == "tensorwise" or c in contracted]
+        reduced = [i for i, c in enumerate(sub) if c not in keep
+                   and (mode == "tensorwise" or c in contracted)]
         axes = tuple(dict.fromkeys(m for i in reduced for m in manual.get(sub[i], ())))
         s = scale_of(x, dtype, tuple(reduced), axes)
         quantized.append(quantize(x, dtype, s))
@@ -122,3 +127,66 @@ def hooks(mode: str, batch_axes: tuple[str, ...]) -> dict:
         return project(eq, mode, split(eq.split(",")[0], h_names), h, w)
 
     return {"widen": widen, "narrow": narrow}
+
+
+class ExpertDot(NamedTuple):
+    """An expert matmul's forward and input-gradient einsums in FP8 (hashable: a custom
+    VJP's static argument). Every row and every expert has scales of its own (`keep`), in
+    either mode: an expert's rows meet its weights in blocks, rounds and devices that
+    depend on the routing and the mesh, and a row's scale depends on nothing else. For the
+    same reason the weight gradient, a sum over an expert's rows wherever they landed,
+    stays in the compute dtype. `manual`: (letter, tensor axes) for the hidden dimension,
+    split over tensor inside the expert kernel."""
+    mode: str
+    keep: str
+    manual: tuple
+
+    def forward(self, eq: str, x, w) -> jax.Array:
+        return scaled_einsum(eq, x, E4M3, w, E4M3, self.mode, dict(self.manual),
+                             self.keep).astype(x.dtype)
+
+    def input_grad(self, eq: str, g, w) -> jax.Array:
+        return scaled_einsum(eq, g, E5M2, w, E4M3, self.mode, dict(self.manual),
+                             self.keep).astype(g.dtype)
+
+    def project(self, eq: str, x, w) -> jax.Array:
+        """`einsum(eq, x, w)` with this forward and input gradient (the padded paths)."""
+        # Both vary over the axes either does (tensor: the hidden units) before the custom
+        # VJP sees them, so autodiff sums the gradient they share (as `models.grouped.gmm`).
+        axes = tuple(sorted(set(vma(x)) | set(vma(w))))
+        return _expert_project(self, eq, varying(x, axes), varying(w, axes))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _expert_project(dot: ExpertDot, eq: str, x, w):
+    return dot.forward(eq, x, w)
+
+
+def _expert_project_fwd(dot, eq, x, w):
+    return dot.forward(eq, x, w), (x, w)
+
+
+def _expert_project_bwd(dot, eq, residuals, g):
+    x, w = residuals
+    to_x, to_w = transposed(eq)
+    dw = jnp.einsum(to_w, x, g, preferred_element_type=accumulator(x, g))
+    return dot.input_grad(to_x, g, w).astype(x.dtype), dw.astype(w.dtype)
+
+
+_expert_project.defvjp(_expert_project_fwd, _expert_project_bwd)
+
+
+class ExpertDots(NamedTuple):
+    """What the expert layers run in FP8: the blocked (grouped) path's gate/up and down
+    matmuls ("gbd,gdf->gbf", the hidden dimension f for gate/up and d for down) and the
+    padded paths' per-expert buffers ("ecd,edf->ecf" and "ecf,efd->ecd")."""
+    grouped_in: ExpertDot
+    grouped_out: ExpertDot
+    padded: ExpertDot
+
+
+def expert_dots(mode: str, tp_axes: tuple[str, ...]) -> ExpertDots:
+    tp = tuple(tp_axes)
+    hidden = lambda letter: ((letter, tp),) if tp else ()
+    return ExpertDots(ExpertDot(mode, "gb", hidden("f")), ExpertDot(mode, "gb", hidden("d")),
+                      ExpertDot(mode, "ec", hidden("f")))

@@ -120,8 +120,9 @@ def loss_terms(model, ce: jax.Array, stats: dict | None = None, replica_axes=(),
     objective = ce + share * (model.aux_loss_weight * aux + model.z_loss_weight * z)
     terms = jnp.stack((objective, ce, share * aux_total, share * z_total,
                        total["dropped"].sum(), total["tokens"].sum() * model.top_k))
-    loads = jnp.zeros((model.n_layers, model.n_experts), jnp.float32)
-    loads = jax.lax.dynamic_update_slice(loads, total["counts"], (first_layer, 0))
+    loads = jnp.zeros((model.n_layers, model.n_experts), terms.dtype)
+    loads = jax.lax.dynamic_update_slice(loads, total["counts"].astype(terms.dtype),
+                                         (first_layer, 0))
     return jnp.concatenate((terms, loads.reshape(-1)))
 
 

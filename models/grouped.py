@@ -82,36 +82,40 @@ def _chunks(a: jax.Array, chunk: int) -> jax.Array:
     return a.reshape(a.shape[0] // chunk, chunk, *a.shape[1:])
 
 
-def _blockwise(x, w, ids, chunk: int, spec: str) -> jax.Array:
-    """x [n_blocks, block, .] against the weights w[ids] of each block, `chunk` at a time."""
+def _blockwise(x, w, ids, chunk: int, spec: str, dot=jnp.einsum) -> jax.Array:
+    """x [n_blocks, block, .] against the weights w[ids] of each block, `chunk` at a time,
+    by `dot(spec, x, w)`."""
     def body(_, xs):
         xc, ic = xs
-        return None, jnp.einsum(spec, xc, w[ic])
+        return None, dot(spec, xc, w[ic])
 
     _, y = jax.lax.scan(body, None, (_chunks(x, chunk), _chunks(ids, chunk)))
     return y.reshape(-1, *y.shape[2:])
 
 
-def gmm(x: jax.Array, w: jax.Array, block_expert: jax.Array, chunk: int) -> jax.Array:
-    """x [n_blocks, block, d] @ w[block_expert] ([E, d, f]) -> [n_blocks, block, f]."""
+def gmm(x: jax.Array, w: jax.Array, block_expert: jax.Array, chunk: int, fp8=None) -> jax.Array:
+    """x [n_blocks, block, d] @ w[block_expert] ([E, d, f]) -> [n_blocks, block, f].
+    `fp8`: a `jdist.fp8.ExpertDot` for the forward and input-gradient matmuls, or None."""
     # Inside a shard_map, both operands vary over the axes either does before the custom
     # VJP sees them, so autodiff, not the VJP, sums a gradient an axis shares (tensor).
     axes = tuple(sorted(set(vma(x)) | set(vma(w))))
-    return _gmm(varying(x, axes), varying(w, axes), block_expert, chunk)
+    return _gmm(varying(x, axes), varying(w, axes), block_expert, chunk, fp8)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm(x, w, block_expert, chunk):
-    return _blockwise(x, w, block_expert, chunk, "gbd,gdf->gbf")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(x, w, block_expert, chunk, fp8):
+    return _blockwise(x, w, block_expert, chunk, "gbd,gdf->gbf",
+                      fp8.forward if fp8 else jnp.einsum)
 
 
-def _gmm_fwd(x, w, block_expert, chunk):
-    return _gmm(x, w, block_expert, chunk), (x, w, block_expert)
+def _gmm_fwd(x, w, block_expert, chunk, fp8):
+    return _gmm(x, w, block_expert, chunk, fp8), (x, w, block_expert)
 
 
-def _gmm_bwd(chunk, res, g):
+def _gmm_bwd(chunk, fp8, res, g):
     x, w, block_expert = res
-    dx = _blockwise(g, w, block_expert, chunk, "gbf,gdf->gbd")
+    dx = _blockwise(g, w, block_expert, chunk, "gbf,gdf->gbd",
+                    fp8.input_grad if fp8 else jnp.einsum)
 
     def weight_grad(dw, xs):  # float32 sums: a block's share must not round away
         xc, gc, ic = xs
@@ -126,9 +130,10 @@ def _gmm_bwd(chunk, res, g):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def grouped_swiglu(x, experts, gate, up, down) -> jax.Array:
+def grouped_swiglu(x, experts, gate, up, down, fp8=None) -> jax.Array:
     """Tokens x [T, d] through their experts (ids [T, k]) -> each assignment's output
-    [T, k, d]; the weights gate/up [E, d, f] and down [E, f, d] are in the compute dtype."""
+    [T, k, d]; the weights gate/up [E, d, f] and down [E, f, d] are in the compute dtype.
+    `fp8`: a `jdist.fp8.ExpertDots`, or None."""
     t, k = experts.shape
     n_experts, d, f = gate.shape
     shape = blocks_for(t * k, n_experts, d * f * gate.dtype.itemsize)
@@ -141,7 +146,8 @@ def grouped_swiglu(x, experts, gate, up, down) -> jax.Array:
     # backward sums their gradient once, [T, d], not each projection's [rows, d].
     x = varying(x, vma(gate))
     rows = x.at[token_of_row].get(mode="fill", fill_value=0).reshape(-1, shape.block, d)
-    a = gmm(rows, gate, lay.block_expert, chunk)
-    b = gmm(rows, up, lay.block_expert, chunk)
-    out = gmm(jax.nn.silu(a) * b, down, lay.block_expert, chunk).reshape(n_rows, d)
+    dot_in, dot_out = (fp8.grouped_in, fp8.grouped_out) if fp8 else (None, None)
+    a = gmm(rows, gate, lay.block_expert, chunk, dot_in)
+    b = gmm(rows, up, lay.block_expert, chunk, dot_in)
+    out = gmm(jax.nn.silu(a) * b, down, lay.block_expert, chunk, dot_out).reshape(n_rows, d)
     return out[lay.rows].reshape(t, k, d)

@@ -29,6 +29,7 @@ from jdist.axes import EMBED, EXPERTS, MLP
 from jdist.models.config import ModelConfig
 from jdist.models.grouped import grouped_swiglu
 from jdist.models.layers import INIT_STD, param
+from jdist.models.precision import accumulator
 
 GROUPED, DROPLESS, CAPACITY = "grouped", "dropless", "capacity"
 ROUTER_BIAS = "router_bias"  # the aux-loss-free routing bias, moved by the step, not trained
@@ -40,7 +41,8 @@ def route(x: jax.Array, router: jax.Array, cfg, bias: jax.Array | None = None):
     the weights are the chosen probabilities, renormalised over the k if the config says.
     A routing `bias` [E] (aux-loss-free balancing) shifts which experts are chosen, never
     what they weigh."""
-    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
+    acc = accumulator(x)
+    logits = x.astype(acc) @ router.astype(acc)
     probs = jax.nn.sigmoid(logits) if cfg.gating == "sigmoid" else jax.nn.softmax(logits)
     if bias is None:
         top, experts = jax.lax.top_k(probs, cfg.top_k)
@@ -60,12 +62,15 @@ def positions_in_experts(experts: jax.Array, n_experts: int) -> jax.Array:
     return jnp.take_along_axis(slots, experts.T.reshape(-1, 1), axis=1).reshape(k, t).T
 
 
-def swiglu(h: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """Per-expert SwiGLU on buffers h [E, C, d] with weights [E, d, f] / [E, f, d]."""
+def swiglu(h: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+           fp8=None) -> jax.Array:
+    """Per-expert SwiGLU on buffers h [E, C, d] with weights [E, d, f] / [E, f, d].
+    `fp8`: a `jdist.fp8.ExpertDots` (its `padded` matmuls), or None."""
     gate, up, down = (w.astype(h.dtype) for w in (gate, up, down))
-    a = jnp.einsum("ecd,edf->ecf", h, gate)
-    b = jnp.einsum("ecd,edf->ecf", h, up)
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(a) * b, down)
+    dot = fp8.padded.project if fp8 else jnp.einsum
+    a = dot("ecd,edf->ecf", h, gate)
+    b = dot("ecd,edf->ecf", h, up)
+    return dot("ecf,efd->ecd", jax.nn.silu(a) * b, down)
 
 
 def capacity_of(tokens: int, cfg, dropless: bool) -> int:
@@ -108,10 +113,10 @@ def rebalanced_bias(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array
     return bias + rate * jnp.sign(counts.sum(-1, keepdims=True) - loads.shape[-1] * counts)
 
 
-def local_experts(x, experts, w) -> jax.Array:
+def local_experts(x, experts, w, fp8=None) -> jax.Array:
     """Each assignment's expert output [T, k, d], all experts on this device."""
     gate, up, down = (w[k].astype(x.dtype) for k in ("w_gate", "w_up", "w_down"))
-    return grouped_swiglu(x, experts, gate, up, down)
+    return grouped_swiglu(x, experts, gate, up, down, fp8)
 
 
 def grouped_group(x, weights, experts, w, tp_axes=(), experts_run=local_experts):
@@ -123,12 +128,14 @@ def grouped_group(x, weights, experts, w, tp_axes=(), experts_run=local_experts)
     return jax.lax.psum(y, tp_axes) if tp_axes else y
 
 
-def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=local_experts):
+def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=local_experts,
+              fp8=None):
     """One group of tokens x [T, d] through the MoE; returns (y [T, d], balance sums).
     With `ep_axes` (inside a shard_map over them) each device holds E/n_ep experts and
     tokens travel to their experts' devices and back by all-to-all; with `tp_axes` the
     experts' hidden units are split and the down projection is summed over them. Grouped
-    routing runs its experts with `experts_run` (the expert-parallel kernel passes its own)."""
+    routing runs its experts with `experts_run` (the expert-parallel kernel passes its own);
+    the padded routings run theirs in FP8 with `fp8` (a `jdist.fp8.ExpertDots`)."""
     n_experts = cfg.n_experts
     weights, experts, probs, logits = route(x, w["router"], cfg, w.get(ROUTER_BIAS))
     if cfg.moe_routing == GROUPED:
@@ -142,7 +149,7 @@ def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=loca
         buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
     local = buf.shape[0] // n_ep
     h = buf.reshape(n_ep, local, capacity, -1).swapaxes(0, 1).reshape(local, n_ep * capacity, -1)
-    out = swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
+    out = swiglu(h, w["w_gate"], w["w_up"], w["w_down"], fp8)
     if tp_axes:  # expert hidden units are split over tensor: row-parallel down projection
         out = jax.lax.psum(out, tp_axes)
     out = out.reshape(local, n_ep, capacity, -1).swapaxes(0, 1).reshape(n_ep * local, capacity, -1)

@@ -1,6 +1,7 @@
 """FP8 projections (jdist.fp8): the quantization itself, and mesh invariance of a training
 run with `--fp8` against the one-device FP8 run (same seed and batches, float32 compute)."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -126,6 +127,44 @@ def test_fp8_run_matches_one_device(corpus, single_device, mesh, mode, flags,
         assert loss_rel_diff(reference, single_device(TINY, **F64)) > 1e-4
 
 
+def test_fp8_experts_match_one_device(corpus, single_device):
+    """Expert matmuls in FP8: the grouped path on expert and tensor shards (tokens in
+    rounds, hidden units split) against the padded dropless path on one device. Each row
+    and each expert has its own scales (tensorwise: per expert), so where a row lands
+    cannot change its quantization; the hidden dimension's amaxes are combined over tensor."""
+    moe = get_preset("moe-tiny")
+    with jax.enable_x64(True):
+        run = train_steps(dataclasses.replace(moe, moe_routing="grouped"), "fsdp=2,ep=2,tp=2",
+                          corpus.train, config(fp8="tensorwise", **F64))
+        reference = single_device(moe, fp8="tensorwise", **F64)
+        assert_matches(run, reference)
+        assert loss_rel_diff(reference, single_device(moe, **F64)) > 1e-4
+
+
+def test_expert_scales_are_per_expert_and_per_row():
+    """Two experts five decades apart: one scale over both (tensorwise over the stacked
+    weights) would flush the small expert below e4m3's range; each expert's own keeps it,
+    and the input gradient quantizes per row too."""
+    keys = jax.random.split(jax.random.key(2), 3)
+    w = jax.random.normal(keys[0], (2, 16, 8)) * jnp.array([1e2, 1e-3])[:, None, None]
+    h = jax.random.normal(keys[1], (2, 4, 16))
+    g = jax.random.normal(keys[2], (2, 4, 8)) * jnp.array([1.0, 1.0, 1e-10, 1e-10])[:, None]
+    dot = fp8.expert_dots("tensorwise", ()).padded
+    eq = "ecd,edf->ecf"
+    y, pull = jax.vjp(lambda h, w: dot.project(eq, h, w), h, w)
+    want, pull_ref = jax.vjp(lambda h, w: jnp.einsum(eq, h, w, precision="highest"), h, w)
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    for e in range(2):
+        assert rel(y[e], want[e]) < 0.06  # the small expert too
+    dh, dh_ref = pull(g)[0], pull_ref(g)[0]
+    assert rel(dh[:, 2:], dh_ref[:, 2:]) < 0.1  # the small rows of the cotangent
+    flushed = fp8.scaled_einsum(eq, h, fp8.E4M3, w, fp8.E4M3, "tensorwise", {})
+    assert rel(flushed[1], want[1]) > 0.5
+    flushed = fp8.scaled_einsum("ecf,edf->ecd", g, fp8.E5M2, w, fp8.E4M3, "tensorwise", {},
+                                keep="e")  # per expert, not per row
+    assert rel(flushed[:, 2:], dh_ref[:, 2:]) > 0.5
+
+
 def test_fp8_pipeline_matches_one_device(corpus, single_device):
     """Pipeline stages quantize per micro-batch, their amaxes reduced over `data` inside the
     tick's switch; zb-h1's split backward quantizes in both halves. Against the one-device
@@ -141,8 +180,6 @@ def test_fp8_pipeline_matches_one_device(corpus, single_device):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "moe-tiny"], "--fp8 rowwise runs dense projections in FP8; expert layers "
-                              "are not built for it yet: drop --fp8 for MoE models"),
     (["--compute-dtype", "float64"], "--compute-dtype float64 needs 64-bit JAX: set "
                                      "JAX_ENABLE_X64=1"),
     (["--tp-halves"], "--fp8 scales over all of a micro-batch's tokens, --tp-halves splits "

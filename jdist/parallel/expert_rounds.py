@@ -33,15 +33,16 @@ def round_capacity(assignments: int, n_ep: int) -> int:
     return max(1, math.ceil(ROUND_FACTOR * assignments / n_ep))
 
 
-def routed_rounds(x, w, experts, ep_axes: tuple, n_ep: int) -> jax.Array:
+def routed_rounds(x, w, experts, ep_axes: tuple, n_ep: int, fp8=None) -> jax.Array:
     """Every assignment's expert output [T k, d] (partial over `tensor` where the experts'
-    hidden units are split). Inside a shard_map over `ep_axes`; w holds the local experts."""
+    hidden units are split). Inside a shard_map over `ep_axes`; w holds the local experts.
+    `fp8`: a `jdist.fp8.ExpertDots`, or None."""
     axes = tuple(sorted(set(vma(x)) | set(vma(w["w_gate"]))))
     # Both vary over every axis either does before the custom VJP sees them, so autodiff
     # sums the gradients the VJP returns over the axes that share them.
     x = varying(x, axes)
     w = tuple(varying(w[k].astype(x.dtype), axes) for k in ("w_gate", "w_up", "w_down"))
-    return _rounds(x, *w, experts, tuple(ep_axes), n_ep)
+    return _rounds(x, *w, experts, tuple(ep_axes), n_ep, fp8)
 
 
 def _plan(experts, e_local: int, n_ep: int, capacity: int, ep_axes):
@@ -74,15 +75,15 @@ def _round_inputs(x, flat, idx, k: int, e_local: int, ep_axes):
     return _exchange(rows, ep_axes).reshape(-1, d), _exchange(ids, ep_axes).reshape(-1, 1)
 
 
-def _round_vjp(x, weights, flat, idx, k: int, ep_axes):
+def _round_vjp(x, weights, flat, idx, k: int, ep_axes, fp8):
     """The experts' outputs for the rows one round delivers here, and their VJP."""
     rows, ids = _round_inputs(x, flat, idx, k, weights[0].shape[0], ep_axes)
-    return jax.vjp(lambda r, *w: grouped_swiglu(r, ids, *w), rows, *weights)
+    return jax.vjp(lambda r, *w: grouped_swiglu(r, ids, *w, fp8), rows, *weights)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _rounds(x, gate, up, down, experts, ep_axes, n_ep):
-    return _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _rounds(x, gate, up, down, experts, ep_axes, n_ep, fp8):
+    return _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep, fp8)[0]
 
 
 def _round_setup(x, gate, experts, ep_axes, n_ep):
@@ -92,7 +93,7 @@ def _round_setup(x, gate, experts, ep_axes, n_ep):
     return k, capacity, plan
 
 
-def _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep):
+def _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep, fp8):
     k, capacity, (flat, order, counts, starts, rounds) = \
         _round_setup(x, gate, experts, ep_axes, n_ep)
     d = x.shape[-1]
@@ -100,7 +101,7 @@ def _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep):
     def served(r):
         """Round r's ids and its experts' VJP, whose value is the outputs sent back."""
         idx = _sent(r, order, counts, starts, capacity)
-        out, vjp = _round_vjp(x, (gate, up, down), flat, idx, k, ep_axes)
+        out, vjp = _round_vjp(x, (gate, up, down), flat, idx, k, ep_axes, fp8)
         return idx, _exchange(out.reshape(n_ep, capacity, d), ep_axes), vjp
 
     idx, back, first_vjp = served(jnp.zeros((), jnp.int32))
@@ -116,7 +117,7 @@ def _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep):
     return out, (x, gate, up, down, experts, first_vjp)
 
 
-def _rounds_bwd(ep_axes, n_ep, res, g):
+def _rounds_bwd(ep_axes, n_ep, fp8, res, g):
     x, gate, up, down, experts, first_vjp = res
     k, capacity, (flat, order, counts, starts, rounds) = \
         _round_setup(x, gate, experts, ep_axes, n_ep)
@@ -134,7 +135,7 @@ def _rounds_bwd(ep_axes, n_ep, res, g):
     def later_round(carry):
         r, dx, dw = carry
         idx = _sent(r, order, counts, starts, capacity)
-        _, vjp = _round_vjp(x, (gate, up, down), flat, idx, k, ep_axes)
+        _, vjp = _round_vjp(x, (gate, up, down), flat, idx, k, ep_axes, fp8)
         return r + 1, *backward(r, vjp, dx, dw)
 
     dx, dw = backward(jnp.zeros((), jnp.int32), first_vjp,

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jdist import axes as ax
+from jdist.fp8 import expert_dots
 from jdist.models.grouped import blocks_for
 from jdist.models.moe import (
     CAPACITY,
@@ -36,9 +37,10 @@ WEIGHT_NAMES = {"router": (None, None), ROUTER_BIAS: (None,), "w_gate": (ax.EXPE
                 "w_up": (ax.EXPERTS, None, ax.MLP), "w_down": (ax.EXPERTS, ax.MLP, None)}
 
 
-def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules):
+def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off"):
     """x [B, S, d] -> (y [B, S, d], balance sums over the kernel's tokens): one shard_map
-    over the mesh axes the rules give tokens and experts."""
+    over the mesh axes the rules give tokens and experts; the experts' matmuls in FP8
+    unless `fp8` is off (`jdist.fp8.ExpertDot`)."""
     d = x.shape[-1]
     x_spec = resolve(X_NAMES, rules, mesh)
     w_specs = {k: resolve(WEIGHT_NAMES[k], rules, mesh) for k in w}
@@ -46,14 +48,15 @@ def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules):
     ep_axes = mesh_axes_of(w_specs["w_gate"][0])
     tp_axes = mesh_axes_of(w_specs["w_gate"][2])
     n_ep = math.prod(mesh.shape[a] for a in ep_axes)
-    run = local_experts
+    dots = None if fp8 == "off" else expert_dots(fp8, tp_axes)
+    run = functools.partial(local_experts, fp8=dots)
     if n_ep > 1 and cfg.moe_routing == GROUPED:
         def run(x, experts, w):
-            return routed_rounds(x, w, experts, ep_axes, n_ep).reshape(*experts.shape, d)
+            return routed_rounds(x, w, experts, ep_axes, n_ep, dots).reshape(*experts.shape, d)
 
     def kernel(x, w):
         lb, ls, _ = x.shape
-        y, sums = moe_group(x.reshape(lb * ls, d), w, cfg, ep_axes, tp_axes, n_ep, run)
+        y, sums = moe_group(x.reshape(lb * ls, d), w, cfg, ep_axes, tp_axes, n_ep, run, dots)
         if token_axes:
             sums = jax.lax.psum(sums, token_axes)
         return y.reshape(lb, ls, d), sums
@@ -63,9 +66,9 @@ def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules):
                          **kernel_mesh(mesh))(x, w)
 
 
-def expert_dispatch(mesh, rules: Rules):
-    """`ModelContext.moe` for a step on `mesh` under `rules`."""
-    return functools.partial(moe_ffn, mesh=mesh, rules=rules)
+def expert_dispatch(mesh, rules: Rules, fp8: str = "off"):
+    """`ModelContext.moe` for a step on `mesh` under `rules` (`--fp8`: `fp8`)."""
+    return functools.partial(moe_ffn, mesh=mesh, rules=rules, fp8=fp8)
 
 
 def expert_factor(model, group_tokens: float, n_ep: int) -> float:

@@ -253,7 +253,7 @@ def model_context(plan, manual: tuple[str, ...], seq_len: int,
         constrain=constrainer(plan.mesh, rules),
         attention=cp.attention if cp.size > 1 else attn.kernel(
             name, mesh=plan.mesh, q_spec=cp.q_spec, kv_spec=cp.kv_spec),
-        moe=expert_dispatch(plan.mesh, rules) if plan.model.n_experts else None,
+        moe=expert_dispatch(plan.mesh, rules, plan.fp8) if plan.model.n_experts else None,
         embed_lookup=embed_lookup, compute_dtype=plan.compute_dtype, **extra)
 
 

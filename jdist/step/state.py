@@ -117,9 +117,6 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     require(quantize == "none" or trainable.frozen_base(cfg),
             f"--quantize-base {quantize} quantizes a frozen base, which only LoRA has; add "
             "--lora-rank R")
-    require(memory.fp8 == "off" or not cfg.n_experts,
-            f"--fp8 {memory.fp8} runs dense projections in FP8; expert layers are not built "
-            "for it yet: drop --fp8 for MoE models")
     names = sh.logical_names(abstract_vars)
     model_params = nnx.to_pure_dict(abstract_vars)
     check_quantizable(model_params, names, mesh, rules, quantize)
