@@ -76,20 +76,26 @@ def test_fp8_projection_runs_three_fp8_gemms(mode):
     assert rep.fp8_flops == (0 if mode == "off" else rep.executed_flops)
 
 
-def test_fp8_flops_of_the_cost_model_are_the_compiled_steps():
-    """The planner prices `--fp8` steps by the projections' FLOPs (`plan.cost.fp8_flops`):
-    the GPU-compiled step (tiny, fsdp=8, rowwise) runs exactly those on float8 operands,
-    under `--remat full` the recomputed forward less the down projection, whose output no
-    backward reads (`selective` matched too when measured; one compile is kept here)."""
+@pytest.mark.parametrize("model", ["tiny", "moe-tiny"])
+def test_fp8_flops_of_the_cost_model_are_the_compiled_steps(model):
+    """The planner prices `--fp8` steps by the FP8 FLOPs of `plan.cost.fp8_flops`: the
+    GPU-compiled step (fsdp=8, rowwise, `--remat full`) runs exactly those on float8
+    operands. Dense: the projections' three passes and the recomputed forward less the down
+    projection, whose output no backward reads (`selective` matched too when measured).
+    MoE (padded dropless experts, E/k times the routed rows): the experts' forward and
+    input gradient, and the whole forward again."""
     remat = "full"
+    from jdist.parallel.moe import expert_factor
     from jdist.plan.cost import fp8_flops
 
-    config = TrainConfig.of(model="tiny", mesh="fsdp=8", batch_size=8, seq_len=128,
+    config = TrainConfig.of(model=model, mesh="fsdp=8", batch_size=8, seq_len=128,
                             compute_dtype="bfloat16", fp8="rowwise", remat=remat,
                             target=H100)
     _, plan, _ = plan_for(config)
     rep = gpu_report.step_report(compile_step(plan, 8, 128), plan, 8, 128)
-    assert rep.fp8_flops == fp8_flops(plan.model, 8 * 128 / 8, remat, False, 1)
+    tokens = 8 * 128 / 8
+    experts = expert_factor(plan.model, tokens, 1)
+    assert rep.fp8_flops == fp8_flops(plan.model, tokens, remat, False, 1, experts)
 
 
 def test_collective_bytes_agree_with_the_communication_report(fsdp_step):

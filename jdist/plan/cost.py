@@ -115,18 +115,26 @@ def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: st
     return tokens * ((blocks_matmul + scores + recompute) / stages + head)
 
 
-def fp8_flops(model, tokens: float, remat: str, pipelined: bool, stages: int) -> float:
-    """Of one stage's `executed_flops`, the dense block projections' (forward, backward,
-    and the forward recomputed under `--remat full`, less the down projection, whose output
-    no backward reads, and pipelined from the chunk input): what `--fp8` runs at the FP8
-    rate (`jdist.fp8`; equal to the GPU-compiled step's FP8 gemm FLOPs, tests/
-    test_gpu_report.py)."""
-    d = model.d_model
-    forward = 2.0 * model.n_layers * (attention_params(model) + 3 * d * model.d_ff)
+def fp8_flops(model, tokens: float, remat: str, pipelined: bool, stages: int,
+              experts: float = 1.0) -> float:
+    """Of one stage's `executed_flops`, what `--fp8` runs at the FP8 rate (`jdist.fp8`):
+    the dense block projections' forward and backward, and the routed experts' forward and
+    input gradient (their weight gradient stays in the compute dtype) at `experts` times
+    the routed FLOPs (`expert_factor`); plus the forward recomputed under `--remat full`
+    and pipelined from the chunk input. The recomputed forward lacks a dense model's down
+    projection, whose output no backward reads; an MoE layer's down output weighs the
+    router's gradient, so it is recomputed too. Equal to the GPU-compiled step's FP8 gemm
+    FLOPs (tests/test_gpu_report.py)."""
+    d, layers = model.d_model, model.n_layers
+    dense_mlp = 3 * d * (model.shared_d_ff if model.n_experts else model.d_ff)
+    dense = 2.0 * layers * (attention_params(model) + dense_mlp)
+    routed = 2.0 * layers * 3 * d * model.d_ff * model.top_k * experts if model.n_experts \
+        else 0.0
     passes = 3.0 if model.lora is None else 2.0  # a frozen base: no weight gradients
-    recompute = (forward - 2.0 * model.n_layers * d * model.d_ff if remat == "full" else 0.0) \
-        + (forward if pipelined and not stashes(remat) else 0.0)
-    return tokens * (passes * forward + recompute) / stages
+    unread = 0.0 if model.n_experts else 2.0 * layers * d * model.d_ff
+    recompute = (dense + routed - unread if remat == "full" else 0.0) \
+        + (dense + routed if pipelined and not stashes(remat) else 0.0)
+    return tokens * (passes * dense + 2.0 * routed + recompute) / stages
 
 
 def model_flops(model, seq_len: int, tokens: float) -> float:
@@ -206,8 +214,8 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
                            plan.remat, stages > 1, plan.loss, stages, experts)
     # `--fp8`: the projections' share at the profile's FP8 rate.
-    fast = fp8_flops(plan.model, tokens_per_stage_group, plan.remat, stages > 1, stages) \
-        if plan.fp8 != "off" else 0.0
+    fast = fp8_flops(plan.model, tokens_per_stage_group, plan.remat, stages > 1, stages,
+                     experts) if plan.fp8 != "off" else 0.0
     compute = (flops - fast + fast / profile.fp8_rate) / profile.achievable_flops
     comm = price(rows, plan, profile, dcn_axes)
     # Each class hides its overlap fraction, the two together never more than the compute.
