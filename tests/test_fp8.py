@@ -141,6 +141,21 @@ def test_fp8_experts_match_one_device(corpus, single_device):
         assert loss_rel_diff(reference, single_device(moe, **F64)) > 1e-4
 
 
+def test_fp8_lora_base_matches_one_device(corpus, single_device):
+    """LoRA on an FP8 base: the frozen base's projections in FP8 (no weight gradient), the
+    adapters in the compute dtype. Step 2's gradients, the first where A's is nonzero."""
+    from jdist.models.lora import LoraConfig
+
+    lora = dataclasses.replace(TINY, lora=LoraConfig(4, 8.0))
+    flags = {"fp8": "rowwise", "lr": 1e-2, **F64}
+    with jax.enable_x64(True):
+        run = train_steps(lora, "dp=2,fsdp=2,tp=2", corpus.train, config(**flags), grads_step=2)
+        reference = single_device(lora, **flags, grads_step=2)
+        assert_matches(run, reference)
+        plain = single_device(lora, lr=1e-2, **F64, grads_step=2)
+        assert loss_rel_diff(reference, plain) > 1e-4
+
+
 def test_expert_scales_are_per_expert_and_per_row():
     """Two experts five decades apart: one scale over both (tensorwise over the stacked
     weights) would flush the small expert below e4m3's range; each expert's own keeps it,
