@@ -23,6 +23,19 @@ def test_gpu_benchmark_runs_each_attention_on_the_tiny_model():
     assert result["attention_max_rel_error_vs_f32_dense"]["flash"] < 1e-5
 
 
+def test_gpu_benchmark_compares_fp8_with_the_compute_dtype():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny",
+                          "--steps", "2", "--fp8", "rowwise", "--json"], capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    result = json.loads(out)
+    assert [(r["attention"], r["fp8"]) for r in result["rows"]] == \
+        [("flash", "off"), ("flash", "rowwise")]
+    assert all(r["loss_finite"] for r in result["rows"])
+    losses = [r["final_loss"] for r in result["rows"]]
+    assert losses[0] != losses[1]  # FP8 ran
+    assert result["fp8_speedup"]["tiny"]["ratio"] > 0
+
+
 def test_tokenize_benchmark_runs_on_a_small_input():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tokenization.py"), "--max-mb",
                           "0.5", "--vocab", "1024", "--json"], capture_output=True, text=True,
