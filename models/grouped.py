@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jdist.models.precision import accumulator
 from jdist.varying import varying, vma, zeros
 
 GATHER_BYTES = 64 * 2**20  # weights gathered per loop iteration (bounds the chunk)
@@ -117,12 +118,12 @@ def _gmm_bwd(chunk, fp8, res, g):
     dx = _blockwise(g, w, block_expert, chunk, "gbf,gdf->gbd",
                     fp8.input_grad if fp8 else jnp.einsum)
 
-    def weight_grad(dw, xs):  # float32 sums: a block's share must not round away
+    def weight_grad(dw, xs):  # float32 sums (or wider): a block's share must not round away
         xc, gc, ic = xs
-        part = jnp.einsum("gbd,gbf->gdf", xc, gc, preferred_element_type=jnp.float32)
+        part = jnp.einsum("gbd,gbf->gdf", xc, gc, preferred_element_type=dw.dtype)
         return dw.at[ic].add(part), None
 
-    dw, _ = jax.lax.scan(weight_grad, zeros(w.shape, jnp.float32, like=g),
+    dw, _ = jax.lax.scan(weight_grad, zeros(w.shape, accumulator(x, g), like=g),
                          (_chunks(x, chunk), _chunks(g, chunk), _chunks(block_expert, chunk)))
     return dx, dw.astype(w.dtype), None
 

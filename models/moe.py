@@ -110,7 +110,8 @@ def rebalanced_bias(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array
     integers as sum - E x load, so the update is the same on every mesh while the float32
     counts it is given are exact: below 2^24 assignments per layer and step."""
     counts = loads.astype(jnp.int32)
-    return bias + rate * jnp.sign(counts.sum(-1, keepdims=True) - loads.shape[-1] * counts)
+    step = jnp.sign(counts.sum(-1, keepdims=True) - loads.shape[-1] * counts)
+    return bias + (rate * step).astype(bias.dtype)
 
 
 def local_experts(x, experts, w, fp8=None) -> jax.Array:

@@ -14,5 +14,6 @@ import jax.numpy as jnp
 
 
 def accumulator(*arrays) -> jnp.dtype:
-    """float32, or the widest of `arrays`' dtypes where wider."""
-    return functools.reduce(jnp.promote_types, (a.dtype for a in arrays), jnp.dtype(jnp.float32))
+    """float32, or the widest of `arrays`' dtypes (arrays or dtypes) where wider."""
+    dtypes = (jnp.dtype(getattr(a, "dtype", a)) for a in arrays)
+    return functools.reduce(jnp.promote_types, dtypes, jnp.dtype(jnp.float32))

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax
-
 from jdist.config.fields import flag
 from jdist.data.sft import FORMATS
 from jdist.errors import require
@@ -222,6 +220,8 @@ class MemoryFlags:
         require(self.attention in IMPLEMENTATIONS,
                 f"unknown --attention {self.attention!r}; use {', '.join(IMPLEMENTATIONS)}")
         require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; use {', '.join(LOSSES)}")
+        import jax  # config parses without jax; only this check reads it
+
         require(self.compute_dtype != "float64" or jax.config.jax_enable_x64,
                 "--compute-dtype float64 needs 64-bit JAX: set JAX_ENABLE_X64=1")
         require(self.fp8 in ("off", "tensorwise", "rowwise"),

@@ -6,7 +6,8 @@ ever needs all keys at once; `block_grads` recomputes one block's gradients from
 log-sum-exp, so the backward pass needs no per-block residuals either (FlashAttention-2).
 
 Layout: queries grouped under their kv head, q [b, s, kv, g, d]; keys/values k, v
-[b, t, kv, d]. Statistics are [b, kv, g, s]. Everything accumulates in float32.
+[b, t, kv, d]. Statistics are [b, kv, g, s]. Everything accumulates in float32
+(`models.precision.accumulator`: wider in float64 runs).
 """
 
 from __future__ import annotations
@@ -141,13 +142,13 @@ def block_grads(q, k, v, dout, lse, delta, mask) -> tuple[jax.Array, jax.Array, 
     `lse` and delta = sum(dout * out) per row [b, kv, g, s]."""
     p = jnp.exp(scores(q, k, mask) - lse[..., None])  # final probabilities of this block
     # Matmul operands in the inputs' dtype (bf16 runs on tensor cores, as in the forward),
-    # every product accumulated in float32.
-    f32 = accumulator(q, k, v, dout)
-    dv = jnp.einsum("bkgst,bskgd->btkd", p.astype(dout.dtype), dout, preferred_element_type=f32)
-    dp = jnp.einsum("bskgd,btkd->bkgst", dout, v.astype(dout.dtype), preferred_element_type=f32)
+    # every product accumulated in float32 (or wider).
+    acc = accumulator(q, k, v, dout)
+    dv = jnp.einsum("bkgst,bskgd->btkd", p.astype(dout.dtype), dout, preferred_element_type=acc)
+    dp = jnp.einsum("bskgd,btkd->bkgst", dout, v.astype(dout.dtype), preferred_element_type=acc)
     ds = (p * (dp - delta[..., None]) * (q.shape[-1] ** -0.5)).astype(q.dtype)
-    dq = jnp.einsum("bkgst,btkd->bskgd", ds, k, preferred_element_type=f32)
-    dk = jnp.einsum("bkgst,bskgd->btkd", ds, q, preferred_element_type=f32)
+    dq = jnp.einsum("bkgst,btkd->bskgd", ds, k, preferred_element_type=acc)
+    dk = jnp.einsum("bkgst,bskgd->btkd", ds, q, preferred_element_type=acc)
     return dq, dk, dv
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jdist.models.grouped import grouped_swiglu
+from jdist.models.precision import accumulator
 from jdist.varying import varying, vma, zeros
 
 ROUND_FACTOR = 1.2  # per-peer room per round over the even share (bytes and FLOPs per round)
@@ -129,8 +130,8 @@ def _rounds_bwd(ep_axes, n_ep, fp8, res, g):
         g_rows = _exchange(g.at[idx].get(mode="fill", fill_value=0), ep_axes).reshape(-1, 1, d)
         d_rows, *d_w = vjp(g_rows)
         back = _exchange(d_rows.reshape(n_ep, capacity, d), ep_axes)
-        dw = tuple(a + b.astype(jnp.float32) for a, b in zip(dw, d_w))
-        return dx.at[idx // k].add(back.astype(jnp.float32), mode="drop"), dw
+        dw = tuple(a + b.astype(a.dtype) for a, b in zip(dw, d_w))
+        return dx.at[idx // k].add(back.astype(dx.dtype), mode="drop"), dw
 
     def later_round(carry):
         r, dx, dw = carry
@@ -139,8 +140,8 @@ def _rounds_bwd(ep_axes, n_ep, fp8, res, g):
         return r + 1, *backward(r, vjp, dx, dw)
 
     dx, dw = backward(jnp.zeros((), jnp.int32), first_vjp,
-                      zeros(x.shape, jnp.float32, like=x),
-                      tuple(zeros(w.shape, jnp.float32, like=w) for w in (gate, up, down)))
+                      zeros(x.shape, accumulator(x), like=x),
+                      tuple(zeros(w.shape, accumulator(x), like=w) for w in (gate, up, down)))
     _, dx, dw = jax.lax.while_loop(lambda c: c[0] < rounds, later_round,
                                    (jnp.ones((), jnp.int32), dx, dw))
     return (dx.astype(x.dtype), *(a.astype(w.dtype) for a, w in zip(dw, (gate, up, down))),

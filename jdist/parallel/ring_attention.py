@@ -166,7 +166,7 @@ def _backward(ring: Ring, q, k, v, out, lse, dout, *seg):
                       *k_seg)
         return travelling, tuple(dqs)
 
-    acc = accumulator(q, k, v)  # gradients travel in float32: sums of N parts
+    acc = accumulator(q, k, v)  # gradients travel in float32 (or wider): sums of N parts
     zeros_kv = zeros(k.shape, acc, k)
     dq_init = tuple(zeros(qc.shape, acc, qc) for qc in q_chunks)
     (_, _, dk, dv, *_), dqs = ring.run(compute, (k, v, zeros_kv, zeros_kv, *seg), dq_init)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist import axes as ax
+from jdist.models.precision import accumulator
 from jdist.parallel import residuals
 from jdist.parallel import schedule as sched
 
@@ -46,7 +47,7 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
     stage = jax.lax.axis_index(ax.STAGE)
     chunks = jax.tree.map(lambda b: b.reshape(virtual, -1, *b.shape[1:]), blocks)
     act = jnp.zeros(act_shape, act_dtype)
-    no_loss = jnp.zeros(n_terms, jnp.float32)
+    no_loss = jnp.zeros(n_terms, accumulator(act_dtype))
     vshape = table.name in sched.V_SHAPED
     # Interleaved, the last stage's chunk v feeds the first stage's chunk v+1.
     cyclic = virtual > 1 and not vshape

@@ -99,8 +99,7 @@ def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: st
     per_token = flops_per_token(model, seq_len)
     head = 6.0 * model.d_model * model.vocab_size
     scores = 12.0 * model.n_layers * model.n_heads * model.dim_per_head * seq_len
-    routed = 18.0 * model.n_layers * model.d_model * model.d_ff * model.top_k \
-        if model.n_experts else 0.0
+    routed = 3.0 * routed_forward(model)
     blocks_matmul = per_token - head - scores + routed * (experts - 1)
     if model.lora is not None:  # a frozen base needs no weight gradient: 4 of the 6
         blocks_matmul *= 4 / 6
@@ -115,6 +114,13 @@ def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: st
     return tokens * ((blocks_matmul + scores + recompute) / stages + head)
 
 
+def routed_forward(model) -> float:
+    """One forward's FLOPs per token of the routed experts' matmuls (gate, up, down for
+    each of the top-k), over all layers."""
+    return 6.0 * model.n_layers * model.d_model * model.d_ff * model.top_k \
+        if model.n_experts else 0.0
+
+
 def fp8_flops(model, tokens: float, remat: str, pipelined: bool, stages: int,
               experts: float = 1.0) -> float:
     """Of one stage's `executed_flops`, what `--fp8` runs at the FP8 rate (`jdist.fp8`):
@@ -123,15 +129,16 @@ def fp8_flops(model, tokens: float, remat: str, pipelined: bool, stages: int,
     the routed FLOPs (`expert_factor`); plus the forward recomputed under `--remat full`
     and pipelined from the chunk input. The recomputed forward lacks a dense model's down
     projection, whose output no backward reads; an MoE layer's down output weighs the
-    router's gradient, so it is recomputed too. Equal to the GPU-compiled step's FP8 gemm
-    FLOPs (tests/test_gpu_report.py)."""
+    router's gradient, so it is recomputed too (a shared expert's down output is unread
+    unless gated, as a dense model's: reasoned, not compiled). Equal to the GPU-compiled
+    step's FP8 gemm FLOPs, dense and MoE (tests/test_gpu_report.py)."""
     d, layers = model.d_model, model.n_layers
-    dense_mlp = 3 * d * (model.shared_d_ff if model.n_experts else model.d_ff)
-    dense = 2.0 * layers * (attention_params(model) + dense_mlp)
-    routed = 2.0 * layers * 3 * d * model.d_ff * model.top_k * experts if model.n_experts \
-        else 0.0
+    dense_ff = model.shared_d_ff if model.n_experts else model.d_ff
+    dense = 2.0 * layers * (attention_params(model) + 3 * d * dense_ff)
+    routed = routed_forward(model) * experts
     passes = 3.0 if model.lora is None else 2.0  # a frozen base: no weight gradients
-    unread = 0.0 if model.n_experts else 2.0 * layers * d * model.d_ff
+    # The last dense down projection: a dense model's, or an ungated shared expert's.
+    unread = 0.0 if model.n_experts and model.shared_gate else 2.0 * layers * d * dense_ff
     recompute = (dense + routed - unread if remat == "full" else 0.0) \
         + (dense + routed if pipelined and not stashes(remat) else 0.0)
     return tokens * (passes * dense + 2.0 * routed + recompute) / stages

@@ -38,6 +38,7 @@ from jdist import loss as objective
 from jdist.models.context import ModelContext
 from jdist.models.layers import weight
 from jdist.models.names import BLOCKS, EMBED, HEAD
+from jdist.models.precision import accumulator
 from jdist.parallel import attention as attn
 from jdist.parallel import collective_matmul, embedding, halves, prefetch
 from jdist.parallel import grad_sync as gs
@@ -193,7 +194,7 @@ def chunk(fw: Forward, shared: Params, blocks: Params, x_in, tokens, targets, po
     x = _when(first, lambda: model(values()).embed_tokens(tokens, ctx), lambda: x_in)
     y, stats = model(shared.stored).run_blocks(x, ctx, positions, segments)
     ce = _when(last, lambda: fw.cross_entropy(model(values()), shared, y, targets, ctx, scale),
-               lambda: jnp.zeros((), jnp.float32))
+               lambda: jnp.zeros((), accumulator(y)))
     return y, fw.terms(ce, stats, first_layer)
 
 

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 from jdist import axes as ax
 from jdist import loss as objective
 from jdist.models.names import BLOCKS, EMBED
+from jdist.models.precision import accumulator
 from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
 from jdist.step import trainable
@@ -136,7 +137,7 @@ def step_grads(plan, params: dict, batch: dict):
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), primal)
             n_terms = objective.term_count(plan.model)
-            start = (jnp.zeros(n_terms, jnp.float32), zeros)
+            start = (jnp.zeros(n_terms, accumulator(plan.compute_dtype)), zeros)
             (terms, grads), _ = jax.lax.scan(body, start, micro_batches((tokens, targets), micro))
             terms = terms / micro
             grads = trainable.tree_map(gs.finish_reduce, grads, sync)
