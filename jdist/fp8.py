@@ -37,8 +37,8 @@ import jax.numpy as jnp
 
 from jdist import axes as ax
 from jdist.models.precision import accumulator
-from jdist.models.projection import transposed
-from jdist.varying import varying, vma
+from jdist.models.projection import transposed, weight_grad
+from jdist.varying import alike
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MODES = ("tensorwise", "rowwise")
@@ -151,10 +151,7 @@ class ExpertDot(NamedTuple):
 
     def project(self, eq: str, x, w) -> jax.Array:
         """`einsum(eq, x, w)` with this forward and input gradient (the padded paths)."""
-        # Both vary over the axes either does (tensor: the hidden units) before the custom
-        # VJP sees them, so autodiff sums the gradient they share (as `models.grouped.gmm`).
-        axes = tuple(sorted(set(vma(x)) | set(vma(w))))
-        return _expert_project(self, eq, varying(x, axes), varying(w, axes))
+        return _expert_project(self, eq, *alike(x, w))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -168,9 +165,8 @@ def _expert_project_fwd(dot, eq, x, w):
 
 def _expert_project_bwd(dot, eq, residuals, g):
     x, w = residuals
-    to_x, to_w = transposed(eq)
-    dw = jnp.einsum(to_w, x, g, preferred_element_type=accumulator(x, g))
-    return dot.input_grad(to_x, g, w).astype(x.dtype), dw.astype(w.dtype)
+    return dot.input_grad(transposed(eq)[0], g, w).astype(x.dtype), \
+        weight_grad(eq, x, g, w.dtype)
 
 
 _expert_project.defvjp(_expert_project_fwd, _expert_project_bwd)

@@ -26,6 +26,15 @@ def varying(x, axes):
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
+def alike(*xs) -> tuple:
+    """`xs`, each varying over every manual axis any of them does: operands a custom VJP
+    receives this way get gradients of the same type, and autodiff, not the VJP, sums a
+    gradient over an axis that one operand did not vary over (tensor: an expert's hidden
+    units)."""
+    axes = tuple(sorted({a for x in xs for a in vma(x)}))
+    return tuple(varying(x, axes) for x in xs)
+
+
 def zeros(shape, dtype, like):
     """Zeros that vary over the same manual axes as `like` (a loop carry made with plain
     `jnp.zeros` is invariant, and a scan then rejects the varying value it becomes)."""

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jdist.models.precision import accumulator
-from jdist.varying import varying, vma, zeros
+from jdist.varying import alike, varying, vma, zeros
 
 GATHER_BYTES = 64 * 2**20  # weights gathered per loop iteration (bounds the chunk)
 CHUNK_ROWS = 512           # rows per loop iteration when the weights are small
@@ -97,10 +97,7 @@ def _blockwise(x, w, ids, chunk: int, spec: str, dot=jnp.einsum) -> jax.Array:
 def gmm(x: jax.Array, w: jax.Array, block_expert: jax.Array, chunk: int, fp8=None) -> jax.Array:
     """x [n_blocks, block, d] @ w[block_expert] ([E, d, f]) -> [n_blocks, block, f].
     `fp8`: a `jdist.fp8.ExpertDot` for the forward and input-gradient matmuls, or None."""
-    # Inside a shard_map, both operands vary over the axes either does before the custom
-    # VJP sees them, so autodiff, not the VJP, sums a gradient an axis shares (tensor).
-    axes = tuple(sorted(set(vma(x)) | set(vma(w))))
-    return _gmm(varying(x, axes), varying(w, axes), block_expert, chunk, fp8)
+    return _gmm(*alike(x, w), block_expert, chunk, fp8)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

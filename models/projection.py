@@ -17,6 +17,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jdist.models.precision import accumulator
+
 
 def transposed(eq: str) -> tuple[str, str]:
     """The equations of x's and w's gradients for `eq` = "x,w->y": "y,w->x", "x,y->w"."""
@@ -34,11 +36,16 @@ def _project_fwd(eq, x, w):
     return jnp.einsum(eq, x, w), (x, w)
 
 
+def weight_grad(eq: str, x, g, w_dtype) -> jax.Array:
+    """w's gradient for `eq` = "x,w->y" from y's cotangent `g`: out of its matmul in the
+    accumulator's dtype (float32, or wider), rounded to `w_dtype` after (the module doc)."""
+    dw = jnp.einsum(transposed(eq)[1], x, g, preferred_element_type=accumulator(x, g))
+    return dw.astype(w_dtype)
+
+
 def _project_bwd(eq, residuals, g):
     x, w = residuals
-    to_x, to_w = transposed(eq)
-    dw = jnp.einsum(to_w, x, g, preferred_element_type=jnp.float32)
-    return jnp.einsum(to_x, g, w).astype(x.dtype), dw.astype(w.dtype)
+    return jnp.einsum(transposed(eq)[0], g, w).astype(x.dtype), weight_grad(eq, x, g, w.dtype)
 
 
 project.defvjp(_project_fwd, _project_bwd)

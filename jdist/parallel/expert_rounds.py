@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jdist.models.grouped import grouped_swiglu
 from jdist.models.precision import accumulator
-from jdist.varying import varying, vma, zeros
+from jdist.varying import alike, zeros
 
 ROUND_FACTOR = 1.2  # per-peer room per round over the even share (bytes and FLOPs per round)
 
@@ -38,11 +38,7 @@ def routed_rounds(x, w, experts, ep_axes: tuple, n_ep: int, fp8=None) -> jax.Arr
     """Every assignment's expert output [T k, d] (partial over `tensor` where the experts'
     hidden units are split). Inside a shard_map over `ep_axes`; w holds the local experts.
     `fp8`: a `jdist.fp8.ExpertDots`, or None."""
-    axes = tuple(sorted(set(vma(x)) | set(vma(w["w_gate"]))))
-    # Both vary over every axis either does before the custom VJP sees them, so autodiff
-    # sums the gradients the VJP returns over the axes that share them.
-    x = varying(x, axes)
-    w = tuple(varying(w[k].astype(x.dtype), axes) for k in ("w_gate", "w_up", "w_down"))
+    x, *w = alike(x, *(w[k].astype(x.dtype) for k in ("w_gate", "w_up", "w_down")))
     return _rounds(x, *w, experts, tuple(ep_axes), n_ep, fp8)
 
 
