@@ -34,10 +34,10 @@ from jdist import checkpoint as ckpt
 from jdist import data
 from jdist.config import TrainConfig
 from jdist.step.build import make_train_step
+from jdist.step.from_flags import plan_for
 from jdist.step.state import TrainState, init_state
 from jdist.train.faults import tree_bytes
 from jdist.train.loop import prepare
-from jdist.train.setup import plan_for
 
 COLUMNS = (Column("model", "6"), Column("mesh", "8"), Column("step", "{:6.3f}s", "step_s", width=7),
            Column("async blocked", "{:13.3f}s", "async_blocked_s", width=14),

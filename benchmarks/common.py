@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MiB, GiB = 2**20, 2**30
-TARGETS = "jdist.target: h100-80gb, h200-141gb, a100-80gb"
+TARGETS = "jdist.runtime.target: h100-80gb, h200-141gb, a100-80gb"
 GPU_DEFAULT = "default h100-80gb where jax's CUDA plugin is installed"
 
 
@@ -31,7 +31,7 @@ def setup_devices(n: int = 8, cpu_only: bool = False) -> None:
     before the first use of a device: at the top of a script, before the project's imports."""
     import jax
 
-    from jdist.distributed import configure_devices
+    from jdist.runtime.distributed import configure_devices
 
     if cpu_only:
         jax.config.update("jax_platforms", "cpu")
@@ -54,9 +54,9 @@ def add_target(parser: argparse.ArgumentParser, what: str = "also compile each s
 
 def requested_target(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      default: bool = True) -> str:
-    """`args.target` checked (`jdist.target.requested`, which names the script on stderr and
+    """`args.target` checked (`jdist.runtime.target.requested`, which names the script on stderr and
     exits 2 when it cannot be compiled for): '' for none."""
-    from jdist import target
+    from jdist.runtime import target
 
     return target.requested(args.target, parser.prog, default)
 
@@ -111,7 +111,7 @@ def table(rows: Iterable[dict], columns: Sequence[Column]) -> list[str]:
 def simple_plan(model, mesh, memory=None, lr: float = 1e-3, steps: int = 10):
     """`make_plan` of `model` on `mesh` with the default rules and AdamW at `lr` over a
     schedule of `steps` (one warmup step)."""
-    from jdist.rules import DEFAULT_RULES
+    from jdist.spmd.rules import DEFAULT_RULES
     from jdist.step import make_optimizer, make_plan
 
     tx, _ = make_optimizer(lr, steps, 1)

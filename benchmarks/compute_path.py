@@ -4,7 +4,7 @@ attention and loss alone, and the whole Llama-3-8B step, flash/chunked beside xl
 Two compilers: `CPU temps` / `CPU peak` come from XLA's CPU compiler (8 simulated devices);
 `GPU temps` / `GPU peak` from XLA's GPU compiler for `--target` (default `h100-80gb` where
 jax's CUDA plugin is installed; `--target none` skips it), the same programs compiled for
-compile-only GPUs (`jdist.target`), nothing run. `predicted` is the planner's step total
+compile-only GPUs (`jdist.runtime.target`), nothing run. `predicted` is the planner's step total
 (`jdist.memory.predict`). Everything computes in bfloat16, which the CPU backend widens to
 float32 in many buffers: its numbers overstate what a GPU allocates. cuDNN attention
 (bfloat16 only) exists only on the GPU: its rows have no CPU column.
@@ -31,17 +31,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
-from jdist import target as gpu_target
 from jdist.config import TrainConfig
-from jdist.loss import cross_entropy
 from jdist.memory import compile_step, peak, predict
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
 from jdist.models.layers import dot_product_attention
+from jdist.models.loss import cross_entropy
 from jdist.parallel.attention import cudnn_attention
 from jdist.parallel.flash import flash_attention
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
-from jdist.train.setup import plan_for
+from jdist.runtime import target as gpu_target
+from jdist.spmd.mesh import build_mesh
+from jdist.step.from_flags import plan_for
 
 MODEL = "llama3-8b"
 BF16 = jnp.bfloat16

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jdist.hlo import executed_collective_bytes
-from jdist.mesh import build_mesh
 from jdist.models.layers import dot_product_attention
 from jdist.parallel.context import ALL_GATHER, RING, ULYSSES, ContextParallel
 from jdist.parallel.load_balance import ring_work
-from jdist.rules import DEFAULT_RULES
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES
+from jdist.tools.hlo import executed_collective_bytes
 
 NO_CP = "no_cp"
 

@@ -81,9 +81,9 @@ def measure(name: str, target: str) -> list[dict]:
     import numpy as np
     from jax.sharding import Mesh, SingleDeviceSharding
 
-    from jdist import gpu_report
     from jdist.models import grouped
-    from jdist.target import COMPILER_OPTIONS, devices
+    from jdist.runtime.target import COMPILER_OPTIONS, devices
+    from jdist.tools import gpu_report
 
     tokens, experts, k, d, f = SHAPES[name]
     device = devices(target, 1)[0]
@@ -131,12 +131,12 @@ def measure_ep(name: str, target: str, n_ep: int = 8) -> list[dict]:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from jdist import gpu_report
-    from jdist.mesh import build_mesh
     from jdist.models import get_preset
     from jdist.parallel.moe import WEIGHT_NAMES, X_NAMES, moe_ffn
-    from jdist.rules import DEFAULT_RULES, resolve
-    from jdist.target import COMPILER_OPTIONS, devices
+    from jdist.runtime.target import COMPILER_OPTIONS, devices
+    from jdist.spmd.mesh import build_mesh
+    from jdist.spmd.rules import DEFAULT_RULES, resolve
+    from jdist.tools import gpu_report
 
     tokens, experts, k, d, f = SHAPES[name]
     mesh = build_mesh(f"ep={n_ep}", devices(target, n_ep))
@@ -173,7 +173,7 @@ def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--target", default="h100-80gb")
     args = parser.parse_args()
-    from jdist.target import prepare_target
+    from jdist.runtime.target import prepare_target
 
     prepare_target(args.target)
     rows = [r for name in SHAPES for r in measure(name, args.target)]

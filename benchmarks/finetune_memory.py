@@ -11,7 +11,7 @@ adapters' only (2 float32 moments per adapter weight).
 
 Columns by source: the breakdown (params ... total) is the planner's; `CPU act` /
 `CPU peak` come from XLA's CPU compiler (`--measure`); `GPU act` / `GPU peak` from XLA's
-GPU compiler for `--target` (`jdist.target`: compile-only GPUs, nothing run), with
+GPU compiler for `--target` (`jdist.runtime.target`: compile-only GPUs, nothing run), with
 `--measure` (default target `h100-80gb` where jax's CUDA plugin is installed; `--target none`
 skips it) or when `--target` is given alone (then without the slow CPU compiles). `act` is
 the activations of `jdist.memory.measure`'s breakdown (the step's temporaries less the
@@ -33,7 +33,7 @@ from common import Column, GiB
 from jdist.config import TrainConfig
 from jdist.memory import compile_step, measure, peak, predict
 from jdist.step.forward import attention_of
-from jdist.train.setup import plan_for
+from jdist.step.from_flags import plan_for
 
 VARIANTS = {"full": {}, "lora": {"lora_rank": True},
             "qlora": {"lora_rank": True, "quantize_base": "nf4"},

@@ -29,9 +29,10 @@ import sys
 
 import numpy as np
 
-from jdist import data, fp8
-from jdist.equivalence import config, train_steps
+from jdist import data
 from jdist.models import get_preset
+from jdist.quant import fp8
+from jdist.tools.equivalence import config, train_steps
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 MODES = (("bf16", "off", False), ("tensorwise", "tensorwise", False),

@@ -13,7 +13,7 @@ large matmul timed on the device), and against the datasheet peak where known. R
 being started once `--budget-s` has passed, so the whole run stays inside its time limit.
 
 With `--fp8 tensorwise|rowwise`, each model runs twice with the best attention that can run
-(cuDNN, else flash): in bf16 (float32 on a CPU) and with `--fp8` (jdist.fp8), and the
+(cuDNN, else flash): in bf16 (float32 on a CPU) and with `--fp8` (jdist.quant.fp8), and the
 table's last lines give FP8's tokens/s over bf16's, measured on the same number of layers.
 """
 
@@ -31,13 +31,13 @@ from common import Column, GiB
 from jdist import data
 from jdist.config.groups import MemoryFlags
 from jdist.memory import peak as peak_bytes
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
 from jdist.parallel.attention import CUDNN, FLASH, XLA, accelerator, cudnn_refusal
-from jdist.rules import DEFAULT_RULES
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step import init_state, make_optimizer, make_plan
 from jdist.step.build import make_train_step
-from jdist.train.throughput import PEAK_TFLOPS, flops_per_token, peak_tflops
+from jdist.tools.throughput import PEAK_TFLOPS, flops_per_token, peak_tflops
 
 GPU_RUNS = {"llama3.2-1b": (8, 4096), "llama3-8b": (1, 4096)}  # batch, sequence length
 TINY_RUNS = {"tiny": (4, 64)}

@@ -1,8 +1,8 @@
 """XLA's GPU scheduling flags on jdist's step, from the GPU compiler (deviceless, `--target`):
 collective bytes per step and device, the exposed share (no matmul scheduled between an
-asynchronous collective's start and done, weighted by loop trips; `jdist.gpu_report`) and
+asynchronous collective's start and done, weighted by loop trips; `jdist.tools.gpu_report`) and
 the compiled peak, for the step as jdist compiles it and with each flag the installed
-jaxlib spells (`jdist.target.candidate_flags`) added as a compile option.
+jaxlib spells (`jdist.runtime.target.candidate_flags`) added as a compile option.
 
     python benchmarks/gpu_flags.py [--json] [--target h100-80gb] [--cases 8b,70b]
 
@@ -31,12 +31,12 @@ COLUMNS = (Column("case", "5"), Column("flag", "44"), Column("GiB coll", "9.1f",
 
 
 def measure(case: str, target: str) -> list[dict]:
-    from jdist import gpu_report
     from jdist.config import TrainConfig
     from jdist.memory import lower_step, peak
+    from jdist.runtime.target import candidate_flags
     from jdist.step.build import compiler_options
-    from jdist.target import candidate_flags
-    from jdist.train.setup import plan_for
+    from jdist.step.from_flags import plan_for
+    from jdist.tools import gpu_report
 
     config = TrainConfig.of(**CASES[case], target=target)
     _, plan, _ = plan_for(config)
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--target", default="h100-80gb")
     parser.add_argument("--cases", default="8b,70b")
     args = parser.parse_args()
-    from jdist.target import prepare_target
+    from jdist.runtime.target import prepare_target
 
     prepare_target(args.target)
     rows = [r for case in args.cases.split(",") for r in measure(case, args.target)]

@@ -91,7 +91,7 @@ def load(variant: str, hf_dir: str) -> dict:
     import jax
 
     from jdist.config import TrainConfig
-    from jdist.train.setup import plan_for
+    from jdist.step.from_flags import plan_for
 
     _, plan, _ = plan_for(TrainConfig.of(init_from=hf_dir, mesh="fsdp=8"))
     with PeakMemory() as memory:
@@ -111,8 +111,8 @@ def _load(variant: str, hf_dir: str, plan):
     import numpy as np
     from safetensors.numpy import load_file
 
-    from jdist.hf import Source, load_params
     from jdist.hf.layout import hf_name, tensors
+    from jdist.hf.load import Source, load_params
 
     if variant == "jdist":
         source = Source(hf_dir)

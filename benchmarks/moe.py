@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist import data
-from jdist.hlo import collective_bytes, loop_bodies
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
+from jdist.spmd.mesh import build_mesh
 from jdist.step import init_state, make_train_step
 from jdist.step.build import gradients, make_eval_step
+from jdist.tools.hlo import collective_bytes, loop_bodies
 
 N = 8
 VOLUME = (Column("routing", "10"), Column("factor", "6.2f", "capacity_factor"),

@@ -1,4 +1,4 @@
-"""Dequantization error of NF4 (jdist.nf4), plain and with double quantization, beside a plain
+"""Dequantization error of NF4 (jdist.quant.nf4), plain and with double quantization, beside a plain
 absmax int4 baseline with the same blocks of 64, on Llama-like weight tensors.
 
     python benchmarks/nf4.py [--json] [--small]
@@ -21,7 +21,7 @@ common.setup_devices(1, cpu_only=True)
 import jax
 import jax.numpy as jnp
 
-from jdist import nf4
+from jdist.quant import nf4
 
 STD = 0.02
 COLUMNS = (Column("tensor", "12"), Column("shape", ">12", lambda r: "x".join(map(str, r["shape"]))),

@@ -1,7 +1,7 @@
 """Communication hidden behind compute on GPUs, from the GPU compiler (deviceless, `--target`):
 for the planner's best layouts of each case, the compiled step's collective bytes per step
 and device, the exposed share (no matmul scheduled between an asynchronous collective's start
-and done, loops weighted; `jdist.gpu_report`) and the peak, before and after:
+and done, loops weighted; `jdist.tools.gpu_report`) and the peak, before and after:
 
   before  each layer's parameters gathered as its iteration starts (`--prefetch off`),
           sequence parallelism's activations gathered and scattered whole
@@ -10,7 +10,7 @@ and done, loops weighted; `jdist.gpu_report`) and the peak, before and after:
   after   as jdist compiles it: layer i+1 gathered while layer i computes
           (`jdist.parallel.prefetch`), vocab chunks likewise, SP's activations by
           transfers beside the projections' matmuls (`jdist.parallel.collective_matmul`),
-          `jdist.target.GPU_FLAGS` (with XLA's analytical latency estimator unless
+          `jdist.runtime.target.GPU_FLAGS` (with XLA's analytical latency estimator unless
           collective matmuls run over more than two devices: `jdist.step.build.compiler_options`)
   model   the planner's predicted exposed share of the same bytes (`jdist.plan.cost`:
           its per-collective overlap assumption, on the profile), for the ranked layouts
@@ -61,17 +61,17 @@ def _blank(value, spec: str) -> str:
 
 
 def measure(case: str, target: str, top: int) -> list[dict]:
-    from jdist import gpu_report
-    from jdist.axes import TENSOR
     from jdist.config import TrainConfig, parse_args
     from jdist.memory import lower_step, peak
     from jdist.parallel.halves import rows_fit
     from jdist.plan.profiles import load_profile
     from jdist.plan.search import search
-    from jdist.rules import batch_split
+    from jdist.runtime.target import COMPILER_OPTIONS
+    from jdist.spmd.axes import TENSOR
+    from jdist.spmd.rules import batch_split
     from jdist.step.build import compiler_options
-    from jdist.target import COMPILER_OPTIONS
-    from jdist.train.setup import plan_for
+    from jdist.step.from_flags import plan_for
+    from jdist.tools import gpu_report
 
     model, devices, hosts, batch, seq, fixed = CASES[case]
     base = TrainConfig.of(model=model, batch_size=batch, seq_len=seq, compute_dtype="bfloat16",
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--cases", default="8b,70b,70b-tp8")
     parser.add_argument("--top", type=int, default=3)
     args = parser.parse_args()
-    from jdist.target import prepare_target
+    from jdist.runtime.target import prepare_target
 
     prepare_target(args.target)
     rows = [r for case in args.cases.split(",") for r in measure(case, args.target, args.top)]

@@ -24,7 +24,7 @@ backward 2, split B and W 1 each): the share of time a stage idles
 (`jdist.plan.cost.pipeline_bubble`). Target: zb-h1's at most a third of 1f1b's, zbv's
 less again.
 
-FLOPs: the matmul FLOPs the compiled step executes (`jdist.gpu_report`: loops by their trip
+FLOPs: the matmul FLOPs the compiled step executes (`jdist.tools.gpu_report`: loops by their trip
 counts, the stage program's branches by the schedule's share of ticks), summed over devices,
 for `--flops-model` on pp=4 (8 micro-batches): 1f1b under `--remat none` (the stash) and
 `full` (each chunk recomputed from its input), and 1f1b and zb-h1 under `selective` (zb-h1's
@@ -49,15 +49,16 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jdist import data, gpu_report
-from jdist.hlo import executed_collective_bytes
+from jdist import data
 from jdist.memory import compile_step
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.plan.cost import pipeline_bubble
+from jdist.spmd.mesh import build_mesh
 from jdist.step import init_state, make_train_step
 from jdist.step.state import with_pipeline
+from jdist.tools import gpu_report
+from jdist.tools.hlo import executed_collective_bytes
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
 COLUMNS = (Column("P", ">2", "stages"), Column("M", ">3", "micro"),

@@ -10,7 +10,7 @@ then the median absolute step-time error and the Spearman rank correlation.
     python benchmarks/planner.py --target h100-80gb [--top 5] [--cases 8b,70b,8b-32k] [--json]
 
 With `--target`, the planner's memory model is held to the GPU compiler instead (deviceless,
-`jdist.target`; needs the cuda12 extra): for llama3-8b on 8 GPUs at 64 x 8192,
+`jdist.runtime.target`; needs the cuda12 extra): for llama3-8b on 8 GPUs at 64 x 8192,
 llama3.1-70b on 64 GPUs over 8 hosts at 512 x 8192 and llama3.1-8b on 8 GPUs at 8 x 32768,
 the top layouts are compiled for the target and their GPU-compiled peak printed beside the
 prediction (target: within 5%) and the budget the planner claims (no compiled peak above
@@ -30,16 +30,16 @@ common.setup_devices(8)
 
 import jax
 
-from jdist import axes as ax
 from jdist import data
-from jdist.comm import report
 from jdist.config import TrainConfig
 from jdist.memory import compile_step, measure
 from jdist.plan.profiles import load_profile
 from jdist.plan.search import search
 from jdist.plan.traffic import reported_traffic, step_traffic
+from jdist.spmd import axes as ax
 from jdist.step import init_state
-from jdist.train.setup import plan_for
+from jdist.step.from_flags import plan_for
+from jdist.tools.comm import report
 
 FAMILIES = {  # a layout belongs to each family whose test it passes
     "dp": lambda s, lay: s[ax.DATA] == 8,
@@ -141,7 +141,7 @@ def gpu_main(args) -> None:
     """The top layouts of each case compiled for `args.target` (module docstring)."""
     from jdist.plan.search import HEADROOM
     from jdist.plan.verify import compile_layout
-    from jdist.target import prepare_target
+    from jdist.runtime.target import prepare_target
 
     prepare_target(args.target)
     profile = load_profile(args.target)

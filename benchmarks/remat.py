@@ -17,9 +17,9 @@ import jax
 
 from jdist import data
 from jdist.memory import compile_step, predict
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
-from jdist.remat import NAMES
+from jdist.models.remat import NAMES
+from jdist.spmd.mesh import build_mesh
 from jdist.step import init_state
 
 COLUMNS = (Column("remat", "34"), Column("temp MiB", "9.1f", "temp_bytes", MiB),

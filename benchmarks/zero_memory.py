@@ -10,9 +10,9 @@ Columns by source: `pred P+G+O` and `pred total` (state + activations) are the p
 (`jdist.memory.predict`); `meas P+G+O`, `peak` and the collectives come from XLA's CPU
 compiler (the simulated 8-device mesh, and for `small` a real step on it); `GPU P+G+O`,
 `GPU peak` and `GPU exp` (the share of the GPU program's collective bytes with no matmul
-scheduled beside them, `jdist.gpu_report`) from XLA's GPU compiler for `--target` (default
+scheduled beside them, `jdist.tools.gpu_report`) from XLA's GPU compiler for `--target` (default
 `h100-80gb` where jax's CUDA plugin is installed; `--target none` skips it): the same step
-compiled for 8 compile-only GPUs (`jdist.target`), nothing run. Both models train in
+compiled for 8 compile-only GPUs (`jdist.runtime.target`), nothing run. Both models train in
 float32 here (attention: XLA's for `small`, flash for `1b`, on both compilers); where a
 step computes in bfloat16, the CPU backend widens bf16 buffers to float32 and overstates
 its memory.
@@ -35,15 +35,16 @@ common.setup_devices(8)
 
 import jax
 
-from jdist import data, gpu_report
-from jdist import target as gpu_target
+from jdist import data
 from jdist.config.groups import MemoryFlags
-from jdist.hlo import collective_bytes, collective_counts
 from jdist.memory import compile_step, measure, peak, predict
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
+from jdist.runtime import target as gpu_target
+from jdist.spmd.mesh import build_mesh
 from jdist.step import init_state
 from jdist.step.forward import attention_of
+from jdist.tools import gpu_report
+from jdist.tools.hlo import collective_bytes, collective_counts
 
 SHAPES = {"small": (16, 128), "1b": (8, 1024)}  # global batch, sequence length
 LAYOUTS = [("dp=8", 0), ("dp=8", 1), ("dp=8", 2), ("dp=8", 3), ("fsdp=8", 0)]

@@ -22,7 +22,7 @@ def _cpu_without_a_driver() -> None:
     import os
     import sys
 
-    from jdist.target import plugin_installed
+    from jdist.runtime.target import plugin_installed
 
     if os.environ.get("JAX_PLATFORMS") or os.path.exists("/proc/driver/nvidia/version"):
         return

@@ -44,12 +44,12 @@ def corpus() -> data.Corpus:
 @pytest.fixture(scope="session")
 def single_device(corpus):
     """`single_device(model, **settings)`: the one-device run of the equivalence harness
-    (jdist.equivalence.train_steps on dp=1), computed once per test session and shared by
+    (jdist.tools.equivalence.train_steps on dp=1), computed once per test session and shared by
     every test that compares a layout against it. The reference computes the plain way:
     dense (xla) attention and the loss from full logits, unless `settings` say otherwise,
     so every layout's flash blocks, chunked loss and sharded embedding are checked too."""
     from jdist.config import locate
-    from jdist.equivalence import config, train_steps
+    from jdist.tools.equivalence import config, train_steps
 
     cache: dict = {}
 

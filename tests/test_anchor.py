@@ -1,9 +1,9 @@
 """An anchor outside jdist: the one-device training step against `jax.grad` of a plain
 cross-entropy written here, through the model's own modules called one by one.
 
-Every layout is tested against jdist's one-device step (`jdist.equivalence`); this checks
+Every layout is tested against jdist's one-device step (`jdist.tools.equivalence`); this checks
 that step itself. The reference shares only the model definition (`models`) with jdist:
-no `jdist.train`, `jdist.loss` or `jdist.parallel` code computes it, so a mistake in the
+no `jdist.train`, `jdist.models.loss` or `jdist.parallel` code computes it, so a mistake in the
 step's loss normalisation, masking, embedding lookup or gradient plumbing shows here even
 though every layout would agree with it.
 """
@@ -17,19 +17,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jdist.loss
-from jdist.mesh import build_mesh
+import jdist.models.loss
 from jdist.models import Llama, get_preset
 from jdist.models.context import LOCAL
 from jdist.models.layers import rotary_tables
-from jdist.rules import DEFAULT_RULES
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step.build import make_train_step
 from jdist.step.optim import make_optimizer
 from jdist.step.state import init_state, make_plan
 
 MODEL = get_preset("tiny")
 BATCH, SEQ = 4, 32
-IGNORED = -1  # jdist's mark for a target the loss does not count (jdist.loss.IGNORE)
+IGNORED = -1  # jdist's mark for a target the loss does not count (jdist.models.loss.IGNORE)
 RTOL = 1e-6  # float32 at matmul precision "highest": both sides sum in a different order
 
 
@@ -122,7 +122,7 @@ def batch(corpus) -> dict:
 def test_batch_has_ignored_targets(batch):
     counted = (batch["targets"] != IGNORED).sum()
     assert 0 < counted < batch["targets"].size
-    assert IGNORED == jdist.loss.IGNORE
+    assert IGNORED == jdist.models.loss.IGNORE
 
 
 def test_one_device_step_matches_plain_jax_grad(batch):
@@ -143,13 +143,13 @@ def test_moe_step_matches_plain_jax_grad(batch):
 
 
 def mean_over_all_tokens(monkeypatch):
-    monkeypatch.setattr(jdist.loss, "token_count", lambda targets: jnp.int32(targets.size))
+    monkeypatch.setattr(jdist.models.loss, "token_count", lambda targets: jnp.int32(targets.size))
 
 
 def scale_off_by_1e5(monkeypatch):
     """Ten times the tolerance: the comparison must resolve errors this small."""
-    right = jdist.loss.piece_scale
-    monkeypatch.setattr(jdist.loss, "piece_scale",
+    right = jdist.models.loss.piece_scale
+    monkeypatch.setattr(jdist.models.loss, "piece_scale",
                         lambda pieces, count: right(pieces, count) * (1 + 1e-5))
 
 

@@ -171,8 +171,8 @@ def test_process_split_counts_accelerators_as_they_are(monkeypatch):
     """A -1 axis fills 8 simulated devices on CPU, but the devices there are elsewhere."""
     import jax
 
-    from jdist.distributed import check_process_split
     from jdist.errors import ConfigError
+    from jdist.runtime.distributed import check_process_split
 
     with pytest.raises(ConfigError, match="8 devices cannot be split evenly over 3 processes"):
         check_process_split(8, 3)  # CPU: `--mesh fsdp=-1` over 3 processes

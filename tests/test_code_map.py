@@ -54,9 +54,8 @@ def test_spine_is_at_most_nine_files_on_the_builders_path():
 
 
 def test_spine_holds_what_a_dense_step_runs():
-    from jdist import loss
     from jdist.config import groups
-    from jdist.models import llama
+    from jdist.models import llama, loss
     from jdist.parallel import grad_sync
     from jdist.step import build, forward, grads, state
     from jdist.train import setup

@@ -1,4 +1,4 @@
-"""The communication report (jdist.comm): collectives attributed to the mesh axes they run
+"""The communication report (jdist.tools.comm): collectives attributed to the mesh axes they run
 over, with the bytes the array shapes imply and times from the declared links."""
 
 import math
@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jdist import comm, hlo
 from jdist.memory import Breakdown
-from jdist.mesh import Link, Links, links_for
+from jdist.spmd.mesh import Link, Links, links_for
+from jdist.tools import comm, hlo
 
 F32 = 4
 SHAPE = (8, 16)  # global array; sharded P(first axis, second axis) below

@@ -116,7 +116,7 @@ def test_config_json_from_before_the_groups_loads_and_is_written_the_same():
 
 def test_a_checkpoint_written_before_the_groups_is_compatible(tmp_path):
     from jdist import checkpoint as ckpt
-    from jdist.train.setup import model_of
+    from jdist.step.from_flags import model_of
 
     config = TrainConfig.of(**OLD_CONFIG_JSON)
     model = model_of(config)

@@ -6,15 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdist.equivalence import assert_matches, config, train_steps
-from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
-from jdist.mesh import build_mesh, parse_mesh
 from jdist.models import get_preset
 from jdist.models.layers import dot_product_attention
 from jdist.parallel.context import ALL_GATHER, RING, ULYSSES, ContextParallel
 from jdist.parallel.load_balance import balanced_order, ring_work
 from jdist.parallel.ring_attention import Ring, ring_attention
-from jdist.rules import DEFAULT_RULES
+from jdist.spmd.mesh import build_mesh, parse_mesh
+from jdist.spmd.rules import DEFAULT_RULES
+from jdist.tools.equivalence import assert_matches, config, train_steps
+from jdist.tools.hlo import collective_counts, executed_collective_bytes, loop_bodies
 
 ATTN_RTOL = 1e-5   # max |error| / max |reference|, outputs and gradients; observed <= ~6e-7
 TINY = get_preset("tiny")  # 8 heads, 4 kv heads: every test below is grouped-query attention

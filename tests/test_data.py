@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdist import data
 from jdist.errors import ConfigError
-from jdist.mesh import build_mesh
+from jdist.spmd.mesh import build_mesh
 
 
 def test_builtin_corpus_is_real_python_source(corpus):

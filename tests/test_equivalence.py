@@ -7,8 +7,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist import comm
-from jdist.equivalence import (
+from jdist.models import get_preset
+from jdist.parallel import grad_sync
+from jdist.spmd.mesh import build_mesh, parse_mesh
+from jdist.spmd.rules import DEFAULT_RULES, with_sequence_parallel
+from jdist.tools import comm
+from jdist.tools.equivalence import (
     HARNESS,
     assert_matches,
     config,
@@ -16,10 +20,6 @@ from jdist.equivalence import (
     mismatches,
     train_steps,
 )
-from jdist.mesh import build_mesh, parse_mesh
-from jdist.models import get_preset
-from jdist.parallel import grad_sync
-from jdist.rules import DEFAULT_RULES, with_sequence_parallel
 
 TINY = get_preset("tiny")
 

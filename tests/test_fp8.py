@@ -1,4 +1,4 @@
-"""FP8 projections (jdist.fp8): the quantization itself, and mesh invariance of a training
+"""FP8 projections (jdist.quant.fp8): the quantization itself, and mesh invariance of a training
 run with `--fp8` against the one-device FP8 run (same seed and batches, float32 compute)."""
 
 import dataclasses
@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdist import fp8
-from jdist.equivalence import assert_matches, config, train_steps
 from jdist.models import get_preset
-from jdist.rules import DEFAULT_RULES, with_sequence_parallel
+from jdist.quant import fp8
+from jdist.spmd.rules import DEFAULT_RULES, with_sequence_parallel
+from jdist.tools.equivalence import assert_matches, config, train_steps
 
 TINY = get_preset("tiny")
 

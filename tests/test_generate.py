@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdist import data, hf
+from jdist import data
 from jdist.generate import cache_bytes, generate, init_cache, left_pad
 from jdist.generate.sample import Sampling, nucleus
 from jdist.generate.weights import find_checkpoint, inference_plan, restore_params
-from jdist.mesh import build_mesh
+from jdist.hf.config import model_config
+from jdist.hf.load import load_params
 from jdist.models import get_preset
+from jdist.spmd.mesh import build_mesh
 from jdist.step.state import build_model
 
 TINY = get_preset("tiny")
@@ -126,8 +128,8 @@ def test_sampling_is_reproducible_from_the_seed(params):
 def test_greedy_matches_transformers(name, mesh, n):
     """`reference.npz`: transformers' `generate(max_new_tokens=32, do_sample=False)`."""
     ref = np.load(FIXTURES / name / "reference.npz")
-    cfg = hf.model_config(FIXTURES / name)
-    params = hf.load_params(FIXTURES / name, inference_plan(cfg, mesh_of(mesh, n)))
+    cfg = model_config(FIXTURES / name)
+    params = load_params(FIXTURES / name, inference_plan(cfg, mesh_of(mesh, n)))
     new = ref["greedy_ids"].shape[1]
     out = generate(params, cfg, list(ref["prompt_ids"]), new)
     np.testing.assert_array_equal(np.stack(out), ref["greedy_ids"])

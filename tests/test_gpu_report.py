@@ -1,5 +1,5 @@
-"""The GPU program report (jdist.gpu_report) on programs compiled by XLA's GPU compiler for a
-deviceless H100 target: FLOPs of known matmuls, collective bytes as jdist.comm counts them,
+"""The GPU program report (jdist.tools.gpu_report) on programs compiled by XLA's GPU compiler for a
+deviceless H100 target: FLOPs of known matmuls, collective bytes as jdist.tools.comm counts them,
 loop weighting, and the exposure metric with a negative control."""
 
 import re
@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdist import comm, gpu_report, target
 from jdist.config import TrainConfig
 from jdist.memory import compile_step
-from jdist.mesh import build_mesh
-from jdist.train.setup import plan_for
+from jdist.runtime import target
+from jdist.spmd.mesh import build_mesh
+from jdist.step.from_flags import plan_for
+from jdist.tools import comm, gpu_report
 
 H100 = "h100-80gb"
 
@@ -55,11 +56,11 @@ def test_causal_cudnn_attention_counts_half_its_score_matmuls():
 
 @pytest.mark.parametrize("mode", ["rowwise", "off"])
 def test_fp8_projection_runs_three_fp8_gemms(mode):
-    """`--fp8`'s projection (jdist.fp8) and its gradient on the H100 compiler: forward,
+    """`--fp8`'s projection (jdist.quant.fp8) and its gradient on the H100 compiler: forward,
     input gradient and weight gradient are each a gemm on float8 operands, counted at their
     FLOPs; the bf16 projection's three gemms are not FP8 (control)."""
-    from jdist import fp8
     from jdist.models.projection import project
+    from jdist.quant import fp8
 
     mesh = gpu_mesh("dp=1", 1)
     sharding = NamedSharding(mesh, PartitionSpec())
@@ -141,7 +142,7 @@ def test_peak_breakdown_accounts_for_the_state_and_the_layer_loop():
     """XLA's account of the peak (`--peak-breakdown`), here of the CPU compiler: the
     parameters as the arguments hold them, the rest attributed to the step's operations."""
     from jdist.memory import compile_step
-    from jdist.sharding import per_device_bytes
+    from jdist.spmd.sharding import per_device_bytes
 
     config = TrainConfig.of(model="tiny", mesh="fsdp=8", batch_size=8, seq_len=64, remat="full")
     _, plan, _ = plan_for(config)

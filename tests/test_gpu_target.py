@@ -1,5 +1,5 @@
-"""Deviceless GPU compilation (`jdist.target`): tiny steps of every layout family compiled by
-XLA's GPU compiler for 8 x H100, and what the scheduled GPU program must show.
+"""Deviceless GPU compilation (`jdist.runtime.target`): tiny steps of every layout family
+compiled by XLA's GPU compiler for 8 x H100, and what the scheduled GPU program must show.
 
 This machine has no GPU: the devices are compile-only, nothing runs, and every assertion
 reads the compiled program. What the GPU program shows and the CPU one cannot: cuDNN's
@@ -10,7 +10,7 @@ shows as bf16 here and nowhere else). Per family, one compile serves every asser
 - attention: cuDNN's fused-attention custom calls (forward and backward) where attention
   is cuDNN (`auto` must resolve to it on an H100 in bf16), the masked (bias) form for
   packed documents, none where the flash kernel runs (context parallelism);
-- the family's own collectives over its mesh axes (`jdist.gpu_report` attributes them):
+- the family's own collectives over its mesh axes (`jdist.tools.gpu_report` attributes them):
   SP's reduce-scatter over tensor, the ring's permutes over sequence, the stages' permutes,
   the experts' all-to-alls, ZeRO's gathers and reduce-scatters over data, ...;
 - every gradient reduction (all-reduce / reduce-scatter over data or fsdp) in float32,
@@ -44,23 +44,24 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist import axes as ax
-from jdist import hlo, target
-from jdist.comm import axes_of
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.generate import KVCache, compiled_step
 from jdist.generate.cache import cache_shape, cache_shardings
 from jdist.generate.sample import GREEDY
 from jdist.generate.weights import inference_plan
-from jdist.gpu_report import executions, step_report
 from jdist.memory import compile_step
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
-from jdist.rules import DEFAULT_RULES, resolve
+from jdist.runtime import target
+from jdist.spmd import axes as ax
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES, resolve
 from jdist.step import trainable
 from jdist.step.forward import attention_of
-from jdist.train.setup import plan_for
+from jdist.step.from_flags import plan_for
+from jdist.tools import hlo
+from jdist.tools.comm import axes_of
+from jdist.tools.gpu_report import executions, step_report
 
 TARGET = "h100-80gb"
 VOCAB = 131_072  # two loss chunks of the head where the vocabulary is not split (module doc)
@@ -113,7 +114,7 @@ class Program:
     collectives: list[Collective]
     calls: collections.Counter  # custom-call targets
     runs: collections.Counter   # custom-call targets by executions per step
-    report: object = None       # jdist.gpu_report.GpuReport of a training step
+    report: object = None       # jdist.tools.gpu_report.GpuReport of a training step
 
     def rows(self) -> set[tuple[str, tuple[str, ...]]]:
         return {(r.kind, r.axes) for r in self.report.rows}
@@ -452,7 +453,7 @@ def test_cuda_plugin_is_installed():
 
 
 def test_scheduling_flags_are_spelled_as_the_installed_jaxlib_spells_them():
-    """Each candidate scheduling flag (`jdist.target.candidate_flags`), and each flag jdist
+    """Each candidate scheduling flag (`jdist.runtime.target.candidate_flags`), and each flag jdist
     sets (`gpu_flags`), is a compile option
     the installed jaxlib's GPU compiler accepts (newer XLA's spellings are refused by older
     ones), and this jaxlib has candidates at all (else nobody measured it)."""

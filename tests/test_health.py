@@ -21,8 +21,8 @@ def hsdp():
     from jdist import data
     from jdist.config import TrainConfig
     from jdist.step.build import make_train_step
+    from jdist.step.from_flags import plan_for
     from jdist.step.state import init_state
-    from jdist.train.setup import plan_for
 
     _, plan, schedule = plan_for(TrainConfig.of(model="tiny", mesh="dp=4,fsdp=2"))
     tokens = np.random.default_rng(0).integers(0, plan.model.vocab_size, 4096, np.int32)
@@ -84,9 +84,9 @@ def test_dp4_fsdp2_clean_then_flip_of_the_lowest_mantissa_bit_found_by_majority(
 
 def test_two_replicas_are_both_named(hsdp):
     from jdist.config import TrainConfig
+    from jdist.step.from_flags import plan_for
     from jdist.step.state import init_state
     from jdist.train.health import check_replicas, inject_corruption
-    from jdist.train.setup import plan_for
 
     _, plan, _ = plan_for(TrainConfig.of(model="tiny", mesh="dp=2,tp=2,pp=2"))
     state = init_state(plan, 0)
@@ -130,7 +130,7 @@ def test_a_mesh_without_replicas_is_a_config_error():
     from jax.sharding import PartitionSpec as P
 
     from jdist.errors import ConfigError
-    from jdist.mesh import build_mesh
+    from jdist.spmd.mesh import build_mesh
     from jdist.train.health import check_replicas, inject_corruption
 
     mesh = build_mesh("fsdp=8")
@@ -196,7 +196,7 @@ def worker(port: int, process_id: int) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jdist.mesh import build_mesh
+    from jdist.spmd.mesh import build_mesh
     from jdist.train.health import check_replicas, inject_corruption
 
     mesh = build_mesh("dp=4,fsdp=2")

@@ -20,11 +20,12 @@ from safetensors.numpy import load_file
 
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
-from jdist.hf import load_params, model_config
+from jdist.hf.config import model_config
 from jdist.hf.export import write_hf
+from jdist.hf.load import load_params
+from jdist.step.from_flags import plan_for
 from jdist.step.layer_order import to_model_order
 from jdist.step.state import build_model
-from jdist.train.setup import plan_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 UNTIED, TIED = FIXTURES / "llama-untied", FIXTURES / "llama-tied"

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist.hlo import collective_counts, collective_shapes, loop_bodies, partitioned
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
 from jdist.parallel import embedding
-from jdist.rules import DEFAULT_RULES
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step import make_eval_step, make_optimizer, make_plan, make_train_step
+from jdist.tools.hlo import collective_counts, collective_shapes, loop_bodies, partitioned
 
 TOKENS = jax.ShapeDtypeStruct((16, 32), jnp.int32)
 BATCH = {"inputs": TOKENS, "targets": TOKENS}

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdist import hlo
 from jdist.config.groups import FinetuneFlags, MemoryFlags
-from jdist.equivalence import assert_matches, config, train_steps
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
 from jdist.models.lora import LoraConfig, is_adapter
 from jdist.parallel.pipeline import PipelineConfig
-from jdist.rules import DEFAULT_RULES
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step.optim import make_optimizer
 from jdist.step.state import build_model, init_state, make_plan
+from jdist.tools import hlo
+from jdist.tools.equivalence import assert_matches, config, train_steps
 
 # 4 layers so that an interleaved pipeline has two chunks per stage.
 LORA = dataclasses.replace(get_preset("tiny"), n_layers=4, lora=LoraConfig(4, 8.0))
@@ -171,7 +171,7 @@ Q_SETTINGS = {**SETTINGS, "quantize_base": "nf4", "double_quant": True}
 
 
 def test_qlora_matches_single_device(corpus, single_device):
-    from jdist import nf4
+    from jdist.quant import nf4
 
     reference = single_device(QLORA, **Q_SETTINGS, grads_step=GRADS_STEP)
     # (Pipelines: the same layer loop and `models.layers.weight`, checked by LoRA's pp runs.)
@@ -186,9 +186,9 @@ def test_qlora_matches_single_device(corpus, single_device):
 def test_qlora_quantizes_while_loading_shard_by_shard(tmp_path):
     """An HF checkpoint loaded onto fsdp=2,tp=2 as NF4 has exactly the codes of the float
     weights quantized whole (blocks never straddle shards); the adapters are the seed's."""
-    from jdist import nf4
-    from jdist.hf import load_params
     from jdist.hf.export import write_hf
+    from jdist.hf.load import load_params
+    from jdist.quant import nf4
 
     base_cfg = dataclasses.replace(QLORA, lora=None)
     host = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(build_model(base_cfg, 3))))
@@ -237,7 +237,7 @@ def test_memory_planner_knows_lora_and_qlora(quantize="nf4"):
     for key in ("params", "grads", "optimizer"):
         a, b = getattr(predicted, key), getattr(measured, key)
         assert abs(a - b) <= 0.05 * b, (key, a, b)
-    from jdist.sharding import per_device_bytes
+    from jdist.spmd.sharding import per_device_bytes
     from jdist.step import trainable
 
     adapters = per_device_bytes(trainable.select(QLORA, p.abstract.params), p.grad_shardings)

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jdist.hlo import collective_bytes
-from jdist.loss import cross_entropy
-from jdist.mesh import build_mesh
+from jdist.models.loss import cross_entropy
 from jdist.parallel.vocab import chunk_size, vocab_parallel_cross_entropy
+from jdist.spmd.mesh import build_mesh
+from jdist.tools.hlo import collective_bytes
 
 RTOL = 1e-6
 B, S, E, V = 2, 16, 8, 96

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from jdist import data
-from jdist.equivalence import assert_matches, config, train_steps
-from jdist.loss import IGNORE, cross_entropy
 from jdist.models import get_preset
+from jdist.models.loss import IGNORE, cross_entropy
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.step.state import build_model
+from jdist.tools.equivalence import assert_matches, config, train_steps
 
 TINY = get_preset("tiny")
 BATCH, SEQ = 16, 32

@@ -8,10 +8,10 @@ import pytest
 
 from jdist.config.groups import MemoryFlags
 from jdist.memory import measure, predict, zero_textbook
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
 from jdist.parallel.pipeline import PipelineConfig
-from jdist.rules import DEFAULT_RULES
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step import make_optimizer, make_plan
 from jdist.step.state import with_pipeline
 

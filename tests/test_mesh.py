@@ -1,9 +1,9 @@
 import jax
 import pytest
 
-from jdist.axes import MESH_AXES
 from jdist.errors import ConfigError
-from jdist.mesh import FILL, build_mesh, dcn_sizes, parse_axes, parse_mesh, preset_names
+from jdist.spmd.axes import MESH_AXES
+from jdist.spmd.mesh import FILL, build_mesh, dcn_sizes, parse_axes, parse_mesh, preset_names
 
 
 def test_aliases_and_canonical_order():

@@ -12,17 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdist import loss as objective
 from jdist.config import TrainConfig
-from jdist.equivalence import assert_matches, train_steps
-from jdist.gpu_report import report
-from jdist.hlo import collective_counts, loop_bodies
-from jdist.mesh import build_mesh
 from jdist.models import get_preset, grouped
+from jdist.models import loss as objective
 from jdist.models.moe import local_moe, rebalanced_bias, route
 from jdist.parallel.moe import moe_ffn
-from jdist.rules import DEFAULT_RULES
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step import make_optimizer, make_plan, make_train_step
+from jdist.tools.equivalence import assert_matches, train_steps
+from jdist.tools.gpu_report import report
+from jdist.tools.hlo import collective_counts, loop_bodies
 from jdist.train.loop import train
 
 MOE = get_preset("moe-tiny")

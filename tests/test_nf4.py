@@ -1,4 +1,4 @@
-"""NF4 quantization (jdist.nf4) against an independent numpy reference, written the obvious
+"""NF4 quantization (jdist.quant.nf4) against an independent numpy reference, written the obvious
 way instead of the module's way: tensors flattened to [-1, 64] blocks, the nearest of the 16
 values by argmin in float64 (first index on a tie), nibbles packed by hand, an explicit loop
 over 256-blocks for double quantization. Plus: sharded == unsharded, storage sizes."""
@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist import nf4
+from jdist.quant import nf4
 
 QUANTIZE = jax.jit(nf4.quantize, static_argnums=(1, 2))  # one compile per shape and setting
 DEQUANTIZE = jax.jit(nf4.dequantize)

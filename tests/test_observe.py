@@ -105,8 +105,8 @@ def test_resume_refuses_a_changed_compute_dtype(observed):
 
 
 def test_moe_resume_refuses_changed_micro_batching(tmp_path):
-    from jdist.mesh import parse_mesh  # noqa: F401 - the mesh only names its axes here
     from jdist.models import get_preset
+    from jdist.spmd.mesh import parse_mesh  # noqa: F401 - the mesh only names its axes here
 
     model = get_preset("moe-tiny")
     saved = TrainConfig.of(model="moe-tiny", grad_accum=2)

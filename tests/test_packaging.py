@@ -28,8 +28,8 @@ def test_wheel_installs_jdist_alone_and_trains(tmp_path):
     new = sorted(p.name for p in site.iterdir() if p.name not in before
                  and not p.name.endswith(".dist-info"))
     assert new == ["jdist"], new  # no top-level `models` or `meshes`
-    code = ("import json, jdist, jdist.models, jdist.mesh; print(json.dumps({'jdist': "
-            "jdist.__file__, 'presets': jdist.mesh.preset_names()}))")
+    code = ("import json, jdist, jdist.models, jdist.spmd.mesh; print(json.dumps({'jdist': "
+            "jdist.__file__, 'presets': jdist.spmd.mesh.preset_names()}))")
     out = json.loads(subprocess.run([python, "-c", code], check=True, capture_output=True,
                                     text=True, cwd=tmp_path, env=env, timeout=120).stdout)
     assert out["jdist"].startswith(str(site)), out  # the wheel's, not the checkout's

@@ -1,4 +1,4 @@
-"""Packed documents (`jdist.packing`): the loss of a packed batch equals the documents'
+"""Packed documents (`jdist.data.packing`): the loss of a packed batch equals the documents'
 losses computed one by one, for every attention implementation and through a pipeline.
 
 The model is the Hugging Face fixture `llama-untied` (weights N(0, 0.5), so what a token
@@ -10,12 +10,13 @@ import pytest
 from flax import nnx
 
 from jdist.config import TrainConfig
-from jdist.equivalence import config, train_steps
-from jdist.hf import load_params, model_config
-from jdist.loss import cross_entropy
-from jdist.packing import document_layout
+from jdist.data.packing import document_layout
+from jdist.hf.config import model_config
+from jdist.hf.load import load_params
+from jdist.models.loss import cross_entropy
 from jdist.parallel.pipeline import PipelineConfig
-from jdist.train.setup import plan_for
+from jdist.step.from_flags import plan_for
+from jdist.tools.equivalence import config, train_steps
 
 HF = "tests/fixtures/hf/llama-untied"
 MODEL = model_config(HF)

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 from jdist.checkpoint import Checkpointer
 from jdist.errors import ConfigError
 from jdist.export import hf_reader, main
-from jdist.hf import model_config
+from jdist.hf.config import model_config
 from jdist.hf.export import leaf_paths, write_hf
 from jdist.hf.peft import (
     ADAPTER_CONFIG,
@@ -260,7 +260,7 @@ def test_export_merges_into_the_nf4_base(tmp_path, capsys, save_base):
     """--quantize-base nf4: the adapters are merged into dequantize(quantize(W)) of every
     block projection (what training computed with), the base read from --init-from or from
     the checkpoint's own NF4 fields (--save-base); norms and the embedding are kept."""
-    pytest.importorskip("jdist.nf4")
+    pytest.importorskip("jdist.quant.nf4")
     from jdist.export import nf4_round_trip
     from jdist.models.lora import LoraConfig
     from jdist.step import trainable

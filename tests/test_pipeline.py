@@ -16,15 +16,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import data
 from jdist.config.groups import MemoryFlags
-from jdist.equivalence import assert_matches, config, train_steps
 from jdist.errors import ConfigError
-from jdist.hlo import collective_counts, executed_collective_bytes, loop_bodies
-from jdist.mesh import build_mesh, parse_mesh
 from jdist.models import get_preset
 from jdist.parallel import layer_shuffle
 from jdist.parallel import schedule as sched
 from jdist.parallel.pipeline import PipelineConfig, check_pipeline
-from jdist.rules import DEFAULT_RULES, with_sequence_parallel
+from jdist.spmd.mesh import build_mesh, parse_mesh
+from jdist.spmd.rules import DEFAULT_RULES, with_sequence_parallel
 from jdist.step.build import make_eval_step, make_train_step
 from jdist.step.layer_order import (
     layer_order,
@@ -35,6 +33,8 @@ from jdist.step.layer_order import (
 )
 from jdist.step.optim import make_optimizer
 from jdist.step.state import init_state, make_plan, with_pipeline
+from jdist.tools.equivalence import assert_matches, config, train_steps
+from jdist.tools.hlo import collective_counts, executed_collective_bytes, loop_bodies
 
 LOSS_RTOL = 1e-5
 DEEP = get_preset("tiny", n_layers=8)  # 8 layers: pp=4 x 2 virtual stages still divides
@@ -280,8 +280,8 @@ def test_weight_half_does_a_third_of_the_backward_under_every_stashing_remat(mon
     """The split backward of the tiny model's own chunk, under each `--remat` a zero-bubble
     schedule accepts: the weight half runs a third or more of the backward's matmul FLOPs,
     also where the layer recomputes its forward (selective), and no matmul runs twice."""
+    from jdist.models.remat import NAMES
     from jdist.parallel import pipeline, split_backward
-    from jdist.remat import NAMES
 
     flops: dict = {}
     original = split_backward.halves
@@ -313,7 +313,7 @@ def test_stash_executes_no_forward_twice(corpus):
     every block forward twice more than reading the forward's stash (`--remat none`) does,
     about 5 / 3 of it; the stash's own are those of the unpipelined step (benchmarks/
     pipeline.py, within 3%)."""
-    from jdist import gpu_report
+    from jdist.tools import gpu_report
 
     mesh = build_mesh("pp=4", jax.devices()[:4])
     shares = gpu_report.pipeline_shares(SimpleNamespace(pipeline=PipelineConfig("1f1b", 4),

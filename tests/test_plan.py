@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from jdist import axes as ax
 from jdist.config import parse_args
 from jdist.errors import ConfigError
 from jdist.models import get_preset
@@ -19,6 +18,7 @@ from jdist.parallel.pipeline import PipelineConfig
 from jdist.plan import cost, layouts
 from jdist.plan.__main__ import main as plan_main
 from jdist.plan.profiles import load_profile
+from jdist.spmd import axes as ax
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,10 +72,10 @@ def test_expert_flops_follow_the_routing_path(routing, mesh):
     by their trips; the later expert rounds, 0 near balance, left out): the padded dropless
     path runs E/k times the routed expert FLOPs, capacity its buffers, grouped its blocks
     (with routed FLOPs alone, dropless was 2.26x off)."""
-    from jdist import gpu_report
     from jdist.config import TrainConfig
     from jdist.memory import compile_step
-    from jdist.train.setup import plan_for
+    from jdist.step.from_flags import plan_for
+    from jdist.tools import gpu_report
 
     batch, seq = 8, 64
     plan = plan_for(TrainConfig.of(model="moe-tiny", mesh=mesh, batch_size=batch, seq_len=seq,
@@ -106,7 +106,7 @@ def test_pipeline_bubble_weighs_backward_ticks():
 
 
 def test_overlap_hides_replica_collectives_only():
-    from jdist.comm import Row
+    from jdist.tools.comm import Row
     assert cost.hideable(Row("all-gather", (ax.FSDP,)))
     assert cost.hideable(Row("reduce-scatter", (ax.DATA, ax.FSDP)))
     assert cost.hideable(Row("collective-permute", (ax.SEQUENCE,)))

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist.comm import RING, transfer_time
 from jdist.errors import ConfigError
-from jdist.mesh import Link
 from jdist.plan import calibrate as cal
 from jdist.plan.profiles import FRACTIONS, NUMBERS, load_profile, profile_names
+from jdist.spmd.mesh import Link
+from jdist.tools.comm import RING, transfer_time
 
 GPUS = ("h100-80gb", "h200-141gb", "a100-80gb")
 

@@ -1,5 +1,5 @@
 """jdist.plan.traffic: a step's collectives predicted from the plan alone, against what
-jdist.comm.report reads from the compiled step (8 simulated devices, the tiny model, one
+jdist.tools.comm.report reads from the compiled step (8 simulated devices, the tiny model, one
 compile per layout)."""
 
 import dataclasses
@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist import comm, gpu_report, hlo
 from jdist.config import TrainConfig
 from jdist.memory import compile_step
 from jdist.plan import traffic
 from jdist.step.build import make_train_step
-from jdist.train.setup import plan_for
+from jdist.step.from_flags import plan_for
+from jdist.tools import comm, gpu_report, hlo
 
 TOLERANCE = 0.05  # relative, per collective kind and in total
 

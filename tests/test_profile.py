@@ -6,22 +6,23 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist import profile
+from jdist.config.fields import parse_steps
 from jdist.errors import ConfigError
+from jdist.tools import profile
 
 FRACTIONS = ("comm_fraction", "compute_fraction", "idle_fraction")
 
 
 def test_parse_steps():
-    assert profile.parse_steps("3-5") == (3, 5)
-    assert profile.parse_steps("4") == (4, 4)
-    assert profile.parse_steps(" 2 - 2 ") == (2, 2)
+    assert parse_steps("3-5") == (3, 5)
+    assert parse_steps("4") == (4, 4)
+    assert parse_steps(" 2 - 2 ") == (2, 2)
 
 
 @pytest.mark.parametrize("text", ["", "a", "5-3", "0-2", "-3", "3-", "1,2", "2-4-6"])
 def test_parse_steps_rejects(text):
     with pytest.raises(ConfigError, match="--profile-steps") as e:
-        profile.parse_steps(text)
+        parse_steps(text)
     assert "\n" not in str(e.value)
 
 
@@ -42,7 +43,7 @@ def tiny_trace(tmp_path_factory):
     setup = prepare(config)
     state = init_state(setup.plan, config.data.seed)
     step_fn = compile_step(setup, state)
-    tracer = profile.StepTracer(run_dir / "profile", *profile.parse_steps("2-3"))
+    tracer = profile.StepTracer(run_dir / "profile", *parse_steps("2-3"))
     try:
         for i in range(1, config.optim.steps + 1):
             batch = setup.batch(i - 1)

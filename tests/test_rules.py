@@ -3,10 +3,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist import axes as ax
 from jdist.errors import ConfigError
-from jdist.mesh import build_mesh
-from jdist.rules import (
+from jdist.spmd import axes as ax
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import (
     DEFAULT_RULES,
     constrainer,
     load_rules,

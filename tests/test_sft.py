@@ -18,7 +18,7 @@ from jdist.data import sft
 from jdist.data.chat import chat_template
 from jdist.data.tokenizer import load_tokenizer
 from jdist.errors import ConfigError
-from jdist.loss import IGNORE
+from jdist.models.loss import IGNORE
 
 ROOT = Path(__file__).resolve().parents[1]
 TOK = ROOT / "tests/fixtures/hf/tokenizer"

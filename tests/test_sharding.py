@@ -4,10 +4,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
-from jdist.rules import DEFAULT_RULES
-from jdist.sharding import per_device_bytes
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES
+from jdist.spmd.sharding import per_device_bytes
 from jdist.step import init_state, make_optimizer, make_plan
 
 

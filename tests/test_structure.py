@@ -1,14 +1,35 @@
-"""The code's shape: the model stands alone, and no module imports itself back."""
+"""The code's shape: packages stacked in layers (none imports one above it, none forms a
+cycle with another), the model stands alone, and no module imports itself back."""
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Directories of the project's code and the package each installs as (jdist/models links to
-# models/, which rglob does not follow).
-PACKAGES = {"jdist": "jdist", "models": "jdist.models"}
+PACKAGES = {"jdist": "jdist"}  # directory of the project's code -> the package it installs as
+
+# The layers, lowest first. A module may import from its own layer and those below, never
+# from above. An entry is a package (or, rarely, one module of one: `jdist.hf.config` reads
+# a config.json with no weights, which the flags need before any step exists); a module
+# belongs to its longest matching entry. `jdist` is the package's own __init__ (it picks the
+# JAX platform, with the runtime's help).
+LAYERS: list[tuple[str, set[str]]] = [
+    ("errors", {"jdist.errors"}),
+    ("devices and named axes", {"jdist", "jdist.spmd", "jdist.runtime", "jdist.launch"}),
+    ("models", {"jdist.models", "jdist.meshes"}),
+    ("quantized numbers", {"jdist.quant"}),
+    ("data and files", {"jdist.data", "jdist.checkpoint", "jdist.hf.config"}),
+    ("kernels", {"jdist.parallel"}),
+    ("flags", {"jdist.config"}),
+    ("the step", {"jdist.step"}),
+    ("formats and inference", {"jdist.hf", "jdist.export", "jdist.generate"}),
+    ("inspection", {"jdist.tools"}),
+    ("the memory model", {"jdist.memory"}),
+    ("the planner", {"jdist.plan"}),
+    ("training", {"jdist.train"}),
+]
 
 
 def test_models_import_nothing_from_the_parallel_or_training_code():
@@ -19,8 +40,8 @@ def test_models_import_nothing_from_the_parallel_or_training_code():
     assert out == "[]", out
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     parts = (PACKAGES[parts[0]], *parts[1:])
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -49,17 +70,22 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def test_no_import_cycles():
-    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
-    modules = {module_name(p) for p in files}
-    graph = {module_name(p): imports_of(p, modules) for p in files}
-    for name, deps in graph.items():  # a module's own parent packages run first anyway
-        graph[name] = {d for d in deps if not name.startswith(d + ".") and d != name}
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Each project module -> the project modules it imports (its parent packages aside:
+    they run first anyway)."""
+    files = [p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")]
+    names = {p: module_name(p, root) for p in files}
+    graph = {names[p]: imports_of(p, set(names.values())) for p in files}
+    return {m: {d for d in deps if not m.startswith(d + ".") and d != m}
+            for m, deps in graph.items()}
+
+
+def cycles_of(graph: dict[str, set[str]]) -> list[list[str]]:
     cycles, state = [], {}
 
     def visit(node, stack):
         state[node] = "open"
-        for dep in sorted(graph[node]):
+        for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
                 cycles.append(stack[stack.index(dep):] + [dep])
             elif dep not in state:
@@ -69,7 +95,51 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
-    assert not cycles, cycles
+    return cycles
+
+
+def entry_of(module: str) -> str:
+    entries = [e for _, group in LAYERS for e in group]
+    found = [e for e in entries if module == e or module.startswith(e + ".")]
+    assert found, f"{module} is in no layer: add its package to LAYERS"
+    return max(found, key=len)
+
+
+def layer_of(module: str) -> int:
+    entry = entry_of(module)
+    return next(i for i, (_, group) in enumerate(LAYERS) if entry in group)
+
+
+def layer_violations(root: Path = ROOT) -> list[str]:
+    """Every import of a module from a higher layer, and every cycle between layer entries
+    (two packages of one layer importing each other)."""
+    graph = module_graph(root)
+    upward = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+              for m, deps in sorted(graph.items()) for d in sorted(deps)
+              if layer_of(d) > layer_of(m)]
+    entries: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        entries.setdefault(entry_of(m), set()).update(
+            entry_of(d) for d in deps if entry_of(d) != entry_of(m))
+    return upward + [" -> ".join(c) for c in cycles_of(entries)]
+
+
+def test_layers_import_downward_only():
+    assert not layer_violations(), "\n".join(layer_violations())
+
+
+def test_layer_check_finds_a_planted_upward_import(tmp_path):
+    """The check is not vacuous: the model importing the training loop is caught."""
+    shutil.copytree(ROOT / "jdist", tmp_path / "jdist")
+    llama = tmp_path / "jdist" / "models" / "llama.py"
+    llama.write_text(llama.read_text() + "\n\ndef _planted():\n    from jdist.train import loop\n")
+    found = layer_violations(tmp_path)
+    assert any(v.startswith("jdist.models.llama (models) imports jdist.train.loop") for v in found)
+    assert any("jdist.models" in v and "jdist.train" in v and "->" in v for v in found)
+
+
+def test_no_import_cycles():
+    assert not cycles_of(module_graph()), cycles_of(module_graph())
 
 
 def test_parameter_tree_names_are_the_models():

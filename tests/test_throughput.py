@@ -6,8 +6,8 @@ import pytest
 
 from jdist.config import TrainConfig
 from jdist.models import get_preset
+from jdist.tools.throughput import flops_per_token, peak_tflops, utilisation
 from jdist.train.loop import train
-from jdist.train.throughput import flops_per_token, peak_tflops, utilisation
 
 
 def test_flops_per_token_counts_what_each_token_multiplies():

@@ -18,7 +18,7 @@ TINY = ["--model", "tiny", "--mesh", "dp=1", "--batch-size", "2", "--seq-len", "
 @pytest.fixture(autouse=True, scope="module")
 def eight_devices():
     """The in-process commands simulate only the devices their mesh needs if JAX is not up
-    yet (`jdist.distributed.configure_devices`): start it with conftest's 8 first, or the
+    yet (`jdist.runtime.distributed.configure_devices`): start it with conftest's 8 first, or the
     tests that follow in this worker would find one device."""
     assert len(jax.devices()) == 8
 

@@ -9,12 +9,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jdist.config.groups import MemoryFlags
-from jdist.equivalence import assert_matches, config, train_steps
-from jdist.hlo import collective_counts, collective_dtypes, loop_bodies, partitioned
-from jdist.mesh import build_mesh
 from jdist.models import get_preset
-from jdist.rules import DEFAULT_RULES
+from jdist.spmd.mesh import build_mesh
+from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step import make_optimizer, make_plan, make_train_step
+from jdist.tools.equivalence import assert_matches, config, train_steps
+from jdist.tools.hlo import collective_counts, collective_dtypes, loop_bodies, partitioned
 
 TINY = get_preset("tiny")
 BATCH = 32  # divisible by data x micro-batches on every mesh below
@@ -118,7 +118,7 @@ def test_gradient_reductions_run_in_float32_under_bfloat16(zero):
     reduction is float32, while weights are gathered in bf16 (ZeRO-3, fsdp)."""
     _, lowered = lowered_step("dp=2,fsdp=4", zero, compute_dtype="bfloat16")
     dtypes = collective_dtypes(partitioned(lowered))
-    # And one int32 all-reduce: the global count of counted targets (jdist.loss).
+    # And one int32 all-reduce: the global count of counted targets (jdist.models.loss).
     assert dtypes["all-reduce"] == {"f32", "s32"}
     assert dtypes["reduce-scatter"] == {"f32"}
     assert "bf16" in dtypes["all-gather"]

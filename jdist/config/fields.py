@@ -1,9 +1,13 @@
 """How a configuration field is declared: its default, help text, whether it decides the
-run's results, and (rarely) a flag name other than the field's."""
+run's results, and (rarely) a flag name other than the field's; the parser of a step range
+(`--profile-steps`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+
+from jdist.errors import ConfigError
 
 
 def flag(default, help: str, result: bool = False, name: str | None = None):
@@ -21,3 +25,14 @@ def flag_name(field: dataclasses.Field) -> str:
     """The field's flag without dashes (`grad_accum` for `--grad-accum`), also its key in a
     run directory's config.json."""
     return field.metadata.get("flag", field.name)
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """`--profile-steps`: "3-5" -> (3, 5), "4" -> (4, 4). Steps count from 1, as in
+    metrics.jsonl."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text or "")
+    first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+    if not 1 <= first <= last:
+        raise ConfigError(f"--profile-steps {text!r}: expected A-B with 1 <= A <= B "
+                          f"(e.g. --profile-steps 3-5) or one step N (e.g. --profile-steps 4)")
+    return first, last

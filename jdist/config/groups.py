@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jdist.config.fields import flag
+from jdist.config.fields import flag, parse_steps
+from jdist.data.packing import PACKINGS
 from jdist.data.sft import FORMATS
 from jdist.errors import require
-from jdist.loss import LOSSES
-from jdist.packing import PACKINGS
+from jdist.models.loss import LOSSES
 from jdist.parallel.attention import IMPLEMENTATIONS
 from jdist.parallel.schedule import SCHEDULES
 
@@ -120,7 +120,7 @@ class ParallelFlags:
     mesh: str = flag("fsdp=-1", "mesh as AXIS=SIZE pairs (dp, pp, fsdp, sp/cp, ep, tp; one "
                      "may be -1) or a preset name from meshes/")
     rules: str = flag("", "TOML file overriding the logical-axis rules ([rules] name = [mesh "
-                      "axes]) (default: jdist.rules.DEFAULT_RULES)")
+                      "axes]) (default: jdist.spmd.rules.DEFAULT_RULES)")
     sequence_parallel: bool = flag(False, "shard activations' sequence dim over tensor "
                                    "between TP regions")
     cp_strategy: str = flag("ring", "attention when the mesh has sp>1: ring (K/V pass around, "
@@ -206,8 +206,8 @@ class MemoryFlags:
 
     def validate(self) -> None:
         """Also checked by `make_plan`, which tests and benchmarks call without flags."""
-        from jdist import remat as remat_policies
-        from jdist.zero import STAGES
+        from jdist.models import remat as remat_policies
+        from jdist.spmd.zero import STAGES
 
         require(self.zero in STAGES, f"--zero {self.zero} is not a ZeRO stage; use 0, 1, 2 "
                 "or 3")
@@ -355,8 +355,6 @@ class ObserveFlags:
                      "recompute_check_every", "straggler_every"):
             _require_off_or_positive(self, name)
         if self.profile_steps:
-            from jdist.profile import parse_steps
-
             parse_steps(self.profile_steps)
         require(self.straggler_windows >= 1,
                 f"--straggler-windows {self.straggler_windows} must be at least 1")

@@ -2,7 +2,7 @@
 chat records, packed into rows whose loss counts only the answers.
 
 Each record is one packed document, `[eod] + prompt ids + answer ids` (the eod id opens a
-document, `jdist.packing`). Targets predicting prompt tokens are IGNORE; those predicting
+document, `jdist.data.packing`). Targets predicting prompt tokens are IGNORE; those predicting
 answer tokens are counted, and so is the one after the last answer token (the next eod: the
 model learns where the answer ends). Chat records are rendered with the tokenizer's chat
 template the way transformers renders it; an assistant message's tokens are what its turn
@@ -23,7 +23,7 @@ from jdist.data import TRAIN_STREAM, VAL_FRACTION, Corpus, jsonl_records
 from jdist.data.chat import chat_template, render
 from jdist.data.tokenizer import Tokenizer
 from jdist.errors import require
-from jdist.loss import IGNORE
+from jdist.models.loss import IGNORE
 
 TEXT, SFT = "text", "sft"
 FORMATS = (TEXT, SFT)
@@ -180,7 +180,7 @@ def load_sft(path: str, tokenizer: Tokenizer, seq_len: int,
 
 def for_training(config, tokenizer: Tokenizer) -> SftData:
     """`--data-format sft`: the flags it needs checked, the rows loaded, the summary said."""
-    from jdist.distributed import is_main_process
+    from jdist.runtime.distributed import is_main_process
 
     given = repr(config.data.path) if config.data.path else "the builtin corpus"
     require(config.data.path.endswith(".jsonl"),

@@ -21,7 +21,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jdist import axes as ax
 from jdist.generate.cache import (
     KVCache,
     attention_window,
@@ -34,7 +33,8 @@ from jdist.models import Llama, ModelConfig
 from jdist.models.context import ModelContext
 from jdist.models.names import EMBED
 from jdist.parallel import embedding
-from jdist.rules import DEFAULT_RULES, Rules, constrainer, mesh_axes_of, resolve
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import DEFAULT_RULES, Rules, constrainer, mesh_axes_of, resolve
 
 __all__ = ["KVCache", "Sampling", "cache_bytes", "forward", "generate", "init_cache",
            "left_pad", "stream"]
@@ -75,7 +75,7 @@ def mesh_of(params: dict):
     sharding = jax.tree.leaves(params)[0].sharding
     if isinstance(sharding, NamedSharding):
         return sharding.mesh
-    from jdist.mesh import build_mesh
+    from jdist.spmd.mesh import build_mesh
 
     return build_mesh("", list(sharding.device_set))
 

@@ -66,7 +66,7 @@ def mesh_for(text: str):
     """The mesh over the first devices it needs (one by default; a -1 axis takes all)."""
     import jax
 
-    from jdist.mesh import build_mesh, parse_mesh
+    from jdist.spmd.mesh import build_mesh, parse_mesh
 
     spec, devices = parse_mesh(text), jax.devices()
     n = spec.n_devices(default_fill=len(devices))
@@ -84,7 +84,8 @@ def model_and_params(args):
         saved = found.meta.get("config", {}).get("tokenizer", "")
         return (weights.checkpoint_model(found),
                 lambda plan: weights.restore_params(found, plan), args.tokenizer or saved)
-    from jdist.hf import load_params, model_config
+    from jdist.hf.config import model_config
+    from jdist.hf.load import load_params
 
     return (model_config(args.init_from), lambda plan: load_params(args.init_from, plan),
             args.tokenizer or args.init_from)
@@ -98,7 +99,7 @@ def run(args) -> None:
     from jdist.generate.sample import Sampling
     from jdist.generate.text import TextStream, complete, decode, encode_prompts, read_prompts
     from jdist.generate.weights import DEFAULT_CONTEXT, hf_context, inference_plan
-    from jdist.mesh import describe
+    from jdist.spmd.mesh import describe
 
     check_args(args)
     texts = read_prompts(args)
@@ -138,8 +139,8 @@ def run(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         args = make_parser().parse_args(argv)
-        from jdist.distributed import configure_devices
-        from jdist.mesh import parse_mesh
+        from jdist.runtime.distributed import configure_devices
+        from jdist.spmd.mesh import parse_mesh
 
         spec = parse_mesh(args.mesh)
         extra = [a for a, s in spec.sizes.items() if a not in SUPPORTED_AXES and s != 1]

@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jdist import axes as ax
 from jdist.errors import require
 from jdist.models import ModelConfig
 from jdist.models.llama import KV_CACHE
-from jdist.rules import DEFAULT_RULES, Rules, batch_split, resolve
-from jdist.sharding import check_divisible
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import DEFAULT_RULES, Rules, batch_split, resolve
+from jdist.spmd.sharding import check_divisible
 
 
 class KVCache(NamedTuple):

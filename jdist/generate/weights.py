@@ -16,7 +16,7 @@ from jdist.config.groups import MemoryFlags
 from jdist.errors import ConfigError, require
 from jdist.models import ModelConfig
 from jdist.models.config import config_from_dict
-from jdist.rules import DEFAULT_RULES, Rules
+from jdist.spmd.rules import DEFAULT_RULES, Rules
 from jdist.step.layer_order import CHECKPOINT_KEY, permute
 from jdist.step.state import Plan, make_plan
 
@@ -73,9 +73,7 @@ def restore_params(found: ckpt.Found, plan: Plan) -> dict:
     if saved_order is not None:  # an interleaved pipeline stores the stack permuted
         params = permute(params, np.argsort(saved_order))
     if base is not None:
-        from jdist.train.resume import _with_base
-
-        params = _with_base(params, base)
+        params = trainable.with_base(params, base)
     print(f"restored parameters of step {found.step} from {found.path} in "
           f"{time.perf_counter() - start:.2f}s", file=sys.stderr)
     return params
@@ -100,7 +98,7 @@ def lora_base(found: ckpt.Found, plan: Plan) -> dict:
         return init_state(plan, seed).params
     require(Path(init_from).is_dir(), f"--checkpoint {found.path} holds LoRA adapters whose "
             f"base model (--init-from {init_from}) is not there; run where it is, or {fix}")
-    from jdist.hf import load_params
+    from jdist.hf.load import load_params
 
     return load_params(init_from, plan, seed=seed)
 

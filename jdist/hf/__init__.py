@@ -1,7 +1,4 @@
-"""Hugging Face checkpoints in and out: `config.json` <-> `ModelConfig` (`config`), the
-tensor names and layouts (`layout`), sharded loading (`load`) and export (`export`)."""
-
-from jdist.hf.config import hf_config, model_config
-from jdist.hf.load import Source, load_params
-
-__all__ = ["Source", "hf_config", "load_params", "model_config"]
+"""Hugging Face checkpoints in and out: `config.py` (config.json <-> ModelConfig, which the
+flags need before any weight is read), `layout.py` (tensor names and layouts), `load.py`
+(weights into a plan's layout), `export.py`, `peft.py`. Nothing is imported here, so reading
+a config never loads the step."""

@@ -17,11 +17,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
 
-from jdist import nf4
 from jdist.errors import require
 from jdist.hf import layout
 from jdist.hf.config import model_config
 from jdist.models.names import BLOCKS
+from jdist.quant import nf4
 from jdist.step.layer_order import order_of
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"

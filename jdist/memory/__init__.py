@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from jdist.loss import CHUNKED
+from jdist.models.loss import CHUNKED
 from jdist.parallel.blockwise import KEY_TILE, Q_TILE
 from jdist.parallel.moe import expert_factor
 from jdist.parallel.vocab import chunk_size
-from jdist.sharding import per_device_bytes
+from jdist.spmd.sharding import per_device_bytes
 from jdist.step import trainable
 
 COMPONENTS = ("params", "grads", "optimizer", "activations")
@@ -78,8 +78,8 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     and cotangents (one pipeline micro-batch each) with the tick's buffers; a pipeline stage
     runs one chunk of layers at a time, so its "every layer" is one chunk's, held for each
     micro-batch in flight when the backward reads the forward's residuals (`stashes`)."""
-    from jdist import axes as ax
     from jdist.parallel.pipeline import stashes
+    from jdist.spmd import axes as ax
 
     m, cfg = plan.mesh.shape, plan.model
     layers, stashed, ticks, accumulator, held, awaiting, handed = cfg.n_layers, 0, 0, 0, 0, \
@@ -109,7 +109,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
             # accumulation loop: one more gradient tree, of a ZeRO-2 gradient's size (fitted)
             accumulator += _grad_bytes(plan) // (m[ax.DATA] if plan.zero < 2 else 1)
     a = _activations(plan, micro_batch, seq_len, compute_bytes)
-    # What each layer's checkpoint keeps (jdist.remat), stacked over the layer scan by the
+    # What each layer's checkpoint keeps (jdist.models.remat), stacked over the layer scan by the
     # forward's loop. The compiler drops what the backward never reads (the last
     # projection's output) and keeps XLA's own intermediates of the rest.
     kept = {"full": a.x,
@@ -209,9 +209,9 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
     activations of `c` bytes an element."""
     import math
 
-    from jdist import axes as ax
     from jdist.parallel.context import RING, ULYSSES
-    from jdist.rules import batch_split, mesh_axes_of, resolve
+    from jdist.spmd import axes as ax
+    from jdist.spmd.rules import batch_split, mesh_axes_of, resolve
 
     m, cfg = plan.mesh.shape, plan.model
     tp, cp = m[ax.TENSOR], m[ax.SEQUENCE]
@@ -292,9 +292,9 @@ def stage_gathered_bytes(plan) -> int:
     accumulates whole over it until the reduce-scatter after the ticks."""
     from jax.sharding import NamedSharding
 
-    from jdist import axes as ax
     from jdist.models.names import BLOCKS
     from jdist.parallel.stage_shared import stage_dim
+    from jdist.spmd import axes as ax
 
     if plan.pipeline is None:
         return 0
@@ -362,9 +362,9 @@ def prefetches(plan) -> bool:
     over all layers, or a pipeline chunk's."""
     import jax
 
-    from jdist import axes as ax
     from jdist.models.names import BLOCKS
     from jdist.parallel import prefetch
+    from jdist.spmd import axes as ax
     from jdist.step.grads import syncs
 
     layers = plan.model.n_layers
@@ -397,8 +397,8 @@ def _gathered(tree, shardings, itemsize: int | None, axes: tuple[str, ...] = ())
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jdist import axes as ax
-    from jdist.rules import without_axis
+    from jdist.spmd import axes as ax
+    from jdist.spmd.rules import without_axis
 
     def strip(s):
         spec = tuple(s.spec)
@@ -434,7 +434,7 @@ def _gathered_layer(plan, compute_bytes: int) -> tuple[int, int]:
     (`grad_sync.gather`), and the float32 gradient of its largest trained leaf."""
     import jax
 
-    from jdist import axes as ax
+    from jdist.spmd import axes as ax
 
     layers = plan.model.n_layers  # a pipeline stage holds its share of them
     if plan.pipeline is not None:
@@ -456,8 +456,8 @@ def _layer_parts(plan, compute_bytes: int):
     stored, plus their weights dequantized in the compute dtype."""
     import jax
 
-    from jdist import nf4
     from jdist.models.names import BLOCKS
+    from jdist.quant import nf4
 
     blocks, shardings = plan.abstract.params[BLOCKS], plan.shardings.params[BLOCKS]
     is_nf4 = lambda x: isinstance(x, nf4.Nf4)

@@ -1,15 +1,15 @@
 """`python -m jdist.memory`: the per-device memory plan of a training configuration,
 optionally beside the compiler's numbers and the step's communication (`--measure`,
-`jdist.comm`), as a table or JSON."""
+`jdist.tools.comm`), as a table or JSON."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from jdist import gpu_report
-from jdist.comm import comm_table, step_report
 from jdist.memory import compile_step, gib, measure, peak, predict, table
+from jdist.tools import gpu_report
+from jdist.tools.comm import comm_table, step_report
 
 
 def make_parser():
@@ -28,9 +28,9 @@ def make_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jdist.distributed import configure_devices
     from jdist.errors import ConfigError, require
-    from jdist.target import prepare_target
+    from jdist.runtime.distributed import configure_devices
+    from jdist.runtime.target import prepare_target
 
     parser = make_parser()
     try:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         do_measure, as_json = args.pop("measure"), args.pop("json")
         want_breakdown = args.pop("peak_breakdown")
         from jdist.config import TrainConfig
-        from jdist.mesh import parse_mesh
+        from jdist.spmd.mesh import parse_mesh
 
         config = TrainConfig.of(**args)
         target = config.devices.target
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare_target(target)
         configure_devices(config.devices.cpu_devices or
                           parse_mesh(config.parallel.mesh).n_devices(8))
-        from jdist.train.setup import plan_for
+        from jdist.step.from_flags import plan_for
 
         _, plan, _ = plan_for(config)
     except ConfigError as e:

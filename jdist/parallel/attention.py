@@ -29,8 +29,8 @@ CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 def accelerator(device=None) -> tuple[str, tuple[int, ...]]:
     """("cuda", compute capability) for an NVIDIA GPU, a real one or a deviceless target's
-    (`jdist.target`); else (the platform's name, ()). Default: jax's first device."""
-    from jdist import target
+    (`jdist.runtime.target`); else (the platform's name, ()). Default: jax's first device."""
+    from jdist.runtime import target
 
     device = device or jax.devices()[0]
     nvidia = target.is_compile_only(device) or "cuda" in device.client.platform_version.lower()

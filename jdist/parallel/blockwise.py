@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdist.models.precision import accumulator
-from jdist.varying import varying, vma, zeros
+from jdist.spmd.varying import varying, vma, zeros
 
 # A masked score. Finite, so exp(MASKED - max) is exactly 0 and an all-masked row is never NaN.
 MASKED = float(jnp.finfo(jnp.float32).min)

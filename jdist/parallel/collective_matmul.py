@@ -149,9 +149,9 @@ def applies(setting: str, mesh, rules, pipelined: bool = False, axis: str = "ten
     devices only, and a `collective-permute` names no group, so on the CPU (jax 0.10.2) it
     paired with the other stages' permutes of that tick and moved the wrong chunks (as
     `ring_attention.Ring.shift` describes)."""
-    from jdist import axes as ax
-    from jdist.rules import mesh_axes_of, resolve
-    from jdist.target import overlap_by_default
+    from jdist.runtime.target import overlap_by_default
+    from jdist.spmd import axes as ax
+    from jdist.spmd.rules import mesh_axes_of, resolve
 
     if setting == "off" or (setting == "auto" and not overlap_by_default(mesh)):
         return False
@@ -166,8 +166,8 @@ def applies(setting: str, mesh, rules, pipelined: bool = False, axis: str = "ten
 def hooks(mesh, rules, axis: str = "tensor") -> dict:
     """`ModelContext.widen`/`narrow` as collective matmuls over `axis`, each operand's split
     read from the rules by the logical names the model gives."""
-    from jdist import axes as ax
-    from jdist.rules import mesh_axes_of, resolve
+    from jdist.spmd import axes as ax
+    from jdist.spmd.rules import mesh_axes_of, resolve
 
     def split(names):  # only `axis`: the other mesh axes stay automatic
         return PartitionSpec(*(axis if axis in mesh_axes_of(e) else None

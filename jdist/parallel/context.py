@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jdist.axes import BATCH, HEAD_DIM, HEADS, KV_HEADS, LENGTH
 from jdist.errors import require
 from jdist.parallel.all_gather_attention import all_gather_attention
 from jdist.parallel.load_balance import balanced_order
 from jdist.parallel.ring_attention import Ring, ring_attention
 from jdist.parallel.ulysses_attention import ulysses_attention
-from jdist.rules import Rules, mesh_axes_of, resolve
+from jdist.spmd.axes import BATCH, HEAD_DIM, HEADS, KV_HEADS, LENGTH
+from jdist.spmd.rules import Rules, mesh_axes_of, resolve
 
 RING, ALL_GATHER, ULYSSES = "ring", "all_gather", "ulysses"
 STRATEGIES = (RING, ALL_GATHER, ULYSSES)

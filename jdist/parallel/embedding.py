@@ -37,7 +37,7 @@ from jdist.parallel.grad_sync import Sync
 
 
 def supports(sync: Sync) -> bool:
-    """Only the embed dimension may be split over replica axes (what `jdist.zero` and the
+    """Only the embed dimension may be split over replica axes (what `jdist.spmd.zero` and the
     default rules give); otherwise the step gathers the table as any parameter."""
     return not sync.stored[0] and not sync.grad[0]
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jdist.models.grouped import grouped_swiglu
 from jdist.models.precision import accumulator
-from jdist.varying import alike, zeros
+from jdist.spmd.varying import alike, zeros
 
 ROUND_FACTOR = 1.2  # per-peer room per round over the even share (bytes and FLOPs per round)
 
@@ -37,7 +37,7 @@ def round_capacity(assignments: int, n_ep: int) -> int:
 def routed_rounds(x, w, experts, ep_axes: tuple, n_ep: int, fp8=None) -> jax.Array:
     """Every assignment's expert output [T k, d] (partial over `tensor` where the experts'
     hidden units are split). Inside a shard_map over `ep_axes`; w holds the local experts.
-    `fp8`: a `jdist.fp8.ExpertDots`, or None."""
+    `fp8`: a `jdist.quant.fp8.ExpertDots`, or None."""
     x, *w = alike(x, *(w[k].astype(x.dtype) for k in ("w_gate", "w_up", "w_down")))
     return _rounds(x, *w, experts, tuple(ep_axes), n_ep, fp8)
 

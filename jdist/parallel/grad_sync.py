@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jdist.errors import require
-from jdist.remat import GATHERED
-from jdist.rules import as_candidate, mesh_axes_of
+from jdist.models.remat import GATHERED
+from jdist.spmd.rules import as_candidate, mesh_axes_of
 
 # `check_vma` of the replica shard_map (jdist.step.grads, jdist.step.pipelined). Off, for
 # a jax limitation (0.10.2): with it on, autodiff's partial evaluation of a kernel shard_map
@@ -89,7 +89,7 @@ def make_sync(stored_spec, grad_spec, ndim: int, mesh, manual: tuple[str, ...], 
     stored = manual_part(stored_spec, ndim, manual, what)
     grad = manual_part(grad_spec, ndim, manual, what)
     for s, g in zip(stored, grad):
-        assert g[:len(s)] == s, (stored, grad)  # ZeRO only appends axes (jdist.zero)
+        assert g[:len(s)] == s, (stored, grad)  # ZeRO only appends axes (jdist.spmd.zero)
     used = {a for axes in grad for a in axes}
     # The axes GSPMD partitions (tensor, ...): the collectives run on their blocks
     # (`on_shards`).

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jdist import axes as ax
 from jdist.parallel import CHECK_VMA
+from jdist.spmd import axes as ax
 
 Round = tuple[list[tuple[int, int]], list[int], list[int]]  # (perm, send slot, receive slot)
 

@@ -4,7 +4,7 @@ Each device routes its own tokens, sends every token to the device that owns its
 with an all-to-all over the `expert` axis, runs its local experts (hidden units split over
 `tensor`), and sends the results back with a second all-to-all. Load-balancing statistics
 are summed over every axis of the kernel that splits tokens; the step sums them over the
-data replicas (`jdist.loss`), so the auxiliary losses are the global ones whatever the mesh.
+data replicas (`jdist.models.loss`), so the auxiliary losses are the global ones whatever the mesh.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jdist import axes as ax
-from jdist.fp8 import expert_dots
 from jdist.models.grouped import blocks_for
 from jdist.models.moe import (
     CAPACITY,
@@ -30,7 +28,9 @@ from jdist.models.moe import (
 )
 from jdist.parallel import kernel_mesh
 from jdist.parallel.expert_rounds import round_capacity, routed_rounds
-from jdist.rules import Rules, mesh_axes_of, resolve
+from jdist.quant.fp8 import expert_dots
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import Rules, mesh_axes_of, resolve
 
 X_NAMES = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
 WEIGHT_NAMES = {"router": (None, None), ROUTER_BIAS: (None,), "w_gate": (ax.EXPERTS, None, ax.MLP),
@@ -40,7 +40,7 @@ WEIGHT_NAMES = {"router": (None, None), ROUTER_BIAS: (None,), "w_gate": (ax.EXPE
 def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off"):
     """x [B, S, d] -> (y [B, S, d], balance sums over the kernel's tokens): one shard_map
     over the mesh axes the rules give tokens and experts; the experts' matmuls in FP8
-    unless `fp8` is off (`jdist.fp8.ExpertDot`)."""
+    unless `fp8` is off (`jdist.quant.fp8.ExpertDot`)."""
     d = x.shape[-1]
     x_spec = resolve(X_NAMES, rules, mesh)
     w_specs = {k: resolve(WEIGHT_NAMES[k], rules, mesh) for k in w}

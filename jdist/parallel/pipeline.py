@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jdist import axes as ax
 from jdist.errors import require
 from jdist.parallel import schedule as sched
-from jdist.rules import DEFAULT_RULES, Rules, batch_split
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import DEFAULT_RULES, Rules, batch_split
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,14 +34,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdist.parallel import grad_sync as gs
-from jdist.target import overlap_by_default
+from jdist.runtime.target import overlap_by_default
 
 
 def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool, remat):
     """`layer(x, params) -> (x, stats)` over the stacked layers -> (x, stats [n, ...]).
     `stored`: the stored blocks [n, ...] (read); `primal`: their gradient-layout blocks
     (differentiated; None for a frozen leaf); `sync`: one layer's `grad_sync.Sync` per leaf;
-    `remat`: the activation-checkpointing wrapper (`jdist.remat.wrapper`)."""
+    `remat`: the activation-checkpointing wrapper (`jdist.models.remat.wrapper`)."""
     n = jax.tree.leaves(stored)[0].shape[0]
     trained = jax.tree.map(lambda p: p is not None, primal, is_leaf=lambda p: p is None)
 
@@ -145,7 +145,7 @@ def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool,
 
 def applies(setting: str, mesh, syncs, n_layers: int) -> bool:
     """Whether a loop of `n_layers` with these per-leaf `grad_sync.Sync`s prefetches:
-    `--prefetch` on, or auto where `jdist.target.overlap_by_default` (NVIDIA GPUs); a next
+    `--prefetch` on, or auto where `jdist.runtime.target.overlap_by_default` (NVIDIA GPUs); a next
     layer to gather; and a leaf that is gathered at all."""
     wanted = setting == "on" or (setting == "auto" and overlap_by_default(mesh))
     return wanted and n_layers > 1 and any(y.gathers for y in syncs)

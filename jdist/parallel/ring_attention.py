@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jdist.axes import STAGE
 from jdist.models.precision import accumulator
 from jdist.parallel import CHECK_VMA, kernel_mesh, manual_axes
 from jdist.parallel import blockwise as bw
 from jdist.parallel.load_balance import block_kind, chunk_ids
-from jdist.varying import varying, vma, zeros
+from jdist.spmd.axes import STAGE
+from jdist.spmd.varying import varying, vma, zeros
 
 
 @dataclasses.dataclass(frozen=True)

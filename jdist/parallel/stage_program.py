@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist import axes as ax
 from jdist.models.precision import accumulator
 from jdist.parallel import residuals
 from jdist.parallel import schedule as sched
+from jdist.spmd import axes as ax
 
 
 def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_shape: tuple,

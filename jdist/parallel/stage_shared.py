@@ -26,10 +26,10 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdist import axes as ax
 from jdist.models.names import BLOCKS
 from jdist.parallel import grad_sync as gs
-from jdist.rules import as_candidate, mesh_axes_of
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import as_candidate, mesh_axes_of
 
 
 def split_dims(abstract: dict, shardings: dict, names: dict, mesh) -> dict:

@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec
 from jdist.models.precision import accumulator
 from jdist.parallel import CHECK_VMA, kernel_mesh
 from jdist.parallel import grad_sync as gs
-from jdist.rules import mesh_axes_of
-from jdist.varying import varying, vma
+from jdist.spmd.rules import mesh_axes_of
+from jdist.spmd.varying import varying, vma
 
 # Bytes of one float32 [tokens, chunk] logits block: bounds the loss's temporaries (a few
 # such blocks are live) whatever the vocabulary.

@@ -113,14 +113,14 @@ def simulate_devices(n: int) -> None:
     the caller configured a count already (the tests' processes keep their 8)."""
     import jax
 
-    from jdist.distributed import configure_devices
+    from jdist.runtime.distributed import configure_devices
     if jax.config.jax_num_cpu_devices == -1:
         configure_devices(n)
 
 
 def plan_main(argv: list[str]) -> int:
-    from jdist.mesh import parse_axes
     from jdist.plan.profiles import load_profile
+    from jdist.spmd.mesh import parse_axes
 
     args = make_parser().parse_args(argv)
     args.profile = load_profile(args.accelerator)
@@ -137,7 +137,7 @@ def plan_main(argv: list[str]) -> int:
             f"--fix {','.join(args.fix)} uses {math.prod(fixed.values())} devices, which does not "
             f"divide --devices {args.devices}")
     from jdist.plan.search import GROWTH, HEADROOM, describe_counts, search, smallest_change
-    from jdist.target import GPUS, check_plugin, plugin_installed, prepare_target
+    from jdist.runtime.target import GPUS, check_plugin, plugin_installed, prepare_target
 
     require(args.verify >= 0, f"--verify {args.verify} must be at least 0")
     require(not args.verify or args.profile.name in GPUS,

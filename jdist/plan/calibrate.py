@@ -5,7 +5,7 @@ cores are shared, so per-device numbers are what a training step on all of them 
 - float32 matmuls of an MLP's shape, `(x @ w_up) @ w_down`, at the `small` model's step size
   and larger: FLOP/s per device, step-sized and peak;
 - a large elementwise op: memory bandwidth per device;
-- every collective kind of `jdist.comm.RING` inside `jax.shard_map` over groups of 2, 4 and 8
+- every collective kind of `jdist.tools.comm.RING` inside `jax.shard_map` over groups of 2, 4 and 8
   consecutive devices (all groups at once) at 4 KiB to 16 MiB per device, then a
   least-squares fit of the ring model `time = volume * bytes / bandwidth + steps * latency`
   over all kinds (the ICI link) and per kind (`ici_by_kind`, which `Profile.link(kind)`
@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from jdist.comm import RING
 from jdist.errors import require, run_cli
+from jdist.tools.comm import RING
 
 KiB, MiB = 1 << 10, 1 << 20
 # Per-device buffer sizes of the collectives (the larger of input and result), x8 apart.
@@ -135,7 +135,7 @@ def measure_step(n_devices: int, batch_size: int = 8, seq_len: int = 256,
     from jdist.plan.cost import executed_flops
     from jdist.step import init_state
     from jdist.step.forward import attention_of
-    from jdist.train.setup import plan_for
+    from jdist.step.from_flags import plan_for
 
     config = TrainConfig.of(model="small", mesh=f"dp={n_devices}", batch_size=batch_size,
                          seq_len=seq_len, compute_dtype="float32", cpu_devices=n_devices)
@@ -337,7 +337,7 @@ def measure_collective(devices, kind: str, group: int, nbytes: int, *, repeats: 
 
 
 def fit_ring(points) -> dict:
-    """Bandwidth (GB/s) and latency (us per step) of `jdist.comm.RING`'s model over
+    """Bandwidth (GB/s) and latency (us per step) of `jdist.tools.comm.RING`'s model over
     measurements `{kind, group, result_bytes, seconds}`, by least squares on the relative
     error (absolute errors would let the 16 MiB points decide alone and leave the latency
     to noise). Points noise made non-positive are left out. A fit that would need a
@@ -429,7 +429,7 @@ HEADER = """\
 # Calibration of the cpu-sim accelerator profile, written by `python -m jdist.plan calibrate`.
 # load_profile("cpu-sim") reads [profile] and [ici_by_kind.*] over jdist/plan/profiles.toml.
 # Per device, all devices busy at once; seconds per operation; bytes per device (result
-# bytes for collectives, as jdist.comm counts them). Rerun to refresh; delete to use defaults.
+# bytes for collectives, as jdist.tools.comm counts them). Rerun to refresh; delete to use defaults.
 """
 
 
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         from jdist.plan.profiles import calibration_path
 
         require(args.devices >= 2, f"--devices {args.devices}: collectives need at least 2")
-        from jdist.distributed import configure_devices
+        from jdist.runtime.distributed import configure_devices
 
         configure_devices(args.devices)
         result = calibrate(args.devices)

@@ -15,7 +15,7 @@ The model (every term is a function below, each checked by `benchmarks/planner.p
   memory-bound the optimizer update reads parameters, gradients and both moments and writes
                parameters and moments (HBM bandwidth); `--offload optimizer` moves the
                moments to the device and back each step (host link bandwidth).
-  comm         `traffic.step_traffic` rows priced by `jdist.comm.transfer_time` on the link
+  comm         `traffic.step_traffic` rows priced by `jdist.tools.comm.transfer_time` on the link
                each row's mesh axes cross (ICI within a host, DCN across). Overlap
                assumption, per collective: the replica-axis gathers and gradient reductions
                (over `data`/`fsdp` only) are issued per layer inside the layer loop and may
@@ -40,16 +40,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jdist import axes as ax
-from jdist.comm import Row, transfer_time
-from jdist.loss import CHUNKED
 from jdist.memory import Breakdown
+from jdist.models.loss import CHUNKED
 from jdist.parallel.blockwise import Q_TILE
 from jdist.parallel.moe import expert_factor
 from jdist.parallel.pipeline import stashes
 from jdist.plan.layouts import Layout
 from jdist.plan.traffic import group_size
-from jdist.train.throughput import attention_params, flops_per_token
+from jdist.spmd import axes as ax
+from jdist.tools.comm import Row, transfer_time
+from jdist.tools.throughput import attention_params, flops_per_token
 
 
 @dataclasses.dataclass
@@ -65,7 +65,7 @@ class Estimate:
     bubble: float
     step_s: float
     tokens_per_s: float
-    mfu: float                # model FLOPs (jdist.train.throughput) over peak
+    mfu: float                # model FLOPs (jdist.tools.throughput) over peak
     bottleneck: str
     hidden: tuple[float, ...]  # each comm row's share of time under compute
 
@@ -75,7 +75,7 @@ class Estimate:
 
     @property
     def exposed_share(self) -> float:
-        """The predicted share of collective bytes not hidden: what `jdist.gpu_report`
+        """The predicted share of collective bytes not hidden: what `jdist.tools.gpu_report`
         measures on the compiled step, for comparison (`benchmarks/overlap.py`)."""
         total = sum(row.bytes for row, _, _ in self.comm)
         return sum(row.bytes * (1 - h) for (row, _, _), h in zip(self.comm, self.hidden)) \
@@ -123,7 +123,7 @@ def routed_forward(model) -> float:
 
 def fp8_flops(model, tokens: float, remat: str, pipelined: bool, stages: int,
               experts: float = 1.0) -> float:
-    """Of one stage's `executed_flops`, what `--fp8` runs at the FP8 rate (`jdist.fp8`):
+    """Of one stage's `executed_flops`, what `--fp8` runs at the FP8 rate (`jdist.quant.fp8`):
     the dense block projections' forward and backward, and the routed experts' forward and
     input gradient (their weight gradient stays in the compute dtype) at `experts` times
     the routed FLOPs (`expert_factor`); plus the forward recomputed under `--remat full`

@@ -3,7 +3,7 @@ stage, remat policy, context-parallel strategy, pipeline schedule and attention 
 the `python -m jdist.train` flags that select them.
 
 A `Layout` is plain values; `to_config` turns it into the trainer's own `TrainConfig`, so
-the planner prunes with exactly the checks a run makes (`jdist.train.setup.plan_for`).
+the planner prunes with exactly the checks a run makes (`jdist.step.from_flags.plan_for`).
 Enumeration is a product of independent choices, with two rules that only drop layouts
 equal to another one: ZeRO-3 on `data` is left out (`dp=N --zero 3` lays state out and
 communicates as `fsdp=N` does, which is enumerated), and the choices that only exist on
@@ -16,9 +16,9 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
-from jdist import axes as ax
 from jdist.parallel import schedule as sched
-from jdist.rules import batch_split
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import batch_split
 
 ALIASES = {ax.DATA: "dp", ax.STAGE: "pp", ax.FSDP: "fsdp", ax.SEQUENCE: "sp", ax.EXPERT: "ep",
            ax.TENSOR: "tp"}

@@ -17,9 +17,9 @@ import tomllib
 from importlib import resources
 from pathlib import Path
 
-from jdist.comm import RING
 from jdist.errors import ConfigError, require
-from jdist.mesh import Link, Links
+from jdist.spmd.mesh import Link, Links
+from jdist.tools.comm import RING
 
 CALIBRATED = "cpu-sim"  # the one profile a calibration file applies to
 CALIBRATION_ENV = "JDIST_CALIBRATION"
@@ -50,7 +50,7 @@ class Profile:
     # Milliseconds a step costs whatever its size (runtime dispatch and per-operation
     # overhead): calibrated for cpu-sim, negligible against GPU steps (0).
     step_overhead_ms: float = 0.0
-    # Collective kinds (jdist.comm.RING's names) measured to run on an ICI link of their own.
+    # Collective kinds (jdist.tools.comm.RING's names) measured to run on an ICI link of their own.
     ici_by_kind: tuple[tuple[str, Link], ...] = ()
     calibrated: bool = False
     source: str = ""  # the files the numbers came from
@@ -79,7 +79,8 @@ class Profile:
         return Link(self.dcn_gbps, self.dcn_latency_us)
 
     def links(self, dcn_axes=frozenset()) -> Links:
-        """The topology's links for `jdist.comm`, with `dcn_axes` the mesh axes across hosts."""
+        """The topology's links for `jdist.tools.comm`, with `dcn_axes` the mesh axes
+        across hosts."""
         return Links(self.ici, self.dcn, frozenset(dcn_axes))
 
     def link(self, kind: str, across_hosts: bool = False) -> Link:
@@ -178,7 +179,8 @@ def _profile(name: str, entries: dict, source: str, calibrated: bool) -> Profile
 
 
 def _kind_links(table: dict, where: str) -> tuple[tuple[str, Link], ...]:
-    """`{kind: {gbps, latency_us}}` as sorted (kind, Link) pairs, kinds from jdist.comm.RING."""
+    """`{kind: {gbps, latency_us}}` as sorted (kind, Link) pairs, kinds from
+    jdist.tools.comm.RING."""
     out = []
     for kind, entry in sorted(table.items()):
         require(kind in RING, f"{where}: ici_by_kind names {kind!r}, not a collective; use "

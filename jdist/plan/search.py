@@ -19,17 +19,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jdist import axes as ax
 from jdist.errors import ConfigError
 from jdist.memory import predict
-from jdist.mesh import dcn_sizes
 from jdist.parallel import collective_matmul
 from jdist.parallel.pipeline import stashes
 from jdist.parallel.schedule import SPLIT_BACKWARD
 from jdist.plan import cost
 from jdist.plan.layouts import REMATS, Layout, divisors, mesh_variants, meshes
 from jdist.plan.traffic import step_traffic
-from jdist.rules import batch_split
+from jdist.spmd import axes as ax
+from jdist.spmd.mesh import dcn_sizes
+from jdist.spmd.rules import batch_split
 
 # A layout fits when its predicted total is within this share of what a process may allocate
 # on a device: the rest is left to the allocator's fragmentation and the runtime's buffers.
@@ -80,7 +80,7 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
            budget: float | None = None) -> Result:
     """Every fitting layout of `base` (a TrainConfig: model, batch, sequence, dtype,
     fine-tuning) on `n_devices` devices over `hosts` hosts, ranked by predicted step time."""
-    from jdist.train.setup import model_of
+    from jdist.step.from_flags import model_of
 
     fixed = fixed or {}
     if base.devices.target:  # compile-only devices of the target GPU, laid over the hosts
@@ -119,7 +119,7 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
 
 
 def crossing(dcn: dict[str, int]) -> frozenset:
-    """The mesh axes that span hosts, from `jdist.mesh.dcn_sizes`."""
+    """The mesh axes that span hosts, from `jdist.spmd.mesh.dcn_sizes`."""
     return frozenset(a for a, n in dcn.items() if n > 1)
 
 
@@ -129,7 +129,7 @@ def _search_group(base, layouts: list[Layout], profile, dcn_axes, budget: float,
     plans the first, the others vary its schedule (`with_schedule`, the trainer's checks).
     Appends the best variant of each to `result`; the plan of one that fits, or None."""
     from jdist.memory import state_bytes
-    from jdist.train.setup import plan_for, with_schedule
+    from jdist.step.from_flags import plan_for, with_schedule
 
     plan, state, found = None, None, None
     for layout in layouts:
@@ -185,7 +185,7 @@ def _estimate(layout: Layout, plan, memory, profile, dcn_axes, base,
 
     offload = 0
     if layout.offload:
-        from jdist.sharding import per_device_bytes
+        from jdist.spmd.sharding import per_device_bytes
         offload = per_device_bytes(plan.abstract.opt_state, plan.opt_device_shardings)
     batch_size, seq_len = base.data.batch_size, base.data.seq_len
     rows = step_traffic(plan, batch_size, seq_len)

@@ -1,10 +1,10 @@
 """`python -m jdist.plan ... --verify K`: hold the planner's best K layouts to the GPU compiler.
 
 Each layout is planned by the trainer on the target's compile-only devices
-(`jdist.target`) and its real step compiled for them. The compiled peak (arguments +
+(`jdist.runtime.target`) and its real step compiled for them. The compiled peak (arguments +
 outputs - aliases + temporaries) is checked against the budget the planner claimed it fits,
 and the step is re-priced with the compiled schedule's exposed share of each collective
-(`jdist.gpu_report`) in place of the profile's assumed overlap. The verified ranking drops
+(`jdist.tools.gpu_report`) in place of the profile's assumed overlap. The verified ranking drops
 what does not fit and orders the rest by the re-priced step time.
 """
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jdist import gpu_report
 from jdist.memory import compile_step, peak
-from jdist.mesh import dcn_sizes
 from jdist.plan import cost
 from jdist.plan.search import _estimate, crossing
+from jdist.spmd.mesh import dcn_sizes
+from jdist.tools import gpu_report
 
 
 @dataclasses.dataclass
@@ -50,7 +50,7 @@ def verify(ranked: list[cost.Estimate], k: int, base, hosts: int, profile, budge
 
 def compile_layout(e: cost.Estimate, base, hosts: int, profile, budget: float) -> Verified:
     """One planned layout compiled for `base.devices.target` on `hosts` hosts, and re-priced."""
-    from jdist.train.setup import plan_for
+    from jdist.step.from_flags import plan_for
 
     config = e.layout.to_config(base).replace(hosts=hosts)
     _, plan, _ = plan_for(config)

@@ -1,5 +1,5 @@
 """The compiled training step, apart from the host loop (`jdist.train`) and the tools
-(`jdist.memory`, `jdist.plan`, `jdist.comm`, `jdist.hlo`, `jdist.profile`).
+(`jdist.memory`, `jdist.plan`, `jdist.tools.comm`, `jdist.tools.hlo`, `jdist.tools.profile`).
 
 Read in this order: `state` (the plan: shapes, shardings, optimizer), `build` (the one
 jitted step: gradients, then AdamW), `grads` (the replica `shard_map` and its gradient

@@ -1,4 +1,4 @@
-"""The jitted training and evaluation steps: gradients of the objective (`jdist.loss`) by
+"""The jitted training and evaluation steps: gradients of the objective (`jdist.models.loss`) by
 the one gradient path (`jdist.step.grads`, or the pipeline schedule when the mesh has
 stages), then the AdamW update on the sharded state."""
 
@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jdist import axes as ax
-from jdist import target
 from jdist.parallel import collective_matmul
-from jdist.sharding import replicated
+from jdist.runtime import target
+from jdist.spmd import axes as ax
+from jdist.spmd.sharding import replicated
 from jdist.step import trainable
 from jdist.step.grads import step_eval, step_grads
 from jdist.step.optim import updates_applied
@@ -25,7 +25,7 @@ class Batch(TypedDict):
     """A global batch of token windows, laid out as `Plan.batch_sharding`."""
 
     inputs: jax.Array   # [batch, length] int32 token ids
-    targets: jax.Array  # [batch, length] next-token ids; jdist.loss.IGNORE where not counted
+    targets: jax.Array  # [batch, length] next-token ids; jdist.models.loss.IGNORE where not counted
 
 
 def gradients(plan: Plan, params: dict, batch: Batch):
@@ -37,8 +37,8 @@ def gradients(plan: Plan, params: dict, batch: Batch):
 
 
 def compiler_options(plan: Plan) -> dict:
-    """The compile options of `plan`'s step (`jdist.target.compiler_options`): on NVIDIA GPUs
-    jdist's flags, with XLA's analytical latency estimator where it suits the step
+    """The compile options of `plan`'s step (`jdist.runtime.target.compiler_options`): on
+    NVIDIA GPUs jdist's flags, with XLA's analytical latency estimator where it suits the step
     (`target.estimator_suits`)."""
     pipelined = plan.pipeline is not None
     runs = collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules, pipelined)

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jdist import axes as ax
-from jdist import fp8, packing, remat
-from jdist import loss as objective
+from jdist.data import packing
+from jdist.models import loss as objective
+from jdist.models import remat
 from jdist.models.context import ModelContext
 from jdist.models.layers import weight
 from jdist.models.names import BLOCKS, EMBED, HEAD
@@ -46,7 +46,9 @@ from jdist.parallel.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
 from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
-from jdist.rules import (
+from jdist.quant import fp8
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import (
     Rules,
     as_candidate,
     batch_split,
@@ -91,7 +93,7 @@ class Forward:
 
     def in_kernel_order(self, tokens, targets):
         """(tokens, targets, segment ids or None, positions) in the context-parallel
-        kernel's order: packed documents' layout (`jdist.packing`), or one text's."""
+        kernel's order: packed documents' layout (`jdist.data.packing`), or one text's."""
         segments, positions = packing.layout_of(self.plan.eod_id, tokens)
         if segments is None:
             positions = self.cp.positions(tokens.shape[1])
@@ -159,13 +161,13 @@ class Forward:
         return jax.lax.scan(checkpointed(one), x, (stored, primal))
 
     def cross_entropy(self, model, shared: Params, y, targets, ctx, scale):
-        """This piece's `jdist.loss.piece_cross_entropy` of the last block's output."""
+        """This piece's `jdist.models.loss.piece_cross_entropy` of the last block's output."""
         losses = token_losses(self.plan, self.manual, model, y, targets, ctx,
                               self.head(shared))
         return objective.piece_cross_entropy(losses, targets, scale)
 
     def terms(self, ce, stats, first_layer=0):
-        """`jdist.loss.loss_terms` of a chunk: its cross-entropy (zero unless last) and the
+        """`jdist.models.loss.loss_terms` of a chunk: its cross-entropy (zero unless last) and the
         MoE balance statistics of the layers it ran (from `first_layer`)."""
         cfg = self.plan.model
         if not cfg.n_experts:

@@ -1,7 +1,7 @@
 """Loss and gradients of one global batch: the one gradient path of every layout.
 
 Everything runs inside one `jax.shard_map` that is manual over the replica axes (`data`,
-`fsdp`; `jdist.axes.REPLICA_AXES`) and leaves the others (`sequence`, `expert`, `tensor`)
+`fsdp`; `jdist.spmd.axes.REPLICA_AXES`) and leaves the others (`sequence`, `expert`, `tensor`)
 to the partitioner and to the kernels the model is handed (`jdist.step.forward`). Each
 replica differentiates its own tokens with respect to its block of the *gradient layout*
 (`jdist.parallel.grad_sync`): parameters are gathered just in time per layer, and each
@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jdist import axes as ax
-from jdist import loss as objective
+from jdist.models import loss as objective
 from jdist.models.names import BLOCKS, EMBED
 from jdist.models.precision import accumulator
 from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
+from jdist.spmd import axes as ax
 from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk
 
@@ -94,8 +94,8 @@ def trained_primal(plan, stored: dict, stacked_syncs: dict) -> dict:
 
 
 def replica_terms(fw: Forward, params: Params, tokens, targets, scale) -> jax.Array:
-    """This replica's `jdist.loss.loss_terms` for its tokens (the cross-entropy summed over
-    counted targets times `scale`, `jdist.loss.piece_cross_entropy`): the whole model as
+    """This replica's `jdist.models.loss.loss_terms` for its tokens (the cross-entropy summed over
+    counted targets times `scale`, `jdist.models.loss.piece_cross_entropy`): the whole model as
     one chunk (`jdist.step.forward.chunk`)."""
     tokens, targets, segments, positions = fw.in_kernel_order(tokens, targets)
     blocks = Params(*(t[BLOCKS] for t in params))
@@ -105,7 +105,7 @@ def replica_terms(fw: Forward, params: Params, tokens, targets, scale) -> jax.Ar
 
 def step_grads(plan, params: dict, batch: dict):
     """(objective, metrics, gradients laid out as `plan.grad_shardings`, per-layer expert
-    loads or None: `jdist.loss.layer_loads`) of one global batch."""
+    loads or None: `jdist.models.loss.layer_loads`) of one global batch."""
     sync = syncs(plan)
     stacked_syncs = stacked(sync)
     micro = plan.grad_accum

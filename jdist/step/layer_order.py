@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdist import axes as ax
 from jdist.errors import require
 from jdist.models.names import BLOCKS
 from jdist.parallel import schedule as sched
 from jdist.parallel.layer_shuffle import shuffle
+from jdist.spmd import axes as ax
 
 CHECKPOINT_KEY = "layer_order"  # in checkpoint metadata: stored position -> model layer
 

@@ -1,8 +1,10 @@
-"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping."""
+"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping; and the
+non-finite guard `--on-nan skip` wraps it in."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -25,6 +27,22 @@ def make_optimizer(lr: float = 3e-3, steps: int = 1000, warmup: int = 100,
                     mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params)),
     )
     return tx, schedule
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`--on-nan skip`: when the gradients are not all finite, the update is zero and the
+    optimizer state is left as it was, its count of updates too: a skipped step does not
+    advance the learning-rate schedule, just as a batch passed over after a rollback does
+    not. Same state structure as `inner`, so checkpoints move freely between policies."""
+
+    def update(grads, state, params=None):
+        updates, new_state = inner.update(grads, state, params)
+        ok = jnp.isfinite(optax.tree.norm(grads))
+        updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
+        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+        return updates, new_state
+
+    return optax.GradientTransformation(inner.init, update)
 
 
 def updates_applied(opt_state):

@@ -1,6 +1,6 @@
 """Loss and gradients of one global batch when the mesh has pipeline stages: the same
 gradient path as `jdist.step.grads` (replica shard_map, per-layer float32 gather and
-reduction by `jdist.parallel.grad_sync`, one objective from `jdist.loss`), with the
+reduction by `jdist.parallel.grad_sync`, one objective from `jdist.models.loss`), with the
 micro-batches run by the stage schedule (`jdist.parallel.stage_program`).
 
 The shard_map is manual over `stage` too. A stage holds its contiguous shard of the stored
@@ -18,12 +18,12 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-from jdist import axes as ax
-from jdist import loss as objective
+from jdist.models import loss as objective
 from jdist.models.names import BLOCKS
 from jdist.parallel import grad_sync as gs
 from jdist.parallel import stage_program, stage_shared
 from jdist.parallel.pipeline import check_remat, stashes
+from jdist.spmd import axes as ax
 from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk
 from jdist.step.grads import (

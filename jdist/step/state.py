@@ -13,19 +13,19 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jdist import axes as ax
-from jdist import nf4
-from jdist import sharding as sh
 from jdist.config.groups import FinetuneFlags, MemoryFlags, ParallelFlags, compute_dtype_name
 from jdist.errors import require
-from jdist.loss import CHUNKED
 from jdist.models import Llama, ModelConfig
+from jdist.models.loss import CHUNKED
 from jdist.parallel import stage_shared
 from jdist.parallel.grad_sync import manual_part
-from jdist.rules import Rules, mesh_axes_of, resolve
+from jdist.quant import nf4
+from jdist.spmd import axes as ax
+from jdist.spmd import sharding as sh
+from jdist.spmd.rules import Rules, mesh_axes_of, resolve
+from jdist.spmd.zero import GRADIENTS, OPTIMIZER, PARAMETERS, zero_shardings
 from jdist.step import trainable
 from jdist.step.layer_order import in_model_order, store
-from jdist.zero import GRADIENTS, OPTIMIZER, PARAMETERS, zero_shardings
 
 
 class TrainState(NamedTuple):
@@ -47,7 +47,7 @@ class Plan:
     abstract: TrainState  # ShapeDtypeStructs
     shardings: TrainState          # where the state lives between steps
     batch_sharding: Any            # for [batch, length] token arrays
-    zero: int = 0                  # ZeRO stage over `data` (see jdist.zero)
+    zero: int = 0                  # ZeRO stage over `data` (see jdist.spmd.zero)
     grad_shardings: Any = None     # reduced gradients (sharded over data from ZeRO-2)
     opt_device_shardings: Any = None  # optimizer state while it is being updated
     cp_strategy: str = "ring"      # attention over a sharded sequence (see jdist.parallel)
@@ -59,11 +59,11 @@ class Plan:
     prefetch: str = "auto"         # gather layer i+1 while layer i computes (parallel.prefetch)
     tp_halves: bool = False        # each layer on two halves of the rows (parallel.halves)
     collective_matmul: str = "auto"  # SP's collectives as transfers beside matmuls
-    fp8: str = "off"               # the block projections in FP8 (jdist.fp8)
+    fp8: str = "off"               # the block projections in FP8 (jdist.quant.fp8)
     grad_accum: int = 1
     attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
-    loss: str = CHUNKED            # jdist.loss.LOSSES
-    eod_id: int | None = None      # packed documents split at this id (jdist.packing)
+    loss: str = CHUNKED            # jdist.models.loss.LOSSES
+    eod_id: int | None = None      # packed documents split at this id (jdist.data.packing)
     quantize: str = "none"         # frozen base storage (QLoRA: "nf4"; jdist.step.trainable)
     double_quant: bool = False
 
@@ -155,7 +155,7 @@ SHAPE_OF = {ax.HEAD_DIM: "head dimension (--d-model / --n-heads)", ax.EMBED: "--
 
 
 def check_quantizable(abstract: dict, names: dict, mesh, rules: Rules, quantize: str) -> None:
-    """NF4 blocks run along a weight's last dimension (`jdist.nf4`): every shard of it, on
+    """NF4 blocks run along a weight's last dimension (`jdist.quant.nf4`): every shard of it, on
     any mesh axis the rules split it over, must hold whole blocks of 64, so no block
     straddles a shard boundary and the codes are the same on every mesh."""
     def one(path, leaf, leaf_names):

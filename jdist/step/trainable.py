@@ -15,11 +15,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jdist import nf4
-from jdist.axes import NF4_BLOCKS
 from jdist.models.lora import TARGETS, is_adapter
 from jdist.models.moe import ROUTER_BIAS, rebalanced_bias
 from jdist.models.names import BLOCKS
+from jdist.quant import nf4
+from jdist.spmd.axes import NF4_BLOCKS
 
 NONE, NF4 = "none", "nf4"  # --quantize-base
 QUANTIZATIONS = (NONE, NF4)
@@ -93,7 +93,7 @@ def quantized(path, quantize: str) -> bool:
 
 def storage_abstract(model, abstract: dict, compute_dtype, quantize: str = NONE,
                      double_quant: bool = False) -> dict:
-    """Shapes and dtypes of the parameters as stored (`jdist.nf4.Nf4` where quantized)."""
+    """Shapes and dtypes of the parameters as stored (`jdist.quant.nf4.Nf4` where quantized)."""
     def one(path, x):
         if quantized(path, quantize):
             return nf4.abstract(x.shape, double_quant, lead=1)
@@ -136,3 +136,9 @@ def checkpointed(model, params, save_base: bool):
     """The part of the parameters (or of a tree shaped like them) a checkpoint holds: all
     of them, or with LoRA (unless `save_base`) the adapters only."""
     return params if save_base or not frozen_base(model) else prune(select(model, params))
+
+
+def with_base(adapters: dict, base: dict) -> dict:
+    """`base` (a whole parameter tree) with the leaves `adapters` (a pruned one) holds."""
+    return {k: with_base(adapters[k], v) if isinstance(v, dict) and k in adapters else
+            adapters.get(k, v) for k, v in base.items()}

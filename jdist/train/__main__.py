@@ -37,19 +37,19 @@ def main(argv: list[str] | None = None) -> int:
 def train_from_flags(argv: list[str] | None) -> None:
     """Parse the flags, size the simulated CPU platform, join the process group, train."""
     from jdist.config import parse_args
-    from jdist.distributed import (
+    from jdist.runtime.distributed import (
         check_process_split,
         configure_devices,
         initialize,
         process_settings,
     )
-    from jdist.mesh import parse_mesh
+    from jdist.spmd.mesh import parse_mesh
 
     config = parse_args(argv)
     spec = parse_mesh(config.parallel.mesh)
     if config.devices.target:
         from jdist.errors import require
-        from jdist.target import prepare_target
+        from jdist.runtime.target import prepare_target
 
         require(config.memory.dry_run, f"--target {config.devices.target} compiles for GPUs "
                 "this machine does not have, which cannot run; add --dry-run")

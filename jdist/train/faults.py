@@ -12,7 +12,6 @@ from typing import Any, Self
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jdist.errors import (  # noqa: F401 - the exit statuses are part of this module's story
     EXIT_CONFIG,
@@ -67,26 +66,10 @@ def stopped(record: dict) -> NonFinite:
 # ------------------------------------------------------------------- non-finite guard
 
 
-def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`--on-nan skip`: when the gradients are not all finite, the update is zero and the
-    optimizer state is left as it was, its count of updates too: a skipped step does not
-    advance the learning-rate schedule, just as a batch passed over after a rollback does
-    not. Same state structure as `inner`, so checkpoints move freely between policies."""
-
-    def update(grads, state, params=None):
-        updates, new_state = inner.update(grads, state, params)
-        ok = jnp.isfinite(optax.tree.norm(grads))
-        updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
-        return updates, new_state
-
-    return optax.GradientTransformation(inner.init, update)
-
-
 def advance(state, plan):
     """Skip a batch on the host (after a rollback): count the step, change nothing else. Like
-    a step under `skip_nonfinite`, the optimizer's own count (so the learning-rate schedule,
-    see `jdist.step.optim.updates_applied`) does not advance."""
+    a step under `jdist.step.optim.skip_nonfinite`, the optimizer's own count (so the
+    learning-rate schedule, see `jdist.step.optim.updates_applied`) does not advance."""
     bump = jax.jit(lambda s: s + 1, out_shardings=plan.shardings.step)
     return state._replace(step=bump(state.step))
 

@@ -3,11 +3,11 @@ before anything is allocated, with a suggestion when it does not; and `--dry-run
 
 from __future__ import annotations
 
-from jdist import gpu_report
-from jdist.comm import comm_table, step_report
 from jdist.errors import ConfigError
 from jdist.memory import Breakdown, compile_step, gib, measure, peak, predict, table
-from jdist.train.setup import plan_for
+from jdist.step.from_flags import plan_for
+from jdist.tools import gpu_report
+from jdist.tools.comm import comm_table, step_report
 
 
 def suggest(config, budget: int) -> str:
@@ -66,7 +66,7 @@ def check_fits(config, plan) -> None:
 
 def dry_run(config) -> None:
     """`--dry-run`: compile the step ahead of time, print the plan beside the compiler's
-    numbers and the step's communication (`jdist.comm`), check it fits, and return without
+    numbers and the step's communication (`jdist.tools.comm`), check it fits, and return without
     allocating anything."""
     from jdist.train.report import compute_line, layout_table
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdist.axes import MESH_AXIS_ALIASES
 from jdist.errors import ConfigError, require
+from jdist.spmd.axes import MESH_AXIS_ALIASES
 
 # dp, pp, fsdp, sp, ep, tp: the short command-line spelling of each axis, for messages.
 SHORT = {axis: min((k for k, v in MESH_AXIS_ALIASES.items() if v == axis), key=len)

@@ -8,14 +8,15 @@ import time
 from pathlib import Path
 
 from jdist import data
-from jdist.distributed import is_main_process
 from jdist.parallel.pipeline import show_schedule
+from jdist.runtime.distributed import is_main_process
 from jdist.step.build import compiler_options, make_eval_step, make_train_step
+from jdist.step.from_flags import model_of, plan_for
 from jdist.step.state import TrainState
 from jdist.train import fit, report, resume
 from jdist.train.goodput import Goodput
 from jdist.train.run import Run
-from jdist.train.setup import Setup, model_of, plan_for, prepare
+from jdist.train.setup import Setup, prepare
 from jdist.train.tensorboard import TensorBoardLog
 
 
@@ -66,7 +67,7 @@ def compile_step(setup: Setup, state: TrainState):
     start = time.perf_counter()
     step_fn = make_train_step(setup.plan, setup.schedule,
                               inject_nan_at_step=setup.config.checkpoint.inject_nan_at_step)
-    # jdist's GPU flags (jdist.target)
+    # jdist's GPU flags (jdist.runtime.target)
     options = compiler_options(setup.plan)
     step_fn = step_fn.lower(state, setup.batch(0)).compile(options or None)
     if is_main_process():

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import jax
 
-from jdist import sharding as sh
-from jdist.mesh import describe
+from jdist.spmd import sharding as sh
+from jdist.spmd.mesh import describe
 from jdist.step.forward import attention_of
 from jdist.step.state import Plan
-from jdist.train.throughput import flops_per_token, peak_tflops, utilisation
+from jdist.tools.throughput import flops_per_token, peak_tflops, utilisation
 
 
 def _mb(n: int) -> str:

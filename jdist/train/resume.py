@@ -101,7 +101,7 @@ def check_numerics(found: ckpt.Found, config, model, mesh_shape: dict) -> None:
     for mixture-of-experts models the micro-batching (routing capacity and the balancing
     loss are computed per micro-batch). A dense model's micro-batching changes only the
     order of a sum, so it may change on resume."""
-    from jdist.train.setup import compute_dtype_of
+    from jdist.step.from_flags import compute_dtype_of
 
     defaults = _plain(type(config)().flat())
     saved = {**defaults, **found.meta.get("config", {})}
@@ -213,11 +213,11 @@ def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
                                for t in (plan.abstract, plan.shardings))
         tree, _ = ckpt.restore(found.path, abstract, shardings)
         state = restore_order(plan, TrainState(**tree), found.meta.get(CHECKPOINT_KEY))
-        return state._replace(params=_with_base(state.params, base))
+        return state._replace(params=trainable.with_base(state.params, base))
     if found is None and init_from:
         import time
 
-        from jdist.hf import Source, load_params
+        from jdist.hf.load import Source, load_params
 
         start, source = time.perf_counter(), Source(init_from)
         state = state_from_params(plan, load_params(init_from, plan, source, seed))
@@ -230,9 +230,3 @@ def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
         return init_state(plan, seed)
     tree, _ = ckpt.restore(found.path, plan.abstract, plan.shardings)
     return restore_order(plan, TrainState(**tree), found.meta.get(CHECKPOINT_KEY))
-
-
-def _with_base(adapters: dict, base: dict) -> dict:
-    """`base` (a whole parameter tree) with the leaves `adapters` (a pruned one) holds."""
-    return {k: _with_base(adapters[k], v) if isinstance(v, dict) and k in adapters else
-            adapters.get(k, v) for k, v in base.items()}

@@ -15,9 +15,11 @@ from typing import Any, Callable
 import jax
 
 from jdist import checkpoint as ckpt
-from jdist import data, profile
+from jdist import data
+from jdist.config.fields import parse_steps
 from jdist.step.layer_order import order_of
 from jdist.step.state import TrainState
+from jdist.tools import profile
 from jdist.train import faults, goodput, health, resume, straggler
 from jdist.train.goodput import Goodput
 from jdist.train.report import StepRecords
@@ -72,7 +74,7 @@ class Run:
             where = self.run_dir / "profile"  # trace files are named after the host:
             if jax.process_count() > 1:      # one directory per process
                 where = where / f"process{jax.process_index()}"
-            self.tracer = profile.StepTracer(where, *profile.parse_steps(
+            self.tracer = profile.StepTracer(where, *parse_steps(
                 self.config.observe.profile_steps))
 
     def train_from(self, step: int) -> list[dict]:
@@ -221,7 +223,7 @@ class Run:
             if self.config.checkpoint.on_nan == "rollback":
                 raise faults.Rollback(step)
             if self.config.checkpoint.on_nan == "skip":
-                record["skipped"] = True  # the update was not applied (faults.skip_nonfinite)
+                record["skipped"] = True  # the update was not applied (step.optim.skip_nonfinite)
         record["nonfinite_steps"] = self.nonfinite
         if params is not None and not record.get("skipped"):
             record.update(self.evaluate(params))

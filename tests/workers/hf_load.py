@@ -14,10 +14,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from flax import nnx  # noqa: E402
 
 from jdist.config import TrainConfig  # noqa: E402
-from jdist.distributed import initialize  # noqa: E402
-from jdist.hf import Source, load_params  # noqa: E402
-from jdist.sharding import replicated  # noqa: E402
-from jdist.train.setup import plan_for  # noqa: E402
+from jdist.hf.load import Source, load_params  # noqa: E402
+from jdist.runtime.distributed import initialize  # noqa: E402
+from jdist.spmd.sharding import replicated  # noqa: E402
+from jdist.step.from_flags import plan_for  # noqa: E402
 
 
 def main(hf_dir: str, coordinator: str, process_id: int) -> None:

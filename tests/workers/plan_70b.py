@@ -18,8 +18,8 @@ jax.config.update("jax_num_cpu_devices", 64)
 
 from jdist.config import parse_args  # noqa: E402
 from jdist.plan.__main__ import main as plan  # noqa: E402
+from jdist.step.from_flags import plan_for  # noqa: E402
 from jdist.train.fit import check_fits, plan_breakdown  # noqa: E402
-from jdist.train.setup import plan_for  # noqa: E402
 
 BUDGET_GB = 80e9 * 0.75 / 2**30  # what JAX lets a process allocate on an H100 80GB
 

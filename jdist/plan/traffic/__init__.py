@@ -1,13 +1,13 @@
 """The collectives of one training step, predicted from the plan without compiling anything.
 
-`step_traffic(plan, batch_size, seq_len)` returns what `jdist.comm.report` reads from the
-compiled step's HLO: one `jdist.comm.Row` per collective kind and tuple of mesh axes, with
-executions and bytes per device per step, in the convention of `jdist.hlo` (a collective's
+`step_traffic(plan, batch_size, seq_len)` returns what `jdist.tools.comm.report` reads from the
+compiled step's HLO: one `jdist.tools.comm.Row` per collective kind and tuple of mesh axes, with
+executions and bytes per device per step, in the convention of `jdist.tools.hlo` (a collective's
 bytes are its result's: an all-reduce's operand, a reduce-scatter's one shard, an
 all-gather's the gathered array). It is arithmetic on the plan's shapes and shardings, so a
 planner can cost hundreds of layouts of a 70B model in seconds. `collectives` lists the
 same traffic item by item (`Collective`: per-execution bytes, dtype and the code that emits
-it); `jdist.comm.transfer_time(kind, bytes per execution, group_size(plan, axes), link)`
+it); `jdist.tools.comm.transfer_time(kind, bytes per execution, group_size(plan, axes), link)`
 prices one.
 
 Two kinds of knowledge, kept apart:
@@ -19,7 +19,7 @@ Two kinds of knowledge, kept apart:
   pipeline's per-tick permutes and end-of-step sums (`jdist.parallel.stage_program`,
   `jdist.step.pipelined`).
 - `partitioner.py`: what compiling adds, fitted to jax 0.10.2 on CPU by compiling steps
-  and reading `jdist.comm.report`: GSPMD's Megatron tensor-parallel all-reduces, sequence
+  and reading `jdist.tools.comm.report`: GSPMD's Megatron tensor-parallel all-reduces, sequence
   parallelism's all-gathers, the ZeRO-1/2 update's all-gathers, partial sums of
   gradients over automatic axes that split the tokens, the collectives around the
   embedding and loss, the gradient norm's scalars; and XLA's and remat's say in how
@@ -34,7 +34,7 @@ Conventions:
   gradients reduce in float32 (their partial sums over token axes in the dtype of the dot
   that made them), activations move in the compute dtype. The CPU backend upcasts bf16
   collectives to f32 after partitioning, so a CPU report of a bfloat16 step reads what
-  `step_traffic` predicts for the same plan in float32 (`jdist.hlo.partitioned` shows the
+  `step_traffic` predicts for the same plan in float32 (`jdist.tools.hlo.partitioned` shows the
   program's dtypes, which these are).
 - On CPU, GSPMD leaves sequence parallelism's reductions as all-reduces (the CPU backend
   never forms reduce-scatters); a GPU compile may turn each into a reduce-scatter of 1/T
@@ -45,7 +45,7 @@ Conventions:
 - Pipelines: a stage runs M x V chunk forwards and as many backwards per step; each
   collective inside them counts that often. The first chunk's embedding and the last
   chunk's loss run M times each on their stages: both are counted, as if one device ran
-  them. `jdist.comm.report` cannot know how often a `lax.switch` branch runs and counts
+  them. `jdist.tools.comm.report` cannot know how often a `lax.switch` branch runs and counts
   each branch's collectives once; `reported_traffic` predicts that convention.
 - `count` is executions per step before XLA's combiners merge small all-reduces into
   tuples (the report counts merged ones): bytes match the report, counts need not.
@@ -61,10 +61,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from jdist.comm import Row
-from jdist.hlo import COLLECTIVES
 from jdist.plan.traffic.layout import Collective, Leaf, Step, leaves_of, step_of
 from jdist.plan.traffic.step import collectives
+from jdist.tools.comm import Row
+from jdist.tools.hlo import COLLECTIVES
 
 __all__ = ["Collective", "Leaf", "Step", "collectives", "group_size", "leaves_of",
            "reported_traffic", "step_of", "step_traffic", "to_rows"]
@@ -77,15 +77,15 @@ def group_size(plan, axes: Iterable[str]) -> int:
 
 def step_traffic(plan, batch_size: int, seq_len: int) -> list[Row]:
     """Collectives of one training step of `plan` (a jdist.step.state.Plan, as
-    jdist.train.setup.plan_for builds it; pipelined plans have plan.pipeline set) on a global
+    jdist.step.from_flags.plan_for builds it; pipelined plans have plan.pipeline set) on a global
     batch of batch_size x seq_len tokens: one Row(kind, axes, count, bytes) per collective
-    kind and tuple of mesh axes (mesh order, as jdist.comm.axes_of names them), bytes per
+    kind and tuple of mesh axes (mesh order, as jdist.tools.comm.axes_of names them), bytes per
     device per step (count x bytes per execution), seconds left 0."""
     return to_rows(collectives(plan, batch_size, seq_len))
 
 
 def reported_traffic(plan, batch_size: int, seq_len: int) -> list[Row]:
-    """`step_traffic` as `jdist.comm.report` counts it: a pipeline's collectives inside the
+    """`step_traffic` as `jdist.tools.comm.report` counts it: a pipeline's collectives inside the
     stage's `lax.switch` branches once per branch. The same as `step_traffic` without
     pipeline stages."""
     return to_rows(collectives(plan, batch_size, seq_len, executed=False))

@@ -1,7 +1,7 @@
 """The collectives jdist's own code writes, derived from it: `jdist.parallel.grad_sync`'s
 per-layer parameter gathers and gradient reductions, the embedding lookup
 (`jdist.parallel.embedding`), the chunked loss (`jdist.parallel.vocab`), the loss's
-psums (`jdist.loss`, `jdist.step.grads`), and the pipeline's permutes and stage sums
+psums (`jdist.models.loss`, `jdist.step.grads`), and the pipeline's permutes and stage sums
 (`jdist.parallel.stage_program`, `jdist.step.pipelined`). The context-parallel and MoE
 kernels' are in `kernels.py`.
 
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jdist import axes as ax
-from jdist import loss as objective
+from jdist.models import loss as objective
 from jdist.models.names import BLOCKS, EMBED, FINAL_NORM
 from jdist.parallel.vocab import chunk_size
 from jdist.plan.traffic import partitioner
@@ -35,7 +34,8 @@ from jdist.plan.traffic.layout import (
     mesh_axes,
     vocab_axes,
 )
-from jdist.rules import mesh_axes_of, resolve
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import mesh_axes_of, resolve
 from jdist.step.forward import inner_rules
 from jdist.step.grads import MANUAL
 
@@ -220,7 +220,7 @@ def final_norm_grad(st: Step, defer: bool) -> list[Collective]:
 
 
 def balance_totals(st: Step) -> list[Collective]:
-    """jdist.loss.loss_terms: an MoE model's balance statistics of every layer summed over
+    """jdist.models.loss.loss_terms: an MoE model's balance statistics of every layer summed over
     the replica axes, per micro-batch."""
     m = st.model
     replicas = mesh_axes(MANUAL, st.plan.mesh)

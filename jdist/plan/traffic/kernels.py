@@ -5,7 +5,6 @@ shard_maps. How often the compile runs them under remat is fitted (`partitioner.
 
 from __future__ import annotations
 
-from jdist import axes as ax
 from jdist.models.moe import DROPLESS, GROUPED, capacity_of
 from jdist.parallel.context import ALL_GATHER, RING
 from jdist.parallel.ulysses_attention import kv_repeats
@@ -23,6 +22,7 @@ from jdist.plan.traffic.layout import (
     mesh_axes,
     resolved,
 )
+from jdist.spmd import axes as ax
 
 # ---------------------------------------------------------------------------------------
 # Context-parallel attention

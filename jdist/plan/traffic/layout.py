@@ -11,18 +11,18 @@ from collections.abc import Iterable
 import jax
 import jax.numpy as jnp
 
-from jdist import axes as ax
-from jdist import sharding as sh
-from jdist.hlo import COLLECTIVES
 from jdist.models.names import BLOCKS, EMBED, HEAD
 from jdist.parallel import collective_matmul
 from jdist.parallel.grad_sync import Sync
 from jdist.parallel.stage_shared import stage_dim
-from jdist.rules import mesh_axes_of, resolve
+from jdist.spmd import axes as ax
+from jdist.spmd import sharding as sh
+from jdist.spmd.rules import mesh_axes_of, resolve
+from jdist.spmd.zero import zero_dim
 from jdist.step import trainable
 from jdist.step.forward import context_parallel_of, inner_rules
 from jdist.step.grads import MANUAL, syncs
-from jdist.zero import zero_dim
+from jdist.tools.hlo import COLLECTIVES
 
 AR, AG, RS, PERMUTE, A2A = COLLECTIVES
 F32, S32 = "f32", "s32"
@@ -68,7 +68,7 @@ class Leaf:
     dtype: str               # as stored (float32; a frozen base's compute dtype, NF4 codes)
     grad_groups: tuple[tuple[str, ...], ...]  # per split dimension, its gradient's axes
     stored: int              # elements per device as stored between steps (float32)
-    zero_split: bool         # ZeRO-1/2 split its optimizer state over data (jdist.zero)
+    zero_split: bool         # ZeRO-1/2 split its optimizer state over data (jdist.spmd.zero)
     stages: int = 1          # ways `stage` splits a shared leaf between steps (stage_shared)
 
     @property

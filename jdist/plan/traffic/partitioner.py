@@ -5,17 +5,16 @@ collectives around the embedding and the loss, the ZeRO-1/2 update's gathers, th
 gradient norm's scalars), and a few rewrites of XLA's and of jax's remat that change how
 often jdist's collectives run.
 
-Found by compiling steps and reading `jdist.comm.report` (tests/test_plan_traffic.py keeps
+Found by compiling steps and reading `jdist.tools.comm.report` (tests/test_plan_traffic.py keeps
 it honest), not derived from the code: a later jax, or the GPU compiler, may partition
 differently. Each function's docstring names the version it was fitted on; the compiled
-numbers of `jdist.gpu_report` / `jdist.hlo` are what should replace them.
+numbers of `jdist.tools.gpu_report` / `jdist.tools.hlo` are what should replace them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jdist import axes as ax
 from jdist.models.names import EMBED
 from jdist.parallel.context import RING
 from jdist.plan.traffic.layout import (
@@ -30,6 +29,7 @@ from jdist.plan.traffic.layout import (
     embed_split,
     vocab_axes,
 )
+from jdist.spmd import axes as ax
 
 # ---------------------------------------------------------------------------------------
 # GSPMD inside the layers
@@ -232,7 +232,7 @@ def grad_norm(st: Step) -> list[Collective]:
 
 def regathers(st: Step, leaf: Leaf) -> bool:
     """Whether a layer's backward gathers this leaf again. Gathered parameters are never
-    kept for the backward (jdist.remat.GATHERED) except under `everything_saveable`.
+    kept for the backward (jdist.models.remat.GATHERED) except under `everything_saveable`.
     Fitted (jax 0.10.2): with `--remat none` a norm scale is not regathered either: its
     backward reads the broadcast scale, which that policy keeps."""
     if st.plan.remat == "everything_saveable":

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jdist import axes as ax
 from jdist.models.names import FINAL_NORM
 from jdist.parallel import prefetch
 from jdist.parallel.pipeline import stashes
@@ -19,12 +18,13 @@ from jdist.plan.traffic.kernels import (
     moe_forward,
 )
 from jdist.plan.traffic.layout import PIPE_MANUAL, Collective, Leaf, Step, step_of
+from jdist.spmd import axes as ax
 from jdist.step.grads import MANUAL
 
 
 def collectives(plan, batch_size: int, seq_len: int, executed: bool = True) -> list[Collective]:
     """Every modelled collective of one step. `executed` False: a pipeline's collectives
-    inside the stage's branches once each, as `jdist.comm.report` counts them."""
+    inside the stage's branches once each, as `jdist.tools.comm.report` counts them."""
     st = step_of(plan, batch_size, seq_len)
     return pipelined_step(st, executed) if plan.pipeline is not None else plain_step(st)
 

@@ -58,25 +58,12 @@ from pathlib import Path
 
 import jax
 
-from jdist.errors import ConfigError
-
 STEP_ANNOTATION = "train"                 # XProf's step analysis reads StepTraceAnnotations
-NEXT_STEP_MARKER = "jdist.profile.next_step"  # the host is about to dispatch step B+1
+NEXT_STEP_MARKER = "jdist.tools.profile.next_step"  # the host is about to dispatch step B+1
 
 
 class TraceError(RuntimeError):
     """The trace could not be read into per-step fractions (the loop should warn, not stop)."""
-
-
-def parse_steps(text: str) -> tuple[int, int]:
-    """`--profile-steps`: "3-5" -> (3, 5), "4" -> (4, 4). Steps count from 1, as in
-    metrics.jsonl."""
-    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text or "")
-    first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
-    if not 1 <= first <= last:
-        raise ConfigError(f"--profile-steps {text!r}: expected A-B with 1 <= A <= B "
-                          f"(e.g. --profile-steps 3-5) or one step N (e.g. --profile-steps 4)")
-    return first, last
 
 
 # ---------------------------------------------------------------------------- capturing

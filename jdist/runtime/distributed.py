@@ -1,7 +1,7 @@
 """The devices a run has: the simulated CPU platform's size, multi-process start-up
 (`jax.distributed` from explicit flags, environment variables, or a Slurm allocation),
 which process speaks, and which devices a mesh is built on (jax's, or a deviceless GPU
-target's, `jdist.target`)."""
+target's, `jdist.runtime.target`)."""
 
 from __future__ import annotations
 
@@ -87,11 +87,11 @@ def check_process_split(cpu_devices: int, n_proc: int) -> None:
 
 
 def mesh_devices(spec, cpu_fill: int, target: str = "", hosts: int = 1) -> list:
-    """The devices a mesh runs on: a deviceless GPU `target`'s (`jdist.target`; a -1 axis
+    """The devices a mesh runs on: a deviceless GPU `target`'s (`jdist.runtime.target`; a -1 axis
     fills its hosts' 8 devices each), else jax's. Simulated CPU devices beyond what the mesh
     needs are left idle."""
     if target:
-        from jdist import target as gpu_target
+        from jdist.runtime import target as gpu_target
 
         require(hosts >= 1, f"--hosts {hosts} must be at least 1")
         return list(gpu_target.devices(target, spec.n_devices(8 * hosts), hosts))

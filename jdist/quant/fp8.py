@@ -35,10 +35,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jdist import axes as ax
 from jdist.models.precision import accumulator
 from jdist.models.projection import transposed, weight_grad
-from jdist.varying import alike
+from jdist.spmd import axes as ax
+from jdist.spmd.varying import alike
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MODES = ("tensorwise", "rowwise")

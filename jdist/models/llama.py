@@ -14,20 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jdist import remat
-from jdist.axes import (
-    ACT_EMBED,
-    BATCH,
-    EMBED,
-    HEAD_DIM,
-    HEADS,
-    KV_HEADS,
-    KV_LENGTH,
-    LAYERS,
-    LENGTH,
-    MLP,
-    VOCAB,
-)
+from jdist.models import remat
 from jdist.models.config import ModelConfig
 from jdist.models.context import LOCAL, ModelContext
 from jdist.models.layers import (
@@ -40,6 +27,19 @@ from jdist.models.layers import (
 )
 from jdist.models.lora import adapted, adapter
 from jdist.models.moe import MoE
+from jdist.spmd.axes import (
+    ACT_EMBED,
+    BATCH,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    KV_LENGTH,
+    LAYERS,
+    LENGTH,
+    MLP,
+    VOCAB,
+)
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
 # Keys (or values) of every layer while decoding: [layers, batch, max_len, kv_heads, head_dim].

@@ -17,10 +17,10 @@ import numpy as np
 
 from jdist import data
 from jdist.config import TrainConfig
-from jdist.mesh import build_mesh, parse_mesh
 from jdist.models import ModelConfig
 from jdist.parallel.pipeline import PipelineConfig
-from jdist.rules import DEFAULT_RULES, Rules
+from jdist.spmd.mesh import build_mesh, parse_mesh
+from jdist.spmd.rules import DEFAULT_RULES, Rules
 from jdist.step.build import make_train_step
 from jdist.step.layer_order import to_model_order
 from jdist.step.optim import make_optimizer
@@ -39,7 +39,7 @@ class RunResult:
 
     @functools.cached_property
     def hlo(self) -> str:
-        """The compiled step's HLO text (jdist.hlo reads its collectives)."""
+        """The compiled step's HLO text (jdist.tools.hlo reads its collectives)."""
         return self.lowered.compile().as_text()
 
 
@@ -62,7 +62,7 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, flags: TrainConfig
     `model` on `mesh` (a Mesh or a mesh string; `flags.parallel.mesh` is not read, nor
     `--rules`: `rules` is the Rules themselves). The optimizer is AdamW at `--lr` with 2
     warmup steps over a schedule of at least 10. `pipeline` (schedule, micro-batches)
-    applies when the mesh has stages; `eod_id` packs documents (`jdist.packing`).
+    applies when the mesh has stages; `eod_id` packs documents (`jdist.data.packing`).
     `batch_fn(step)` -> host batch {"inputs", "targets"} replaces the token windows (tests
     of loss masks). `--init-from`: start from that Hugging Face directory's weights (`model`
     must be its config) instead of the seed's. `grads_step`: the step whose gradients are
@@ -80,7 +80,7 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, flags: TrainConfig
     losses, norms, first = [], [], None
     with jax.default_matmul_precision("highest"):
         if init_from:
-            from jdist.hf import load_params
+            from jdist.hf.load import load_params
 
             state = state_from_params(plan, load_params(init_from, plan))
         else:

@@ -1,8 +1,8 @@
 """Which collectives a compiled step runs, over which mesh axes, how many bytes they move and
-how long they should take on the topology's links (`jdist.mesh.Links`).
+how long they should take on the topology's links (`jdist.spmd.mesh.Links`).
 
 Every collective of the compiled HLO text is read with its result bytes per device (the
-convention of `jdist.hlo`), its device groups and how often a step executes it (loop trip
+convention of `jdist.tools.hlo`), its device groups and how often a step executes it (loop trip
 counts multiplying). Its groups name the mesh axes it communicates over: the axes along
 which the members of a group differ. The predicted time is the standard ring algorithm's
 over the slowest link those axes cross; `transfer_time` is a pure function so that a
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jdist import hlo
-from jdist.mesh import Link, Links, links_for
+from jdist.spmd.mesh import Link, Links, links_for
+from jdist.tools import hlo
 
 # Per kind, for a ring of n devices: the multiple of the result bytes each device sends over
 # its link, and the number of sequential steps (each pays the link's latency once). An
@@ -99,7 +99,7 @@ class Report:
 
 def report(hlo_text: str, mesh, links: Links | None = None) -> Report:
     """The communication of one step of compiled HLO text on `mesh`, priced on `links`
-    (default: `jdist.mesh`'s defaults, nothing across hosts). Collectives whose groups are
+    (default: `jdist.spmd.mesh`'s defaults, nothing across hosts). Collectives whose groups are
     single devices stay in (their bytes are in the HLO) under axes () at zero time."""
     links = links or Links()
     rows: dict[tuple[str, tuple[str, ...]], Row] = {}

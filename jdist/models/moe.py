@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdist.axes import EMBED, EXPERTS, MLP
 from jdist.models.config import ModelConfig
 from jdist.models.grouped import grouped_swiglu
 from jdist.models.layers import INIT_STD, param
 from jdist.models.precision import accumulator
+from jdist.spmd.axes import EMBED, EXPERTS, MLP
 
 GROUPED, DROPLESS, CAPACITY = "grouped", "dropless", "capacity"
 ROUTER_BIAS = "router_bias"  # the aux-loss-free routing bias, moved by the step, not trained
@@ -65,7 +65,7 @@ def positions_in_experts(experts: jax.Array, n_experts: int) -> jax.Array:
 def swiglu(h: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
            fp8=None) -> jax.Array:
     """Per-expert SwiGLU on buffers h [E, C, d] with weights [E, d, f] / [E, f, d].
-    `fp8`: a `jdist.fp8.ExpertDots` (its `padded` matmuls), or None."""
+    `fp8`: a `jdist.quant.fp8.ExpertDots` (its `padded` matmuls), or None."""
     gate, up, down = (w.astype(h.dtype) for w in (gate, up, down))
     dot = fp8.padded.project if fp8 else jnp.einsum
     a = dot("ecd,edf->ecf", h, gate)
@@ -136,7 +136,7 @@ def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=loca
     tokens travel to their experts' devices and back by all-to-all; with `tp_axes` the
     experts' hidden units are split and the down projection is summed over them. Grouped
     routing runs its experts with `experts_run` (the expert-parallel kernel passes its own);
-    the padded routings run theirs in FP8 with `fp8` (a `jdist.fp8.ExpertDots`)."""
+    the padded routings run theirs in FP8 with `fp8` (a `jdist.quant.fp8.ExpertDots`)."""
     n_experts = cfg.n_experts
     weights, experts, probs, logits = route(x, w["router"], cfg, w.get(ROUTER_BIAS))
     if cfg.moe_routing == GROUPED:

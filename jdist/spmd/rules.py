@@ -17,8 +17,8 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from jdist import axes as ax
 from jdist.errors import ConfigError, require
+from jdist.spmd import axes as ax
 
 Candidate = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, Candidate], ...]

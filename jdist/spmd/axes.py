@@ -1,7 +1,7 @@
 """Every axis name in jdist, spelled once.
 
 Mesh axes are physical (groups of devices); logical axes say what a tensor
-dimension means. Model code imports only the logical names; `jdist.rules`
+dimension means. Model code imports only the logical names; `jdist.spmd.rules`
 maps logical names onto mesh axes.
 """
 

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdist.axes import NORM
 from jdist.models.config import RopeScaling
 from jdist.models.precision import accumulator
+from jdist.spmd.axes import NORM
 
 INIT_STD = 0.02
 

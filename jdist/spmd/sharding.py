@@ -11,9 +11,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdist import axes as ax
 from jdist.errors import require
-from jdist.rules import Rules, resolve
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import Rules, resolve
 
 # Which command-line flag sets each logical dimension: errors name the fix.
 DIM_FLAGS = {

@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdist import axes as ax
-from jdist.rules import as_candidate, mesh_axes_of
+from jdist.spmd import axes as ax
+from jdist.spmd.rules import as_candidate, mesh_axes_of
 
 STAGES = (0, 1, 2, 3)
 OPTIMIZER, GRADIENTS, PARAMETERS = 1, 2, 3  # the first stage that shards each component

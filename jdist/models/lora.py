@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdist.axes import LORA_RANK
 from jdist.errors import require
+from jdist.spmd.axes import LORA_RANK
 
 # Target name -> (module, base weight) it adapts, in the order of the model.
 TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jdist.models.precision import accumulator
-from jdist.varying import alike, varying, vma, zeros
+from jdist.spmd.varying import alike, varying, vma, zeros
 
 GATHER_BYTES = 64 * 2**20  # weights gathered per loop iteration (bounds the chunk)
 CHUNK_ROWS = 512           # rows per loop iteration when the weights are small
@@ -96,7 +96,7 @@ def _blockwise(x, w, ids, chunk: int, spec: str, dot=jnp.einsum) -> jax.Array:
 
 def gmm(x: jax.Array, w: jax.Array, block_expert: jax.Array, chunk: int, fp8=None) -> jax.Array:
     """x [n_blocks, block, d] @ w[block_expert] ([E, d, f]) -> [n_blocks, block, f].
-    `fp8`: a `jdist.fp8.ExpertDot` for the forward and input-gradient matmuls, or None."""
+    `fp8`: a `jdist.quant.fp8.ExpertDot` for the forward and input-gradient matmuls, or None."""
     return _gmm(*alike(x, w), block_expert, chunk, fp8)
 
 
@@ -131,7 +131,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 def grouped_swiglu(x, experts, gate, up, down, fp8=None) -> jax.Array:
     """Tokens x [T, d] through their experts (ids [T, k]) -> each assignment's output
     [T, k, d]; the weights gate/up [E, d, f] and down [E, f, d] are in the compute dtype.
-    `fp8`: a `jdist.fp8.ExpertDots`, or None."""
+    `fp8`: a `jdist.quant.fp8.ExpertDots`, or None."""
     t, k = experts.shape
     n_experts, d, f = gate.shape
     shape = blocks_for(t * k, n_experts, d * f * gate.dtype.itemsize)

@@ -1,7 +1,7 @@
 """What a scheduled GPU program says about a step: collective bytes, how many of them are
 exposed, and the FLOPs it executes.
 
-Read from the text of a step compiled for a GPU (`jdist.target`), whose instructions print
+Read from the text of a step compiled for a GPU (`jdist.runtime.target`), whose instructions print
 in the order XLA's latency-hiding scheduler runs them. Per device and per step:
 
 - **Collective bytes** by kind and mesh axes, each collective weighted by how often a step
@@ -20,7 +20,7 @@ in the order XLA's latency-hiding scheduler runs them. Per device and per step:
   size for each gemm and dot; cuDNN attention as its two forward / five backward batched
   matmuls over the score matrix, half of it under a causal mask, whose masked tiles cuDNN
   skips), weighted like the bytes. Remat and pipeline recompute show up here and not in
-  the model FLOPs (`jdist.train.throughput`, PaLM's convention). Elementwise work is not
+  the model FLOPs (`jdist.tools.throughput`, PaLM's convention). Elementwise work is not
   counted.
 """
 
@@ -31,8 +31,8 @@ import json
 import math
 import re
 
-from jdist import comm, hlo
-from jdist.comm import axes_of
+from jdist.tools import comm, hlo
+from jdist.tools.comm import axes_of
 
 # Custom calls that are matmuls (cuBLAS, cuBLASLt) or run on the tensor cores (cuDNN).
 MATMUL_CALLS = ("__cublas$", "__cudnn$")
@@ -43,7 +43,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 @dataclasses.dataclass
 class Row(comm.Row):
-    """`jdist.comm.Row` (no predicted seconds here) with the bytes left exposed."""
+    """`jdist.tools.comm.Row` (no predicted seconds here) with the bytes left exposed."""
 
     exposed_bytes: int = 0
 
@@ -58,7 +58,7 @@ class GpuReport:
     executed_flops: float  # per device per step
     model_flops: float     # per device per step (PaLM's convention), 0 if not given
     gemms: float = 0.0     # gemm executions per step (dots and cuBLAS calls; not attention)
-    fp8_gemms: float = 0.0  # of which on float8 operands (`--fp8`, jdist.fp8)
+    fp8_gemms: float = 0.0  # of which on float8 operands (`--fp8`, jdist.quant.fp8)
     fp8_flops: float = 0.0  # their FLOPs
 
     def total(self) -> Row:
@@ -288,7 +288,7 @@ def table(rep: GpuReport) -> str:
 def step_report(compiled, plan, batch_size: int, seq_len: int) -> GpuReport:
     """The report of a training step compiled for a GPU target, with the model FLOPs of
     its global batch per device."""
-    from jdist.train.throughput import flops_per_token
+    from jdist.tools.throughput import flops_per_token
 
     model = flops_per_token(plan.model, seq_len) * batch_size * seq_len / plan.mesh.devices.size
     return report(compiled.as_text(), plan.mesh, model, pipeline_shares(plan))

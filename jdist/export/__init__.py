@@ -104,7 +104,7 @@ def nf4_round_trip(w, double_quant: bool):
 def _nf4_jit():
     import jax
 
-    from jdist import nf4
+    from jdist.quant import nf4
 
     return jax.jit(lambda w, dq: nf4.dequantize(nf4.quantize(w, dq, lead=1)),
                    static_argnums=1)
@@ -127,7 +127,7 @@ def nf4_reader(read_leaf, double_quant: bool):
 
 def saved_nf4_reader(found, cfg, double_quant: bool, read_checkpoint):
     """`read_leaf` of a --save-base --quantize-base nf4 checkpoint: its quantized weights
-    are stored as `jdist.nf4.Nf4` fields (params/.../wq/codes, absmax, [scale, offset]);
+    are stored as `jdist.quant.nf4.Nf4` fields (params/.../wq/codes, absmax, [scale, offset]);
     they are read and dequantized (float32, model layer order), the rest as stored."""
     import dataclasses
 
@@ -135,8 +135,8 @@ def saved_nf4_reader(found, cfg, double_quant: bool, read_checkpoint):
     import numpy as np
     from flax import nnx
 
-    from jdist import nf4
     from jdist.checkpoint import restore_leaf
+    from jdist.quant import nf4
     from jdist.step.layer_order import CHECKPOINT_KEY
     from jdist.step.state import build_model
 

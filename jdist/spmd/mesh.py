@@ -1,7 +1,7 @@
 """Mesh strings (`dp=2,fsdp=2,tp=2`), presets from `meshes/*.toml`, and building the `Mesh`.
 
 Every mesh has all six canonical axes (unnamed ones have size 1) in the order of
-`jdist.axes.MESH_AXES`, so sharding rules never need special cases. Axes are
+`jdist.spmd.axes.MESH_AXES`, so sharding rules never need special cases. Axes are
 `AxisType.Auto`: jdist places arrays with shardings and lets GSPMD propagate,
 and writes collectives by hand only inside `shard_map` kernels.
 """
@@ -13,8 +13,8 @@ import math
 import tomllib
 from importlib import resources
 
-from jdist.axes import DATA, MESH_AXES, MESH_AXIS_ALIASES
 from jdist.errors import ConfigError, require
+from jdist.spmd.axes import DATA, MESH_AXES, MESH_AXIS_ALIASES
 
 FILL = -1  # "whatever is left over" on the command line
 

@@ -7,7 +7,7 @@ then returns compile-only devices. They go through the same `build_mesh`, `plan_
 attention choice as real devices, and `jit(...).lower(...).compile()` on them produces the
 scheduled GPU program (cuDNN attention, cuBLAS/Triton gemms, asynchronous collectives under
 XLA's latency-hiding scheduler) whose memory and communication `jdist.memory` and
-`jdist.gpu_report` read. Nothing runs: there is nothing to run it on.
+`jdist.tools.gpu_report` read. Nothing runs: there is nothing to run it on.
 
 What it needs (found on jax 0.10.2 with `jax[cuda12]==0.10.2`, i.e. `pip install
 ".[cuda12]"`): the CUDA plugin importable; `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`, because the

@@ -1,0 +1,5 @@
+import sys
+
+from jdist.export import main
+
+sys.exit(main())

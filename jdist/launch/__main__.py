@@ -1,0 +1,5 @@
+import sys
+
+from jdist.launch import main
+
+sys.exit(main())

@@ -1,0 +1,2 @@
+"""Mesh presets: each `NAME.toml` here is usable as `--mesh NAME`
+(see `jdist.spmd.mesh.load_preset`)."""

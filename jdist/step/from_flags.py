@@ -1,0 +1,143 @@
+"""The one place flags become a plan: the model, mesh, rules, optimizer and layout, with
+every cross-group check, before anything compiles. The command line (`jdist.train`), the
+parallelism planner, the memory tool and the tests all plan through `plan_for`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jdist.config import TrainConfig
+from jdist.config.fields import parse_steps
+from jdist.config.groups import compute_dtype_name
+from jdist.errors import require
+from jdist.models import ModelConfig, get_preset
+from jdist.models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
+from jdist.parallel import collective_matmul
+from jdist.parallel.context import check_context_parallel
+from jdist.parallel.pipeline import pipeline_for
+from jdist.runtime.distributed import mesh_devices
+from jdist.spmd import axes as ax
+from jdist.spmd.mesh import build_mesh, parse_mesh
+from jdist.spmd.rules import (
+    DEFAULT_RULES,
+    Rules,
+    batch_split,
+    load_rules,
+    with_sequence_parallel,
+)
+from jdist.spmd.sharding import check_divisible, check_model_fits
+from jdist.step.forward import attention_of
+from jdist.step.optim import make_optimizer, skip_nonfinite
+from jdist.step.state import Plan, make_plan, with_pipeline
+
+DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16}
+
+
+def compute_dtype_of(config: TrainConfig):
+    """`--compute-dtype`, with `auto` resolved (`jdist.config.groups.compute_dtype_name`)."""
+    return DTYPES[compute_dtype_name(config.memory, config.finetune)]
+
+
+def rules_for(config: TrainConfig) -> Rules:
+    rules = load_rules(config.parallel.rules) if config.parallel.rules else DEFAULT_RULES
+    return with_sequence_parallel(rules) if config.parallel.sequence_parallel else rules
+
+
+def check_micro_batches(config: TrainConfig, mesh, rules: Rules) -> None:
+    """Each micro-batch must still split evenly over the batch-sharding axes."""
+    batch_axes, ways = batch_split(mesh.shape, rules)
+    accum, batch_size = config.memory.grad_accum, config.data.batch_size
+    require(batch_size % (accum * ways) == 0,
+            f"--batch-size {batch_size} cannot be split into {accum} micro-batches over "
+            f"{'x'.join(batch_axes)} = {ways} devices; use a multiple of {accum * ways} or "
+            "change --grad-accum")
+
+
+def check_profile_steps(config: TrainConfig) -> None:
+    """`--profile-steps` must name steps the run takes: a trace of steps past the end would
+    never start, and the run would say nothing."""
+    if not config.observe.profile_steps:
+        return
+    last, steps = parse_steps(config.observe.profile_steps)[1], config.optim.steps
+    require(last <= steps, f"--profile-steps {config.observe.profile_steps} goes past --steps "
+            f"{steps}; profile steps between 1 and {steps} (e.g. --profile-steps "
+            f"{min(2, steps)}-{min(3, steps)})")
+
+
+def model_of(config: TrainConfig) -> ModelConfig:
+    """The preset with its shape flags, or the model a Hugging Face `--init-from` describes;
+    with its LoRA adapters when `--lora-rank` is given."""
+    if not config.model.init_from:
+        model = get_preset(config.model.preset, **config.model.overrides())
+    else:
+        from jdist.hf.config import model_config  # reads config.json only
+
+        model = model_config(config.model.init_from)
+    return with_lora(model, config)
+
+
+def with_lora(model: ModelConfig, config: TrainConfig) -> ModelConfig:
+    flags = config.finetune
+    if flags.lora_rank is None:
+        return model
+    targets = tuple(t.strip() for t in flags.lora_targets.split(",")) if \
+        flags.lora_targets else (ATTENTION_TARGETS if model.n_experts else tuple(TARGETS))
+    model = dataclasses.replace(model, lora=LoraConfig(flags.lora_rank, flags.lora_alpha,
+                                                       targets))
+    model.validate()
+    return model
+
+
+def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
+    """Model, mesh, rules, optimizer and layout from the flags: everything except data.
+    All shape checks happen here, before anything is compiled ."""
+    config.validate()  # each group's own checks; those across groups follow
+    check_profile_steps(config)
+    model = model_of(config)
+    require(not (config.devices.target and config.memory.offload == "optimizer"),
+            f"--offload optimizer cannot be compiled for --target {config.devices.target}: "
+            "jax's "
+            "compile-only GPU devices have no host memory space (jax 0.10.2), so the "
+            "optimizer state would silently stay on the device; drop --target to measure it "
+            "on the CPU compiler, or drop --offload")
+    spec = parse_mesh(config.parallel.mesh)
+    rules = rules_for(config)
+    devices = config.devices
+    mesh = build_mesh(spec, mesh_devices(spec, devices.cpu_devices or 8, devices.target,
+                                          devices.hosts))
+    check_model_fits(model, mesh, rules)
+    check_divisible((config.data.batch_size, config.data.seq_len), (ax.BATCH, ax.LENGTH), mesh,
+                    rules, "global batch")
+    check_micro_batches(config, mesh, rules)
+    require(not (model.n_experts and config.parallel.sequence_parallel
+                 and mesh.shape[ax.TENSOR] > 1),
+            "--sequence-parallel with tensor parallelism is not supported for MoE models; "
+            "drop --sequence-parallel or tp")
+    optim = config.optim
+    tx, schedule = make_optimizer(optim.lr, optim.steps, optim.warmup, optim.weight_decay,
+                                  optim.clip_norm)
+    if config.checkpoint.on_nan == "skip":
+        tx = skip_nonfinite(tx)
+    plan = make_plan(model, mesh, rules, tx, config.memory, config.parallel, config.finetune)
+    return model, with_schedule(plan, config), schedule
+
+
+def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
+    """`plan` running the step as `config` says where that moves no state: context-parallel
+    strategy, pipeline schedule, attention kernel, remat, accumulation — checked. (The
+    parallelism planner varies these on one plan.)"""
+    check_context_parallel(plan.model.n_heads, config.data.seq_len, plan.mesh, plan.rules,
+                           config.parallel.cp_strategy)
+    pipeline = pipeline_for(config, plan.model, plan.mesh, plan.rules)
+    plan = dataclasses.replace(plan, cp_strategy=config.parallel.cp_strategy,
+                               remat=config.memory.remat, grad_accum=config.memory.grad_accum,
+                               prefetch=config.memory.prefetch,
+                               tp_halves=config.memory.tp_halves,
+                               collective_matmul=config.memory.collective_matmul,
+                               attention=config.memory.attention)
+    attention_of(plan, config.data.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
+    collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules,
+                              pipeline is not None)
+    return with_pipeline(plan, pipeline)

@@ -1,1 +1,0 @@
-"""Mesh presets: each `NAME.toml` here is usable as `--mesh NAME` (see `jdist.mesh.load_preset`)."""
