@@ -37,7 +37,7 @@ from jdist.models import get_preset
 from jdist.models.layers import dot_product_attention
 from jdist.models.loss import cross_entropy
 from jdist.parallel.attention import cudnn_attention
-from jdist.parallel.flash import flash_attention
+from jdist.parallel.attention.flash import flash_attention
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
 from jdist.runtime import target as gpu_target
 from jdist.spmd.mesh import build_mesh

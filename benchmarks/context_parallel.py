@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jdist.models.layers import dot_product_attention
-from jdist.parallel.context import ALL_GATHER, RING, ULYSSES, ContextParallel
-from jdist.parallel.load_balance import ring_work
+from jdist.parallel.attention.context import ALL_GATHER, RING, ULYSSES, ContextParallel
+from jdist.parallel.attention.load_balance import ring_work
 from jdist.spmd.mesh import build_mesh
 from jdist.spmd.rules import DEFAULT_RULES
 from jdist.tools.hlo import executed_collective_bytes

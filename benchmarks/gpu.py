@@ -68,7 +68,7 @@ def attention_errors(dtype) -> dict[str, float]:
     dense float32 reference, on 8B-shaped heads (GQA 32/8, head_dim 128), causal."""
     from jdist.models.layers import dot_product_attention
     from jdist.parallel.attention import cudnn_attention
-    from jdist.parallel.flash import flash_attention
+    from jdist.parallel.attention.flash import flash_attention
 
     keys = jax.random.split(jax.random.key(0), 4)
     s = 64 if jax.default_backend() == "cpu" else 2048

@@ -28,7 +28,7 @@ FLOPs: the matmul FLOPs the compiled step executes (`jdist.tools.gpu_report`: lo
 counts, the stage program's branches by the schedule's share of ticks), summed over devices,
 for `--flops-model` on pp=4 (8 micro-batches): 1f1b under `--remat none` (the stash) and
 `full` (each chunk recomputed from its input), and 1f1b and zb-h1 under `selective` (zb-h1's
-backward split in two, `jdist.parallel.split_backward`), each against one device's step
+backward split in two, `jdist.parallel.pipeline.split_backward`), each against one device's step
 under the same remat (`full` against `none`'s) over the same global batch. Target: the stash
 within 3% of the unpipelined step, and zb-h1 no more than 1f1b. On the CPU compiler, and with
 `--target` (default where jax's CUDA plugin is installed) on the GPU compiler too, which

@@ -10,8 +10,8 @@ from jdist.errors import ConfigError
 from jdist.models import get_preset
 from jdist.models.layers import dot_product_attention
 from jdist.parallel import attention as attn
-from jdist.parallel import blockwise as bw
-from jdist.parallel.flash import flash_attention
+from jdist.parallel.attention import blockwise as bw
+from jdist.parallel.attention.flash import flash_attention
 from jdist.tools.equivalence import assert_matches, config, train_steps
 
 RTOL = 1e-5  # max |error| / max |reference|; observed <= ~4e-7

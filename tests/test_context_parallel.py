@@ -8,9 +8,9 @@ import pytest
 
 from jdist.models import get_preset
 from jdist.models.layers import dot_product_attention
-from jdist.parallel.context import ALL_GATHER, RING, ULYSSES, ContextParallel
-from jdist.parallel.load_balance import balanced_order, ring_work
-from jdist.parallel.ring_attention import Ring, ring_attention
+from jdist.parallel.attention.context import ALL_GATHER, RING, ULYSSES, ContextParallel
+from jdist.parallel.attention.load_balance import balanced_order, ring_work
+from jdist.parallel.attention.ring import Ring, ring_attention
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES
 from jdist.tools.equivalence import assert_matches, config, train_steps

@@ -18,7 +18,7 @@ shows as bf16 here and nowhere else). Per family, one compile serves every asser
   upcast); and the same for the reductions over the other token-splitting axes
   (sequence, expert), which only sum gradients (and the loss);
 - no all-gather of a whole embedding table or output head ([vocab, d] / [d, vocab]), but
-  over `stage`, where a pipeline stores it split (`jdist.parallel.stage_shared`). The
+  over `stage`, where a pipeline stores it split (`jdist.parallel.pipeline.shared`). The
   vocabulary is Llama 3's order of size (VOCAB), so the chunked loss walks the head in
   chunks on a mesh that does not split the vocabulary: a whole-head gather is then a bug,
   not a tiny vocabulary's single chunk.
@@ -192,7 +192,7 @@ def check_token_axis_gradients(p: Program, fam: Family) -> str:
 def check_no_table_gather(p: Program, fam: Family) -> str:
     v, d = p.plan.model.vocab_size, p.plan.model.d_model
     # Over `stage` alone: a pipeline reassembles the table it stores split over stages
-    # (`jdist.parallel.stage_shared`), once per step, where it used to store it whole.
+    # (`jdist.parallel.pipeline.shared`), once per step, where it used to store it whole.
     whole = [c for c in p.collectives if c.kind == "all-gather" and tuple(c.axes) != ("stage",)
              and any(shape in ((v, d), (d, v)) for _, shape in c.arrays)]
     return f"whole embedding table / head all-gathered: {whole}" if whole else ""
@@ -269,7 +269,7 @@ FAMILIES = [
     Family("pp-interleaved", dict(mesh="dp=2,pp=2,tp=2", pp_schedule="interleaved",
                                   pp_virtual_stages=2, n_layers=4, microbatches=4), "cudnn",
            (("collective-permute", ("stage",)),)),
-    # Inside a pipeline stage the ring shifts K/V by all-gather (jdist.parallel.ring_attention).
+    # Inside a pipeline stage the ring shifts K/V by all-gather (jdist.parallel.attention.ring).
     Family("pp-sp", dict(mesh="dp=2,pp=2,sp=2", attention="flash"), "flash",
            (("collective-permute", ("stage",)), ("all-gather", ("sequence",)))),
     Family("moe-ep-dropless", dict(model="moe-tiny", mesh="dp=2,ep=4", moe_routing="dropless"),

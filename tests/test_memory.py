@@ -101,7 +101,7 @@ def test_awaiting_weight_gradients_hold_what_the_split_hands_over(monkeypatch, r
     import numpy as np
 
     from jdist.memory import _activations, _for_weights
-    from jdist.parallel import residuals, split_backward
+    from jdist.parallel.pipeline import residuals, split_backward
     from jdist.step import make_train_step
 
     seen: dict = {}

@@ -18,9 +18,9 @@ from jdist import data
 from jdist.config.groups import MemoryFlags
 from jdist.errors import ConfigError
 from jdist.models import get_preset
-from jdist.parallel import layer_shuffle
-from jdist.parallel import schedule as sched
 from jdist.parallel.pipeline import PipelineConfig, check_pipeline
+from jdist.parallel.pipeline import schedule as sched
+from jdist.parallel.pipeline import shuffle as layer_shuffle
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES, with_sequence_parallel
 from jdist.step.build import make_eval_step, make_train_step
@@ -281,7 +281,8 @@ def test_weight_half_does_a_third_of_the_backward_under_every_stashing_remat(mon
     schedule accepts: the weight half runs a third or more of the backward's matmul FLOPs,
     also where the layer recomputes its forward (selective), and no matmul runs twice."""
     from jdist.models.remat import NAMES
-    from jdist.parallel import pipeline, split_backward
+    from jdist.parallel import pipeline
+    from jdist.parallel.pipeline import split_backward
 
     flops: dict = {}
     original = split_backward.halves
@@ -428,7 +429,7 @@ def test_context_parallel_stages_match_single_device(corpus, long_reference, mes
     assert_matches(run, long_reference)
     # Only the pipeline's two permutes: nested in a stage, the ring shifts by all-gather
     # (a permute inside one stage's branch would meet other stages' permutes, see
-    # jdist.parallel.ring_attention.Ring.shift).
+    # jdist.parallel.attention.ring.Ring.shift).
     assert collective_counts(run.hlo)["collective-permute"] == 2
 
 

@@ -1,4 +1,4 @@
-"""The split a pipeline stage's backward runs on (`jdist.parallel.residuals`), on a small
+"""The split a pipeline stage's backward runs on (`jdist.parallel.pipeline.residuals`), on a small
 layer loop of its own: what is stashed per micro-batch and what is recomputed from the
 parameters, the backward rebuilt from them, and the input/weight halves of zero-bubble
 schedules, each against `jax.vjp` of the same function. (The whole step's equivalence under
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jdist.parallel import residuals
+from jdist.parallel.pipeline import residuals
 
 LAYERS, D, ROWS = 3, 8, 5
 

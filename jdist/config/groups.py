@@ -13,7 +13,7 @@ from jdist.data.sft import FORMATS
 from jdist.errors import require
 from jdist.models.loss import LOSSES
 from jdist.parallel.attention import IMPLEMENTATIONS
-from jdist.parallel.schedule import SCHEDULES
+from jdist.parallel.pipeline.schedule import SCHEDULES
 
 # The choices are the owning modules' own lists, so a new kernel or schedule needs no edit here.
 Attention = Literal[IMPLEMENTATIONS]

@@ -7,7 +7,7 @@ opens the next document (it acts as that document's beginning-of-sequence token)
 every prediction is made from its own document's context only: a document's last token
 predicts the end-of-document id, which then predicts the next document's first token.
 Attention masks keys of other segments in every implementation (`models.layers`,
-`jdist.parallel.blockwise` and the kernels built on it, cuDNN), and rotary positions
+`jdist.parallel.attention.blockwise` and the kernels built on it, cuDNN), and rotary positions
 restart at 0 on each end-of-document token.
 """
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.models.loss import CHUNKED
-from jdist.parallel.blockwise import KEY_TILE, Q_TILE
+from jdist.parallel.attention.blockwise import KEY_TILE, Q_TILE
 from jdist.parallel.moe import expert_factor
 from jdist.parallel.vocab import chunk_size
 from jdist.spmd.sharding import per_device_bytes
@@ -89,7 +89,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
         micro_batch, layers = micro_batch // table.micro, cfg.n_layers // table.chunks
         stashed = table.n_slots + table.n_grad_slots
         held = table.n_res_slots  # micro-batches whose chunk residuals wait in the stash
-        # Split (zero-bubble, jdist.parallel.split_backward): the micro-batches whose
+        # Split (zero-bubble, jdist.parallel.pipeline.split_backward): the micro-batches whose
         # residuals the weight gradient reads, from forward to weight gradient, and those
         # whose input half's hand-over awaits it.
         awaiting, handed = table.n_w_slots, table.n_h_slots
@@ -160,7 +160,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
 
 def _for_weights(a: _Sizes, saves_all: bool) -> tuple[int, int]:
     """What one layer of a micro-batch holds for a split backward's weight gradients
-    (`jdist.parallel.split_backward`): the residuals they read, and the input half's
+    (`jdist.parallel.pipeline.split_backward`): the residuals they read, and the input half's
     hand-over. The hand-over: the cotangents of the seven projections' outputs and of the
     two norms' (4x + q + 2k + 2f), and under a policy that recomputes the attention, its
     output. The residuals: the MLP's two hidden activations and the normalised inputs or
@@ -209,7 +209,7 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
     activations of `c` bytes an element."""
     import math
 
-    from jdist.parallel.context import RING, ULYSSES
+    from jdist.parallel.attention.context import RING, ULYSSES
     from jdist.spmd import axes as ax
     from jdist.spmd.rules import batch_split, mesh_axes_of, resolve
 
@@ -238,9 +238,9 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
         kept, blocks, mask = 2 * scores, 0, b * heads * s * seq_len
     else:
         # flash / context-parallel kernels save q, k, v, the float32 output and the
-        # row log-sum-exp (jdist.parallel.flash._fwd); their backward recomputes one
+        # row log-sum-exp (jdist.parallel.attention.flash._fwd); their backward recomputes one
         # [Q_TILE, KEY_TILE] block at a time, its float32 probabilities and their gradient
-        # live together (jdist.parallel.blockwise.block_grads).
+        # live together (jdist.parallel.attention.blockwise.block_grads).
         sq, heads_k = s, heads
         if plan.cp_strategy == ULYSSES and cp > 1:  # all-to-all: every query, heads / cp
             sq, heads_k = seq_len, max(1, heads // cp)
@@ -287,13 +287,13 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
 
 
 def stage_gathered_bytes(plan) -> int:
-    """Pipelined, the shared leaves stored split over `stage` (`jdist.parallel.stage_shared`)
+    """Pipelined, the shared leaves stored split over `stage` (`jdist.parallel.pipeline.shared`)
     are held whole over it for the step, as stored (float32), and a trained one's gradient
     accumulates whole over it until the reduce-scatter after the ticks."""
     from jax.sharding import NamedSharding
 
     from jdist.models.names import BLOCKS
-    from jdist.parallel.stage_shared import stage_dim
+    from jdist.parallel.pipeline.shared import stage_dim
     from jdist.spmd import axes as ax
 
     if plan.pipeline is None:

@@ -92,7 +92,7 @@ def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool,
         y, stats, kept, ends = forward(x, consts, keep=True)
         # Beyond two layers no gathered weights are handed to the backward: it gathers its
         # own first two. Kept, they would be two layers' gathered weights per micro-batch in
-        # a pipeline's stash (jdist.parallel.residuals). With two layers the backward's
+        # a pipeline's stash (jdist.parallel.pipeline.residuals). With two layers the backward's
         # gathers would repeat the forward's, which one compiler merges (CPU) and another
         # does not (GPU): keep those.
         return (y, stats), (kept, ends if n == 2 else None, consts)

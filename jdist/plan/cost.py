@@ -28,7 +28,7 @@ The model (every term is a function below, each checked by `benchmarks/planner.p
                (0 in every shipped profile: exposed). Together no more hides than the
                compute lasts.
   bubble       a pipelined step's work is spread over the executed schedule's ticks (the
-               schedule simulator's table, `jdist.parallel.schedule`), each as long as its
+               schedule simulator's table, `jdist.parallel.pipeline.schedule`), each as long as its
                slowest operation; the idle share stretches compute and exposed
                communication by 1 / (1 - bubble) (`pipeline_bubble`) — on dedicated
                devices: where devices share cores (`cpu-sim`) an idle stage's core runs
@@ -42,7 +42,7 @@ import math
 
 from jdist.memory import Breakdown
 from jdist.models.loss import CHUNKED
-from jdist.parallel.blockwise import Q_TILE
+from jdist.parallel.attention.blockwise import Q_TILE
 from jdist.parallel.moe import expert_factor
 from jdist.parallel.pipeline import stashes
 from jdist.plan.layouts import Layout
@@ -181,7 +181,7 @@ def pipeline_bubble(table, remat: str) -> float:
     its input, and each layer's again inside it); split (zero-bubble), the input gradient
     and the weight gradient 1 each. Unlike the schedule's own `bubble_fraction`, which
     counts ticks as equal, this weighs them."""
-    from jdist.parallel.schedule import BWD, FWD, WGT
+    from jdist.parallel.pipeline.schedule import BWD, FWD, WGT
 
     cost = {FWD: 1.0, BWD: 1.0 if table.split_backward else 2.0 if stashes(remat) else 4.0,
             WGT: 1.0}

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
-from jdist.parallel import schedule as sched
+from jdist.parallel.pipeline import schedule as sched
 from jdist.spmd import axes as ax
 from jdist.spmd.rules import batch_split
 

@@ -23,7 +23,7 @@ from jdist.errors import ConfigError
 from jdist.memory import predict
 from jdist.parallel import collective_matmul
 from jdist.parallel.pipeline import stashes
-from jdist.parallel.schedule import SPLIT_BACKWARD
+from jdist.parallel.pipeline.schedule import SPLIT_BACKWARD
 from jdist.plan import cost
 from jdist.plan.layouts import REMATS, Layout, divisors, mesh_variants, meshes
 from jdist.plan.traffic import step_traffic

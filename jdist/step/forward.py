@@ -42,7 +42,7 @@ from jdist.models.precision import accumulator
 from jdist.parallel import attention as attn
 from jdist.parallel import collective_matmul, embedding, halves, prefetch
 from jdist.parallel import grad_sync as gs
-from jdist.parallel.context import ContextParallel
+from jdist.parallel.attention.context import ContextParallel
 from jdist.parallel.moe import expert_dispatch
 from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy

@@ -15,7 +15,7 @@ from jdist.errors import require
 from jdist.models import ModelConfig, get_preset
 from jdist.models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
 from jdist.parallel import collective_matmul
-from jdist.parallel.context import check_context_parallel
+from jdist.parallel.attention.context import check_context_parallel
 from jdist.parallel.pipeline import pipeline_for
 from jdist.runtime.distributed import mesh_devices
 from jdist.spmd import axes as ax

@@ -11,7 +11,7 @@ The stored order is part of the layout, like a sharding, and is converted at the
 `init_state` initialises in model order and `store`s, comparisons read `to_model_order`,
 checkpoints record the order they were written in (`CHECKPOINT_KEY`) and `restore_order`
 converts on resume, so a checkpoint moves freely between interleaved and plain meshes.
-On devices, layers move between stages by permutes (`jdist.parallel.layer_shuffle`): the
+On devices, layers move between stages by permutes (`jdist.parallel.pipeline.shuffle`): the
 stack is never gathered, so a model that needs its stages to fit also fits while moving.
 """
 
@@ -23,8 +23,8 @@ import numpy as np
 
 from jdist.errors import require
 from jdist.models.names import BLOCKS
-from jdist.parallel import schedule as sched
-from jdist.parallel.layer_shuffle import shuffle
+from jdist.parallel.pipeline import schedule as sched
+from jdist.parallel.pipeline.shuffle import shuffle
 from jdist.spmd import axes as ax
 
 CHECKPOINT_KEY = "layer_order"  # in checkpoint metadata: stored position -> model layer

@@ -1,11 +1,11 @@
 """Loss and gradients of one global batch when the mesh has pipeline stages: the same
 gradient path as `jdist.step.grads` (replica shard_map, per-layer float32 gather and
 reduction by `jdist.parallel.grad_sync`, one objective from `jdist.models.loss`), with the
-micro-batches run by the stage schedule (`jdist.parallel.stage_program`).
+micro-batches run by the stage schedule (`jdist.parallel.pipeline.program`).
 
 The shard_map is manual over `stage` too. A stage holds its contiguous shard of the stored
 layer stack (its chunks; `jdist.step.layer_order`), and 1/P of the embedding and head
-(`jdist.parallel.stage_shared`), gathered over `stage` before the ticks: the first chunk
+(`jdist.parallel.pipeline.shared`), gathered over `stage` before the ticks: the first chunk
 embeds, the last computes the cross-entropy. Their gradients (zero on the stages that do
 not use them) are reduce-scattered over `stage` once per step; block gradients never
 leave their stage. Under ZeRO-0/1 the micro-batches accumulate
@@ -21,8 +21,9 @@ from jax.sharding import PartitionSpec
 from jdist.models import loss as objective
 from jdist.models.names import BLOCKS
 from jdist.parallel import grad_sync as gs
-from jdist.parallel import stage_program, stage_shared
 from jdist.parallel.pipeline import check_remat, stashes
+from jdist.parallel.pipeline import program as stage_program
+from jdist.parallel.pipeline import shared as stage_shared
 from jdist.spmd import axes as ax
 from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk

@@ -17,8 +17,8 @@ from jdist.config.groups import FinetuneFlags, MemoryFlags, ParallelFlags, compu
 from jdist.errors import require
 from jdist.models import Llama, ModelConfig
 from jdist.models.loss import CHUNKED
-from jdist.parallel import stage_shared
 from jdist.parallel.grad_sync import manual_part
+from jdist.parallel.pipeline import shared as stage_shared
 from jdist.quant import nf4
 from jdist.spmd import axes as ax
 from jdist.spmd import sharding as sh

@@ -297,12 +297,12 @@ def step_report(compiled, plan, batch_size: int, seq_len: int) -> GpuReport:
 def pipeline_shares(plan) -> dict[int, tuple[float, ...]] | None:
     """{3: (idle, forward, backward)}, or {4: (..., weight gradient)} where backwards are
     split: the share of a pipelined step's ticks each operation takes on a device
-    (`jdist.parallel.stage_program` switches on them in that order; every stage runs as
+    (`jdist.parallel.pipeline.program` switches on them in that order; every stage runs as
     many of each); {2: (otherwise, then)}: a chunk's
     `lax.cond`s (`jdist.step.forward.chunk`: embed if first, score if last) take their
     branch on one chunk in C = P x V, so on a device on average 1/C of the time (the step's
     only two-way conditionals; the ring's causal dispatch is a three-way switch)."""
-    from jdist.parallel.schedule import BWD, FWD, IDLE, WGT
+    from jdist.parallel.pipeline.schedule import BWD, FWD, IDLE, WGT
 
     if plan.pipeline is None:
         return None

@@ -16,7 +16,7 @@ Two kinds of knowledge, kept apart:
   embedding lookup (`jdist.parallel.embedding`), the chunked loss (`jdist.parallel.vocab`),
   the context-parallel kernels (`ring_attention`, `all_gather_attention`,
   `ulysses_attention`), the MoE dispatch (`jdist.parallel.moe`), the loss's psums, the
-  pipeline's per-tick permutes and end-of-step sums (`jdist.parallel.stage_program`,
+  pipeline's per-tick permutes and end-of-step sums (`jdist.parallel.pipeline.program`,
   `jdist.step.pipelined`).
 - `partitioner.py`: what compiling adds, fitted to jax 0.10.2 on CPU by compiling steps
   and reading `jdist.tools.comm.report`: GSPMD's Megatron tensor-parallel all-reduces, sequence

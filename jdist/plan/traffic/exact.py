@@ -2,7 +2,7 @@
 per-layer parameter gathers and gradient reductions, the embedding lookup
 (`jdist.parallel.embedding`), the chunked loss (`jdist.parallel.vocab`), the loss's
 psums (`jdist.models.loss`, `jdist.step.grads`), and the pipeline's permutes and stage sums
-(`jdist.parallel.stage_program`, `jdist.step.pipelined`). The context-parallel and MoE
+(`jdist.parallel.pipeline.program`, `jdist.step.pipelined`). The context-parallel and MoE
 kernels' are in `kernels.py`.
 
 Where automatic axes also split an operand, the partitioner changes what a collective
@@ -253,7 +253,7 @@ def stage_permutes(st: Step, ticks: int) -> list[Collective]:
 def stage_sums(st: Step) -> list[Collective]:
     """pipelined._run: the shared parameters split over stage gathered whole before the
     ticks and their gradients reduce-scattered back after them; the others' gradients
-    summed over stage (`jdist.parallel.stage_shared`)."""
+    summed over stage (`jdist.parallel.pipeline.shared`)."""
     out = []
     for leaf in st.shared():
         grad = leaf.local // st.ways(leaf.sync.grad)

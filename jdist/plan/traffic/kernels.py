@@ -1,13 +1,13 @@
-"""The collectives of jdist's context-parallel attention kernels (`jdist.parallel.context`:
-`ring_attention`, `all_gather_attention`, `ulysses_attention`) and of the MoE dispatch
+"""The collectives of jdist's context-parallel attention kernels
+(`jdist.parallel.attention.context`: `ring`, `all_gather`, `ulysses`) and of the MoE dispatch
 (`jdist.parallel.moe`), one layer of one micro-batch: derived from the kernels, which are
 shard_maps. How often the compile runs them under remat is fitted (`partitioner.py`)."""
 
 from __future__ import annotations
 
 from jdist.models.moe import DROPLESS, GROUPED, capacity_of
-from jdist.parallel.context import ALL_GATHER, RING
-from jdist.parallel.ulysses_attention import kv_repeats
+from jdist.parallel.attention.context import ALL_GATHER, RING
+from jdist.parallel.attention.ulysses import kv_repeats
 from jdist.plan.traffic import partitioner
 from jdist.plan.traffic.layout import (
     A2A,
@@ -58,7 +58,7 @@ def _shift(st: Step, count: int, elements: int, dtype: str, source: str) -> Coll
 
 
 def attention_forward(st: Step) -> list[Collective]:
-    """The context-parallel kernel's forward (jdist.parallel.context)."""
+    """The context-parallel kernel's forward (jdist.parallel.attention.context)."""
     if not st.cp:
         return []
     n, dt = st.size(st.cp), st.dtype

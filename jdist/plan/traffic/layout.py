@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jdist.models.names import BLOCKS, EMBED, HEAD
 from jdist.parallel import collective_matmul
 from jdist.parallel.grad_sync import Sync
-from jdist.parallel.stage_shared import stage_dim
+from jdist.parallel.pipeline.shared import stage_dim
 from jdist.spmd import axes as ax
 from jdist.spmd import sharding as sh
 from jdist.spmd.rules import mesh_axes_of, resolve
@@ -140,7 +140,7 @@ def mesh_axes(names: Iterable[str], mesh) -> tuple[str, ...]:
 def automatic(spec: Iterable, mesh) -> tuple[str, ...]:
     """The automatic mesh axes (size > 1, not replica axes) of partition spec entries;
     not `stage`, over which a shared leaf is gathered whole for the step
-    (`jdist.parallel.stage_shared`)."""
+    (`jdist.parallel.pipeline.shared`)."""
     return mesh_axes((a for e in spec for a in mesh_axes_of(e)
                       if a not in (*ax.REPLICA_AXES, ax.STAGE)), mesh)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.models.names import EMBED
-from jdist.parallel.context import RING
+from jdist.parallel.attention.context import RING
 from jdist.plan.traffic.layout import (
     AG,
     AR,

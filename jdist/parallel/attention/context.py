@@ -21,10 +21,10 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jdist.errors import require
-from jdist.parallel.all_gather_attention import all_gather_attention
-from jdist.parallel.load_balance import balanced_order
-from jdist.parallel.ring_attention import Ring, ring_attention
-from jdist.parallel.ulysses_attention import ulysses_attention
+from jdist.parallel.attention.all_gather import all_gather_attention
+from jdist.parallel.attention.load_balance import balanced_order
+from jdist.parallel.attention.ring import Ring, ring_attention
+from jdist.parallel.attention.ulysses import ulysses_attention
 from jdist.spmd.axes import BATCH, HEAD_DIM, HEADS, KV_HEADS, LENGTH
 from jdist.spmd.rules import Rules, mesh_axes_of, resolve
 

@@ -207,9 +207,10 @@ class Schedule:
     recv_bwd: tuple[tuple[tuple[int, ...], ...], ...]
     n_slots: int       # stashed chunk inputs per stage: the activation memory of the schedule
     n_grad_slots: int  # cotangents waiting for their backward
-    # With `stash` (the backward reads its forward's residuals, `jdist.parallel.residuals`):
-    # the slot a forward writes its residuals to and its backward reads them from, and how
-    # many micro-batches' residuals a stage holds at once (0 without stash).
+    # With `stash` (the backward reads its forward's residuals,
+    # `jdist.parallel.pipeline.residuals`): the slot a forward writes its residuals to and
+    # its backward reads them from, and how many micro-batches' residuals a stage holds at
+    # once (0 without stash).
     res_slot: tuple[tuple[int, ...], ...] = ()
     n_res_slots: int = 0
     # Split backwards (zero-bubble): the slot a forward writes the residuals its weight

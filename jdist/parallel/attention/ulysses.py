@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jdist.parallel import CHECK_VMA, kernel_mesh
-from jdist.parallel.flash import flash_attention
+from jdist.parallel.attention.flash import flash_attention
 
 
 def kv_repeats(local_kv_heads: int, n: int) -> int:

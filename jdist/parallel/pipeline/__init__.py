@@ -1,7 +1,7 @@
 """Pipeline parallelism over the `stage` axis: which schedule a run uses, and its checks.
 
-A static schedule table (`jdist.parallel.schedule`) is executed tick by tick inside the
-step's shard_map by `jdist.parallel.stage_program`; the training side that hands it a chunk
+A static schedule table (`jdist.parallel.pipeline.schedule`) is executed tick by tick inside the
+step's shard_map by `jdist.parallel.pipeline.program`; the training side that hands it a chunk
 function (embedding on the first chunk, the loss on the last, the per-layer gradient
 reductions) is `jdist.step.pipelined`. With V virtual stages (interleaved) the stack is
 *stored* permuted (`jdist.step.layer_order`) so that stage s's shard is chunks s, s+P, ...
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.errors import require
-from jdist.parallel import schedule as sched
+from jdist.parallel.pipeline import schedule as sched
 from jdist.spmd import axes as ax
 from jdist.spmd.rules import DEFAULT_RULES, Rules, batch_split
 

@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec
 
 from jdist.models.precision import accumulator
 from jdist.parallel import CHECK_VMA, kernel_mesh, manual_axes
-from jdist.parallel import blockwise as bw
-from jdist.parallel.load_balance import block_kind, chunk_ids
+from jdist.parallel.attention import blockwise as bw
+from jdist.parallel.attention.load_balance import block_kind, chunk_ids
 from jdist.spmd.axes import STAGE
 from jdist.spmd.varying import varying, vma, zeros
 

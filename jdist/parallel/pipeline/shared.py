@@ -11,7 +11,7 @@ hold what the end stages would lose.
 
 Per step, before the tick loop, each leaf is gathered over `stage` (one all-gather; inside
 a tick, a collective over `stage` would run in one stage's branch only: see
-`jdist.parallel.stage_program`), and after it the accumulated gradients, nonzero only where
+`jdist.parallel.pipeline.program`), and after it the accumulated gradients, nonzero only where
 a chunk used them, are reduce-scattered over `stage` back to the stored split. That pair
 moves what the all-reduce of replicated gradients moved, and a tied table needs nothing
 more: both chunks' gradients land in the one accumulator. The final norm's scale (d_model

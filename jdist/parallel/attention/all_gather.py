@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jdist.parallel import CHECK_VMA, kernel_mesh
-from jdist.parallel.flash import flash_attention
+from jdist.parallel.attention.flash import flash_attention
 
 
 def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v, *seg):

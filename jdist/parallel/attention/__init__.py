@@ -1,10 +1,10 @@
 """Which attention implementation a step runs when the sequence is not sharded, and the
 kernels themselves: `xla` (the model's dense reference), `flash` (pure-JAX blockwise,
-`jdist.parallel.flash`), `cudnn` (`jax.nn.dot_product_attention` on NVIDIA GPUs).
+`jdist.parallel.attention.flash`), `cudnn` (`jax.nn.dot_product_attention` on NVIDIA GPUs).
 
 `auto` picks cudnn where it can run, else flash from `FLASH_MIN_SEQ` tokens, else xla. A
 sharded sequence always runs the context-parallel strategy, whose local blocks are the
-flash kernel's (`jdist.parallel.context`).
+flash kernel's (`jdist.parallel.attention.context`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 
 from jdist.errors import ConfigError, require
 from jdist.parallel import CHECK_VMA, kernel_mesh
-from jdist.parallel.flash import flash_attention
+from jdist.parallel.attention.flash import flash_attention
 
 AUTO, XLA, FLASH, CUDNN = "auto", "xla", "flash", "cudnn"
 IMPLEMENTATIONS = (AUTO, XLA, FLASH, CUDNN)

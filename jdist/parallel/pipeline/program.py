@@ -1,5 +1,5 @@
 """What one (stage, replica) runs inside the pipeline's `shard_map`: every tick of the
-schedule table (`jdist.parallel.schedule`), one operation per tick, then the two permutes.
+schedule table (`jdist.parallel.pipeline.schedule`), one operation per tick, then the two permutes.
 
 A tick is nothing, a forward, or a backward of one micro-batch on one chunk of layers.
 The chunk itself is the caller's `chunk_fn(v, block, shared, x, m, first, last) -> (y,
@@ -8,7 +8,7 @@ schedules. A forward reads the chunk input from the stash. A backward pulls the
 micro-batch's cotangent back through the chunk, accumulating block and shared gradients (in
 whatever layout the caller differentiates: jdist.parallel.grad_sync), from one of two
 sources. With `stash_residuals` (any `--remat` but full) the forward kept what the backward
-reads, as the layer's remat policy decides (`jdist.parallel.residuals`): the same FLOPs as
+reads, as the layer's remat policy decides (`jdist.parallel.pipeline.residuals`): the same FLOPs as
 an unpipelined step, residuals of the in-flight micro-batches held. Without, the backward
 recomputes the chunk from its stashed input (`jax.vjp`): only chunk inputs are held, and
 every chunk's forward runs twice.
@@ -17,7 +17,7 @@ and one down to the previous: a forward's output goes up and a backward's input 
 down, except on the V shape's second chunk (ZB-V), which runs from the last stage back to
 the first, and whose last stage hands its first chunk's output to itself. The table says,
 per source, which slot receives what. Permutes stay outside the switch: see
-`jdist.parallel.ring_attention.Ring.shift` for what a permute inside one stage's branch
+`jdist.parallel.attention.ring.Ring.shift` for what a permute inside one stage's branch
 does on XLA.
 """
 
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist.models.precision import accumulator
-from jdist.parallel import residuals
-from jdist.parallel import schedule as sched
+from jdist.parallel.pipeline import residuals
+from jdist.parallel.pipeline import schedule as sched
 from jdist.spmd import axes as ax
 
 
@@ -57,7 +57,7 @@ def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_sh
     params_def = jax.tree.structure((blocks, shared))
     chunk_params = lambda v: jax.tree.leaves((jax.tree.map(lambda b: b[v], chunks), shared))
 
-    def f(where, p, x, m):  # the chunk on flat arrays (jdist.parallel.residuals)
+    def f(where, p, x, m):  # the chunk on flat arrays (jdist.parallel.pipeline.residuals)
         v, first, last = where
         return chunk_fn(v, *jax.tree.unflatten(params_def, p), x, m, first, last)
 

@@ -22,7 +22,7 @@ import jax
 from jax._src.interpreters import partial_eval as pe  # see the module docstring
 from jax.extend.core import jaxpr_as_fun
 
-from jdist.parallel import split_backward
+from jdist.parallel.pipeline import split_backward
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jdist.parallel import blockwise as bw
+from jdist.parallel.attention import blockwise as bw
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
