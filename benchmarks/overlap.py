@@ -26,8 +26,6 @@ hosts, 512 x 8192; the same with fsdp=8,tp=8 fixed. bf16, the planner's ranking
 
 from __future__ import annotations
 
-import dataclasses
-
 import common
 from common import Column
 
@@ -91,13 +89,13 @@ def measure(case: str, target: str, top: int) -> list[dict]:
                                "exposed": 1 - h}
                               for (r, _, _), h in zip(planned.comm, planned.hidden)]
                if planned else None}
-        local_rows = batch // plan.grad_accum // batch_split(plan.mesh.shape, plan.rules)[1]
+        local_rows = batch // plan.compute.grad_accum // batch_split(plan.mesh.shape, plan.rules)[1]
         halves = plan.mesh.shape[TENSOR] > 1 and rows_fit(local_rows) and not plan.pipeline
-        variants = [("before", dataclasses.replace(plan, prefetch="off", collective_matmul="off"),
+        variants = [("before", plan.computing(prefetch="off", collective_matmul="off"),
                      dict(COMPILER_OPTIONS)),
                     ("after", plan, compiler_options(plan))]
         if halves:
-            halved = dataclasses.replace(plan, tp_halves=True)
+            halved = plan.computing(tp_halves=True)
             variants.append(("halves", halved, compiler_options(halved)))
         row["exposed_halves"] = row["peak_halves_gib"] = None
         for when, p, options in variants:

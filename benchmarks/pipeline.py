@@ -89,7 +89,7 @@ def measure(model, stages: int, micro: int, schedule: str, virtual: int, micro_b
     return {"schedule": schedule, "stages": stages, "micro": micro, "virtual": virtual,
             "ticks": table.ticks, "bubble": table.bubble_fraction(),
             "bubble_formula": table.expected_bubble(),
-            "weighted_bubble": pipeline_bubble(table, plan.remat),
+            "weighted_bubble": pipeline_bubble(table, plan.compute.remat),
             "stashed": table.n_res_slots, "inputs": table.n_slots,
             "read_by_w": table.n_w_slots, "awaiting_w": table.n_h_slots,
             "temp_bytes": common.temp_bytes(compiled),
@@ -112,11 +112,10 @@ FLOPS_STEPS = (("unpipelined, remat none", "dp=1", "none", None),
 def flops_cpu(model_name: str, mesh_text: str, remat: str, schedule: str | None, batch: int,
               seq_len: int) -> float:
     """Executed matmul FLOPs of the step on all devices, CPU compiler (in this process)."""
-    import dataclasses
 
     n = 1 if mesh_text == "dp=1" else 4
     plan = common.simple_plan(get_preset(model_name), build_mesh(mesh_text, jax.devices()[:n]))
-    plan = dataclasses.replace(plan, remat=remat)
+    plan = plan.computing(remat=remat)
     if n > 1:
         plan = with_pipeline(plan, PipelineConfig(schedule, 8))
     compiled = compile_step(plan, batch, seq_len)
@@ -173,7 +172,7 @@ def timing_rows(model, stages: int, micro: int, micro_batch: int, seq_len: int,
         seconds = common.time_steps(step, init_state(plan, 0), [batch], steps)[2]
         rows.append({"schedule": schedule + (f" V={virtual}" if virtual > 1 else ""),
                      "step_s": seconds / steps, "weighted_bubble": pipeline_bubble(
-                         config.table(stages, stash=True), plan.remat)})
+                         config.table(stages, stash=True), plan.compute.remat)})
     base = next(r["step_s"] for r in rows if r["schedule"] == "1f1b")
     for r in rows:
         r["ratio"] = r["step_s"] / base

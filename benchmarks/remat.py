@@ -6,8 +6,6 @@ compiled step, and step time, for each --remat policy, in one run.
 
 from __future__ import annotations
 
-import dataclasses
-
 import common
 from common import Column, MiB
 
@@ -42,7 +40,7 @@ def main() -> None:
                               plan.batch_sharding)
     rows = []
     for policy in NAMES:
-        plan = dataclasses.replace(plan, remat=policy)
+        plan = plan.computing(remat=policy)
         compiled = compile_step(plan, args.batch_size, args.seq_len)
         seconds = common.time_steps(compiled, init_state(plan, 0), [batch], args.steps)[2]
         rows.append({"remat": policy, "temp_bytes": common.temp_bytes(compiled),

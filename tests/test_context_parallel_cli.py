@@ -33,5 +33,5 @@ def test_bad_context_parallel_input_is_one_line_and_exit_2(tmp_path, args, messa
 def test_flag_reaches_the_plan():
     config = parse_args(["--model", "tiny", "--mesh", "sp=8", "--seq-len", "32",
                          "--cp-strategy", "ulysses"])
-    assert prepare(config).plan.cp_strategy == "ulysses"
+    assert prepare(config).plan.compute.cp_strategy == "ulysses"
     assert parse_args([]).parallel.cp_strategy == "ring"

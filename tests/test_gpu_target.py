@@ -219,10 +219,10 @@ def check_recompute(p: Program, fam: Family) -> str:
     """Remat: the backward runs each block's forward again, cuDNN attention included (per
     step: twice as many forward calls as backward ones); without, the forward runs once."""
     fwd, bwd = p.runs["__cudnn$fmhaSoftmax"], p.runs["__cudnn$fmhaSoftmaxBackward"]
-    want = 1 if p.plan.remat == "none" else 2
+    want = 1 if p.plan.compute.remat == "none" else 2
     if not bwd or fwd != want * bwd:
-        return (f"remat {p.plan.remat!r}: cuDNN attention forward runs {fwd} times per step "
-                f"for {bwd} backward runs, not {want}x")
+        return (f"remat {p.plan.compute.remat!r}: cuDNN attention forward runs {fwd} times per "
+                f"step for {bwd} backward runs, not {want}x")
     return ""
 
 
@@ -312,7 +312,7 @@ def compile_family(fam: Family) -> Program:
     packed = config.pop("packing", None)
     _, plan, _ = plan_for(TrainConfig.of(**config))
     if packed:  # as jdist.train.setup.prepare does for data with an end-of-document id
-        plan = dataclasses.replace(plan, eod_id=EOD)
+        plan = plan.computing(eod_id=EOD)
     assert target.is_compile_only(plan.mesh.devices.flat[0])
     assert plan.mesh.devices.flat[0].device_kind == target.GPUS[TARGET].description
     compiled = compile_step(plan, config["batch_size"], config["seq_len"])

@@ -84,8 +84,8 @@ def test_expert_flops_follow_the_routing_path(routing, mesh):
     measured = gpu_report.report(text, plan.mesh, unknown_trips=0).executed_flops
     tokens = batch * seq / 8
     experts = expert_factor(plan.model, tokens, plan.mesh.shape[ax.EXPERT])
-    predicted = cost.executed_flops(plan.model, seq, tokens, "xla", plan.remat, False,
-                                    plan.loss, 1, experts)
+    predicted = cost.executed_flops(plan.model, seq, tokens, "xla", plan.compute.remat, False,
+                                    plan.compute.loss, 1, experts)
     assert 0.9 <= measured / predicted <= 1.05, (measured, predicted)
 
 

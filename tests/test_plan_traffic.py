@@ -2,7 +2,6 @@
 jdist.tools.comm.report reads from the compiled step (8 simulated devices, the tiny model, one
 compile per layout)."""
 
-import dataclasses
 import glob
 import math
 import re
@@ -133,7 +132,7 @@ def test_bfloat16_moves_what_the_program_says():
     collective: parameters gathered and activations moved in bf16, gradients in f32."""
     plan = plan_of("dp=2,fsdp=2,tp=2", compute_dtype="bfloat16", remat="full")
     compiled, partitioned = _compile_with_partitioned(plan, 8, 32)
-    as_on_cpu = dataclasses.replace(plan, compute_dtype=jnp.float32)
+    as_on_cpu = plan.computing(dtype=jnp.float32)
     assert_matches(traffic.step_traffic(as_on_cpu, 8, 32), measured(plan, 8, 32, compiled))
     predicted = {(c.kind, c.axes, c.dtype, c.elements)
                  for c in traffic.collectives(plan, 8, 32) if c.count and c.axes}

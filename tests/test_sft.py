@@ -206,7 +206,7 @@ def test_prepare_loads_rows_and_implies_document_packing(tmp_path, tok, capsys):
     path = write_jsonl(tmp_path / "d.jsonl", mixed(30))
     setup = prepare(sft_config(data=path, tokenizer=str(TOK)))
     assert "60 records in" in capsys.readouterr().out
-    assert setup.plan.eod_id == EOD and setup.rows is not None
+    assert setup.plan.compute.eod_id == EOD and setup.rows is not None
     for stream, part in ((data.TRAIN_STREAM, setup.rows.train), (data.VAL_STREAM,
                                                                  setup.rows.val)):
         want = sft.host_sft_batch(part, 0, 2, 4, stream)

@@ -103,7 +103,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
             # (small pp=2,sp=4 1f1b, jax 0.10.2: one stage's gradients; interleaved holds
             # one such copy in all, not two)
             accumulator = _grad_bytes(plan, blocks_only=True)
-    elif plan.grad_accum > 1:  # jdist.step.grads.step_grads: the scan's float32
+    elif plan.compute.grad_accum > 1:  # jdist.step.grads.step_grads: the scan's float32
         accumulator = _grad_bytes(plan)  # accumulator beside each micro-batch's gradient
         if on_gpu(plan) and remat == "full":  # the peak is in the forward, inside the
             # accumulation loop: one more gradient tree, of a ZeRO-2 gradient's size (fitted)
@@ -242,9 +242,9 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
         # [Q_TILE, KEY_TILE] block at a time, its float32 probabilities and their gradient
         # live together (jdist.parallel.attention.blockwise.block_grads).
         sq, heads_k = s, heads
-        if plan.cp_strategy == ULYSSES and cp > 1:  # all-to-all: every query, heads / cp
+        if plan.compute.cp_strategy == ULYSSES and cp > 1:  # all-to-all: every query, heads / cp
             sq, heads_k = seq_len, max(1, heads // cp)
-        t = s if cp > 1 and plan.cp_strategy == RING else seq_len  # ring: a peer's keys
+        t = s if cp > 1 and plan.compute.cp_strategy == RING else seq_len  # ring: a peer's keys
         kept = tokens * heads * hd * 4 + b * heads * s * 4
         blocks = 0 if attention == "cudnn" else \
             2 * b * heads_k * min(sq, Q_TILE) * min(t, KEY_TILE) * 4
@@ -257,7 +257,7 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
     normed = tokens * d * 4 // sp
     every = 2 * x + 2 * normed + 2 * tokens * d * c + 2 * q + 2 * k + kept + 6 * hidden
     logits = tokens * (cfg.vocab_size // tp) * 4 * 2                # float32 logits + grad
-    if plan.loss == CHUNKED:  # a few [tokens, chunk] float32 blocks, dh in float32
+    if plan.compute.loss == CHUNKED:  # a few [tokens, chunk] float32 blocks, dh in float32
         chunk = chunk_size(tokens, cfg.vocab_size // tp)
         logits = tokens * chunk * 4 * 3 + tokens * d * 4
     return _Sizes(x, q, k, hidden, scores, every, blocks, mask, logits)
@@ -275,7 +275,7 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
     (it does not change with remat, accumulation, attention or the pipeline schedule)."""
     params, grads, optimizer, in_flight = state or state_bytes(plan)
     backward = in_flight + activation_bytes(plan, micro_batch, seq_len,
-                                            plan.compute_dtype.itemsize, plan.remat) \
+                                            plan.compute.dtype.itemsize, plan.compute.remat) \
         + stage_gathered_bytes(plan)
     # After the backward, the optimizer update holds one more float32 tree the size of the
     # gradients on XLA CPU: optax.clip_by_global_norm scales every leaf into a new buffer
@@ -324,7 +324,7 @@ def state_bytes(plan) -> tuple[int, int, int, int]:
                              plan.grad_shardings)
     optimizer = 0 if plan.offload else per_device_bytes(plan.abstract.opt_state,
                                                         plan.shardings.opt_state)
-    return params, grads, optimizer, in_flight_bytes(plan, plan.compute_dtype.itemsize)
+    return params, grads, optimizer, in_flight_bytes(plan, plan.compute.dtype.itemsize)
 
 
 def in_flight_bytes(plan, compute_bytes: int) -> int:
@@ -340,7 +340,7 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     # An untied table is looked up where it lies (jdist.parallel.embedding), never gathered;
     # the chunked loss gathers the output weight a chunk at a time (jdist.parallel.vocab).
     skip = {BLOCKS} | (set() if plan.model.tie_embeddings else {EMBED})
-    if plan.loss == CHUNKED:
+    if plan.compute.loss == CHUNKED:
         skip |= {EMBED if plan.model.tie_embeddings else HEAD}
     shared = {k: v for k, v in plan.abstract.params.items() if k not in skip}
     shared_sh = {k: v for k, v in plan.shardings.params.items() if k not in skip}
@@ -352,7 +352,7 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     # gradient (rowwise: scaled per output column, then per input row), a byte each.
     # llama3-8b fsdp=8, remat full, H100 compiler (jax 0.10.2): the peak is 0.33 GiB above
     # bf16's; this term is 0.41.
-    quantized = 2 * (params // compute_bytes) if plan.fp8 != "off" else 0
+    quantized = 2 * (params // compute_bytes) if plan.compute.fp8 != "off" else 0
     return params + ahead + quantized + grad \
         + _gathered(shared, shared_sh, None if frozen else 4 + 4) + _table_scatter(plan)
 
@@ -370,7 +370,7 @@ def prefetches(plan) -> bool:
     layers = plan.model.n_layers
     if plan.pipeline is not None:
         layers //= plan.pipeline.table(plan.mesh.shape[ax.STAGE]).chunks
-    return prefetch.applies(plan.prefetch, plan.mesh, jax.tree.leaves(syncs(plan)[BLOCKS]),
+    return prefetch.applies(plan.compute.prefetch, plan.mesh, jax.tree.leaves(syncs(plan)[BLOCKS]),
                             layers)
 
 

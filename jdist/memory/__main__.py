@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"model {config.model.preset}, mesh {config.parallel.mesh}, zero "
               f"{config.memory.zero}, micro-batch {micro} x {seq_len}, remat "
-              f"{config.memory.remat}, {plan.compute_dtype.name}"
+              f"{config.memory.remat}, {plan.compute.dtype.name}"
               + (f", LoRA rank {plan.model.lora.rank}" if plan.model.lora else "")
               + (f", base {plan.quantize}" + (" double-quant" if plan.double_quant else "")
                  if plan.quantize != "none" else ""))

@@ -153,7 +153,8 @@ def measure_step(n_devices: int, batch_size: int = 8, seq_len: int = 256,
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     flops = executed_flops(plan.model, seq_len, batch_size * seq_len / n_devices,
-                           attention_of(plan, seq_len), plan.remat, False, plan.loss, 1)
+                           attention_of(plan, seq_len), plan.compute.remat, False,
+                           plan.compute.loss, 1)
     return {"model": "small", "mesh": config.parallel.mesh, "batch_size": batch_size,
             "seq_len": seq_len, "seconds": statistics.median(times[2:]),
             "flops_per_device": flops}

@@ -216,13 +216,13 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     stages = shape[ax.STAGE]
     devices = math.prod(shape.values())
     tokens_per_stage_group = batch_size * seq_len / (devices / stages)
-    experts = expert_factor(plan.model, tokens_per_stage_group / plan.grad_accum,
+    experts = expert_factor(plan.model, tokens_per_stage_group / plan.compute.grad_accum,
                             shape.get(ax.EXPERT, 1))
     flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
-                           plan.remat, stages > 1, plan.loss, stages, experts)
+                           plan.compute.remat, stages > 1, plan.compute.loss, stages, experts)
     # `--fp8`: the projections' share at the profile's FP8 rate.
-    fast = fp8_flops(plan.model, tokens_per_stage_group, plan.remat, stages > 1, stages,
-                     experts) if plan.fp8 != "off" else 0.0
+    fast = fp8_flops(plan.model, tokens_per_stage_group, plan.compute.remat, stages > 1, stages,
+                     experts) if plan.compute.fp8 != "off" else 0.0
     compute = (flops - fast + fast / profile.fp8_rate) / profile.achievable_flops
     comm = price(rows, plan, profile, dcn_axes)
     # Each class hides its overlap fraction, the two together never more than the compute.
@@ -237,7 +237,8 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
         name = f"{row.kind} over {','.join(row.axes)}"
         exposed_rows[name] = exposed_rows.get(name, 0.0) + s * (1 - f)
     exposed = sum(exposed_rows.values())
-    bubble = pipeline_bubble(plan.pipeline.table(stages), plan.remat) if plan.pipeline else 0.0
+    bubble = pipeline_bubble(plan.pipeline.table(stages), plan.compute.remat) \
+        if plan.pipeline else 0.0
     busy = compute + exposed
     stretched = busy if profile.shared_cores else busy / (1 - bubble)
     memory_bound = optimizer_seconds(memory, offload_bytes, profile)

@@ -64,7 +64,7 @@ def attentions(plan, seq_len: int) -> list[str]:
 
     other = "xla" if attention_of(plan, seq_len) != "xla" else "flash"
     try:
-        attention_of(dataclasses.replace(plan, attention=other), seq_len)
+        attention_of(plan.computing(attention=other), seq_len)
     except ConfigError:
         return ["auto"]
     return ["auto", other]
@@ -112,7 +112,8 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
                 plan = _search_group(base, [dataclasses.replace(lay, offload=True)
                                             for lay in layouts], profile, dcn_axes, budget, result)
             if sp and plan is not None and collective_matmul.applies(
-                    plan.collective_matmul, plan.mesh, plan.rules, plan.pipeline is not None):
+                    plan.compute.collective_matmul, plan.mesh, plan.rules,
+                    plan.pipeline is not None):
                 hidden_sp.add(zero)
     result.ranked.sort(key=lambda e: (e.step_s, e.memory.total, len(e.layout.flags())))
     return result
@@ -126,10 +127,10 @@ def crossing(dcn: dict[str, int]) -> frozenset:
 def _search_group(base, layouts: list[Layout], profile, dcn_axes, budget: float,
                   result: Result):
     """Layouts that share their state's layout (mesh, ZeRO, rules, offload): the trainer
-    plans the first, the others vary its schedule (`with_schedule`, the trainer's checks).
+    plans the first, the others vary its schedule (`with_compute`, the trainer's checks).
     Appends the best variant of each to `result`; the plan of one that fits, or None."""
     from jdist.memory import state_bytes
-    from jdist.step.from_flags import plan_for, with_schedule
+    from jdist.step.from_flags import plan_for, with_compute
 
     plan, state, found = None, None, None
     for layout in layouts:
@@ -140,7 +141,7 @@ def _search_group(base, layouts: list[Layout], profile, dcn_axes, budget: float,
                 state = state_bytes(plan)
                 variant = plan
             else:
-                variant = with_schedule(plan, config)
+                variant = with_compute(plan, config)
         except ConfigError as e:
             result.pruned[str(e).split(";")[0][:60]] += 1
             continue
@@ -163,8 +164,7 @@ def _best_variant(base, layout: Layout, plan, state, profile, dcn_axes, budget: 
             continue  # a split backward reads a stash (`pipeline.check_remat`)
         for attention in attentions(plan, base.data.seq_len):
             for accum in accumulations(base.data.batch_size // replicas, plan.pipeline is not None):
-                variant = dataclasses.replace(plan, remat=remat, grad_accum=accum,
-                                              attention=attention)
+                variant = plan.computing(remat=remat, grad_accum=accum, attention=attention)
                 memory = predict(variant, base.data.batch_size // accum, base.data.seq_len, state)
                 chosen = dataclasses.replace(layout, remat=remat, grad_accum=accum,
                                              attention=attention)

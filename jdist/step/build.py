@@ -41,11 +41,12 @@ def compiler_options(plan: Plan) -> dict:
     NVIDIA GPUs jdist's flags, with XLA's analytical latency estimator where it suits the step
     (`target.estimator_suits`)."""
     pipelined = plan.pipeline is not None
-    runs = collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules, pipelined)
+    runs = collective_matmul.applies(plan.compute.collective_matmul, plan.mesh, plan.rules,
+                                     pipelined)
     width = plan.mesh.shape[ax.TENSOR] if runs else 0
     suits = target.estimator_suits(width, pipelined, bool(plan.model.n_experts),
-                                   plan.tp_halves)
-    return target.compiler_options(plan.mesh, plan.tp_halves, suits)
+                                   plan.compute.tp_halves)
+    return target.compiler_options(plan.mesh, plan.compute.tp_halves, suits)
 
 
 def make_train_step(plan: Plan, schedule: optax.Schedule | None = None, *,

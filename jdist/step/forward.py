@@ -94,7 +94,7 @@ class Forward:
     def in_kernel_order(self, tokens, targets):
         """(tokens, targets, segment ids or None, positions) in the context-parallel
         kernel's order: packed documents' layout (`jdist.data.packing`), or one text's."""
-        segments, positions = packing.layout_of(self.plan.eod_id, tokens)
+        segments, positions = packing.layout_of(self.plan.compute.eod_id, tokens)
         if segments is None:
             positions = self.cp.positions(tokens.shape[1])
         else:
@@ -107,7 +107,7 @@ class Forward:
         """The values a layer computes with. A frozen leaf (None in `primal`) is gathered
         without a gradient; NF4-stored weights stay quantized until the layer uses them
         (`models.layers.weight`)."""
-        dtype = self.plan.compute_dtype
+        dtype = self.plan.compute.dtype
         frozen = lambda s, y: jax.tree.map(lambda a, b: gs.gather(a, b, dtype), s, y)
         return jax.tree.map(lambda p, s, y: frozen(s, y) if p is None else
                             gs.materialize(p, s, y, dtype, self.defer), primal, stored, sync,
@@ -139,20 +139,20 @@ class Forward:
     def layer_loop(self, primal: dict, layer, x, layers, rows: dict):
         """`ModelContext.layer_loop`: prefetching (`prefetch.applies`), layer i+1's are
         gathered while layer i computes (`jdist.parallel.prefetch`); else each is gathered
-        when its iteration starts. Both checkpoint the layer under `plan.remat`, which
+        when its iteration starts. Both checkpoint the layer under `plan.compute.remat`, which
         `--tp-halves` runs on two halves of the rows (`jdist.parallel.halves`)."""
-        stored, checkpointed = nnx.to_pure_dict(layers), remat.wrapper(self.plan.remat)
-        if self.plan.tp_halves:
+        stored, checkpointed = nnx.to_pure_dict(layers), remat.wrapper(self.plan.compute.remat)
+        if self.plan.compute.tp_halves:
             # x's rows are this replica's (the step is manual over the batch's axes).
             halves.check(x.shape[0], self.plan.model.n_experts)
             layer = halves.split(layer, rows)
         else:
             layer = partial(layer, rows=rows)
         n = jax.tree.leaves(stored)[0].shape[0]
-        if prefetch.applies(self.plan.prefetch, self.plan.mesh, jax.tree.leaves(self.block_sync),
-                            n):
+        if prefetch.applies(self.plan.compute.prefetch, self.plan.mesh,
+                            jax.tree.leaves(self.block_sync), n):
             return prefetch.run(layer, x, stored, primal, self.block_sync,
-                                dtype=self.plan.compute_dtype, defer=self.defer,
+                                dtype=self.plan.compute.dtype, defer=self.defer,
                                 remat=checkpointed)
 
         def one(x, scanned):
@@ -216,7 +216,7 @@ def inner_rules(rules: Rules, manual: tuple[str, ...]) -> Rules:
 
 
 def context_parallel_of(plan, manual: tuple[str, ...]) -> ContextParallel:
-    return ContextParallel(plan.mesh, inner_rules(plan.rules, manual), plan.cp_strategy)
+    return ContextParallel(plan.mesh, inner_rules(plan.rules, manual), plan.compute.cp_strategy)
 
 
 def reorder_tokens(cp: ContextParallel, x):
@@ -231,10 +231,10 @@ def reorder_tokens(cp: ContextParallel, x):
 
 def attention_of(plan, seq_len: int) -> str:
     """The attention implementation the step runs (`--attention`, `auto` resolved)."""
-    cp = ContextParallel(plan.mesh, plan.rules, plan.cp_strategy)
+    cp = ContextParallel(plan.mesh, plan.rules, plan.compute.cp_strategy)
     backend, capability = attn.accelerator(plan.mesh.devices.flat[0])
-    return attn.choose(plan.attention, backend=backend, capability=capability,
-                       dtype=plan.compute_dtype, head_dim=plan.model.dim_per_head,
+    return attn.choose(plan.compute.attention, backend=backend, capability=capability,
+                       dtype=plan.compute.dtype, head_dim=plan.model.dim_per_head,
                        seq_len=seq_len, context_parallel=cp.size > 1,
                        heads_match=cp.q_spec[:3] == cp.kv_spec[:3])
 
@@ -243,12 +243,12 @@ def model_context(plan, manual: tuple[str, ...], seq_len: int,
                   layer_loop: Callable | None = None,
                   embed_lookup: Callable | None = None) -> ModelContext:
     rules = inner_rules(plan.rules, manual)
-    cp = ContextParallel(plan.mesh, rules, plan.cp_strategy)
+    cp = ContextParallel(plan.mesh, rules, plan.compute.cp_strategy)
     extra = {} if layer_loop is None else {"layer_loop": layer_loop}
-    if plan.fp8 != "off":  # amaxes combined over the manual axes the batch is split over
+    if plan.compute.fp8 != "off":  # amaxes combined over the manual axes the batch is split over
         batch = batch_split(plan.mesh.shape, plan.rules)[0]
-        extra |= fp8.hooks(plan.fp8, tuple(a for a in manual if a in batch))
-    elif collective_matmul.applies(plan.collective_matmul, plan.mesh, rules,
+        extra |= fp8.hooks(plan.compute.fp8, tuple(a for a in manual if a in batch))
+    elif collective_matmul.applies(plan.compute.collective_matmul, plan.mesh, rules,
                                    plan.pipeline is not None):
         extra |= collective_matmul.hooks(plan.mesh, rules)
     name = attention_of(plan, seq_len)
@@ -256,8 +256,8 @@ def model_context(plan, manual: tuple[str, ...], seq_len: int,
         constrain=constrainer(plan.mesh, rules),
         attention=cp.attention if cp.size > 1 else attn.kernel(
             name, mesh=plan.mesh, q_spec=cp.q_spec, kv_spec=cp.kv_spec),
-        moe=expert_dispatch(plan.mesh, rules, plan.fp8) if plan.model.n_experts else None,
-        embed_lookup=embed_lookup, compute_dtype=plan.compute_dtype, **extra)
+        moe=expert_dispatch(plan.mesh, rules, plan.compute.fp8) if plan.model.n_experts else None,
+        embed_lookup=embed_lookup, compute_dtype=plan.compute.dtype, **extra)
 
 
 def token_losses(plan, manual: tuple[str, ...], model, x, labels, ctx: ModelContext,
@@ -267,7 +267,7 @@ def token_losses(plan, manual: tuple[str, ...], model, x, labels, ctx: ModelCont
     full logits (`--loss full`, the reference). `head`: (gradient-layout block, stored
     block, Sync, defer) of the output weight, gathered chunk by chunk inside the loss
     (`head_of`); None: the model's weight as it is."""
-    if plan.loss == objective.FULL_LOGITS:
+    if plan.compute.loss == objective.FULL_LOGITS:
         return objective.cross_entropy(model.logits(x, ctx), labels)
     rules = inner_rules(plan.rules, manual)
     h, param, vocab_dim = model.output_head(x)
@@ -299,7 +299,7 @@ def head_of(plan, primal: dict, stored: dict, sync: dict, defer: bool) -> tuple 
     key = head_key(plan)
     vocab_dim = 0 if plan.model.tie_embeddings else 1
     # (Tied, this is the condition of the table's lookup too: both read the stored block.)
-    if plan.loss != objective.CHUNKED or not vocab_supports(sync[key], vocab_dim):
+    if plan.compute.loss != objective.CHUNKED or not vocab_supports(sync[key], vocab_dim):
         return None
     return primal[key], stored[key], sync[key], defer
 
@@ -312,7 +312,7 @@ def embed_lookup(plan, manual: tuple[str, ...], primal, stored, sync, defer: boo
     vocab = resolve((ax.VOCAB, ax.EMBED), inner_rules(plan.rules, manual), plan.mesh)[0]
     # A frozen table (primal None) is never differentiated: its stored block stands in.
     return partial(embedding.lookup, stored if primal is None else primal, stored, sync=sync,
-                   dtype=plan.compute_dtype, defer=defer, mesh=plan.mesh,
+                   dtype=plan.compute.dtype, defer=defer, mesh=plan.mesh,
                    vocab_axes=mesh_axes_of(vocab))
 
 

@@ -18,6 +18,7 @@ from jdist.parallel import collective_matmul
 from jdist.parallel.attention.context import check_context_parallel
 from jdist.parallel.pipeline import pipeline_for
 from jdist.runtime.distributed import mesh_devices
+from jdist.runtime.target import overlap_by_default
 from jdist.spmd import axes as ax
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import (
@@ -30,7 +31,7 @@ from jdist.spmd.rules import (
 from jdist.spmd.sharding import check_divisible, check_model_fits
 from jdist.step.forward import attention_of
 from jdist.step.optim import make_optimizer, skip_nonfinite
-from jdist.step.state import Plan, make_plan, with_pipeline
+from jdist.step.state import Compute, Plan, make_plan, with_pipeline
 
 DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16}
 
@@ -92,7 +93,7 @@ def with_lora(model: ModelConfig, config: TrainConfig) -> ModelConfig:
 
 def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     """Model, mesh, rules, optimizer and layout from the flags: everything except data.
-    All shape checks happen here, before anything is compiled ."""
+    All shape checks happen here, before anything is compiled."""
     config.validate()  # each group's own checks; those across groups follow
     check_profile_steps(config)
     model = model_of(config)
@@ -121,23 +122,38 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     if config.checkpoint.on_nan == "skip":
         tx = skip_nonfinite(tx)
     plan = make_plan(model, mesh, rules, tx, config.memory, config.parallel, config.finetune)
-    return model, with_schedule(plan, config), schedule
+    return model, with_compute(plan, config), schedule
 
 
-def with_schedule(plan: Plan, config: TrainConfig) -> Plan:
-    """`plan` running the step as `config` says where that moves no state: context-parallel
-    strategy, pipeline schedule, attention kernel, remat, accumulation — checked. (The
-    parallelism planner varies these on one plan.)"""
-    check_context_parallel(plan.model.n_heads, config.data.seq_len, plan.mesh, plan.rules,
-                           config.parallel.cp_strategy)
+def with_compute(plan: Plan, config: TrainConfig) -> Plan:
+    """`plan` with the pipeline schedule and the `Compute` the flags ask for: nothing that
+    moves state, so the parallelism planner varies these on one plan."""
     pipeline = pipeline_for(config, plan.model, plan.mesh, plan.rules)
-    plan = dataclasses.replace(plan, cp_strategy=config.parallel.cp_strategy,
-                               remat=config.memory.remat, grad_accum=config.memory.grad_accum,
-                               prefetch=config.memory.prefetch,
-                               tp_halves=config.memory.tp_halves,
-                               collective_matmul=config.memory.collective_matmul,
-                               attention=config.memory.attention)
-    attention_of(plan, config.data.seq_len)  # refuses what cannot run (cudnn on CPU, ...)
-    collective_matmul.applies(plan.collective_matmul, plan.mesh, plan.rules,
-                              pipeline is not None)
-    return with_pipeline(plan, pipeline)
+    return dataclasses.replace(with_pipeline(plan, pipeline),
+                               compute=compute_of(config, plan, pipeline is not None))
+
+
+def compute_of(config: TrainConfig, plan: Plan, pipelined: bool) -> Compute:
+    """How the step computes, from the flags, with every `auto` resolved for this plan's
+    mesh and the run's sequence length (dtype, prefetch, collective matmuls, attention),
+    and what cannot run refused (cudnn on a CPU, a context-parallel strategy the heads do
+    not divide, collective matmuls without sequence parallelism)."""
+    memory, seq_len = config.memory, config.data.seq_len
+    check_context_parallel(plan.model.n_heads, seq_len, plan.mesh, plan.rules,
+                           config.parallel.cp_strategy)
+    # The kernels' own `auto` (prefetch.applies, collective_matmul.applies) reads the same
+    # test, so a plan made directly (tests, benchmarks) computes as this one does.
+    prefetch = memory.prefetch == "on" or (memory.prefetch == "auto"
+                                           and overlap_by_default(plan.mesh))
+    matmuls = collective_matmul.applies(memory.collective_matmul, plan.mesh, plan.rules,
+                                        pipelined)
+    compute = Compute(jnp.dtype(compute_dtype_name(memory, config.finetune)), memory.remat,
+                      on_off(prefetch), memory.tp_halves, on_off(matmuls), memory.fp8,
+                      memory.grad_accum, memory.attention, memory.loss,
+                      config.parallel.cp_strategy, plan.compute.eod_id)
+    attention = attention_of(dataclasses.replace(plan, compute=compute), seq_len)
+    return dataclasses.replace(compute, attention=attention)
+
+
+def on_off(value: bool) -> str:
+    return "on" if value else "off"

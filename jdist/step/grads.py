@@ -108,7 +108,7 @@ def step_grads(plan, params: dict, batch: dict):
     loads or None: `jdist.models.loss.layer_loads`) of one global batch."""
     sync = syncs(plan)
     stacked_syncs = stacked(sync)
-    micro = plan.grad_accum
+    micro = plan.compute.grad_accum
     defer = micro > 1
     n_replicas = replica_count(plan.mesh)
 
@@ -137,7 +137,7 @@ def step_grads(plan, params: dict, batch: dict):
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), primal)
             n_terms = objective.term_count(plan.model)
-            start = (jnp.zeros(n_terms, accumulator(plan.compute_dtype)), zeros)
+            start = (jnp.zeros(n_terms, accumulator(plan.compute.dtype)), zeros)
             (terms, grads), _ = jax.lax.scan(body, start, micro_batches((tokens, targets), micro))
             terms = terms / micro
             grads = trainable.tree_map(gs.finish_reduce, grads, sync)

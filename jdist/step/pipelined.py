@@ -43,8 +43,8 @@ PIPE_MANUAL = (ax.STAGE, *MANUAL)
 
 def _run(plan, params: dict, batch: dict, train: bool):
     mesh = plan.mesh
-    check_remat(plan.pipeline, plan.remat)  # a plan's remat may change after planning
-    stash = train and stashes(plan.remat)
+    check_remat(plan.pipeline, plan.compute.remat)  # a plan's remat may change after planning
+    stash = train and stashes(plan.compute.remat)
     table = plan.pipeline.table(mesh.shape[ax.STAGE], forward_only=not train, stash=stash)
     sync = syncs(plan)
     stacked_syncs = stacked(sync)
@@ -80,7 +80,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
 
         out = stage_program.program(
             primal[BLOCKS], shared.primal, table=table, chunk_fn=chunk_fn,
-            act_shape=(*tokens.shape[1:], plan.model.d_model), act_dtype=plan.compute_dtype,
+            act_shape=(*tokens.shape[1:], plan.model.d_model), act_dtype=plan.compute.dtype,
             n_terms=objective.term_count(plan.model), train=train, stash_residuals=stash)
         terms, grads = out if train else (out, None)
         terms = jax.lax.psum(terms, PIPE_MANUAL) / n_replicas  # only the last stage has ce

@@ -35,8 +35,29 @@ class TrainState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class Compute:
+    """How the step computes on a layout. Nothing here moves state, so one layout runs any
+    of these (the parallelism planner varies them on one plan). `make_plan` takes them from
+    the flag groups as given; `jdist.step.from_flags.compute_of` resolves every `auto`."""
+
+    dtype: Any = jnp.float32       # matmuls and activations; master weights and their
+    # gradients and reductions stay float32
+    remat: str = "none"            # activation checkpointing (jdist.models.remat)
+    prefetch: str = "auto"         # gather layer i+1 while layer i computes (parallel.prefetch)
+    tp_halves: bool = False        # each layer on two halves of the rows (parallel.halves)
+    collective_matmul: str = "auto"  # SP's collectives as transfers beside matmuls
+    fp8: str = "off"               # the block projections in FP8 (jdist.quant.fp8)
+    grad_accum: int = 1            # micro-batches scanned per step
+    attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
+    loss: str = CHUNKED            # jdist.models.loss.LOSSES
+    cp_strategy: str = "ring"      # attention over a sharded sequence (parallel.attention)
+    eod_id: int | None = None      # packed documents split at this id (jdist.data.packing)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything that is decided before any array exists: structure, shapes, shardings."""
+    """What is decided before any array exists: where the state lives (structure, shapes,
+    shardings, the stored layer order) and how the step computes on it (`compute`)."""
 
     model: ModelConfig
     mesh: Any
@@ -50,22 +71,16 @@ class Plan:
     zero: int = 0                  # ZeRO stage over `data` (see jdist.spmd.zero)
     grad_shardings: Any = None     # reduced gradients (sharded over data from ZeRO-2)
     opt_device_shardings: Any = None  # optimizer state while it is being updated
-    cp_strategy: str = "ring"      # attention over a sharded sequence (see jdist.parallel)
-    pipeline: Any = None  # PipelineConfig when the mesh has stages (jdist.parallel.pipeline)
-    # How the step computes (jdist.step.build): matmul/activation dtype (master weights,
-    # gradients and their reductions stay float32), activation checkpointing, micro-batches.
-    compute_dtype: Any = jnp.float32
-    remat: str = "none"
-    prefetch: str = "auto"         # gather layer i+1 while layer i computes (parallel.prefetch)
-    tp_halves: bool = False        # each layer on two halves of the rows (parallel.halves)
-    collective_matmul: str = "auto"  # SP's collectives as transfers beside matmuls
-    fp8: str = "off"               # the block projections in FP8 (jdist.quant.fp8)
-    grad_accum: int = 1
-    attention: str = "auto"        # jdist.parallel.attention; resolved per sequence length
-    loss: str = CHUNKED            # jdist.models.loss.LOSSES
-    eod_id: int | None = None      # packed documents split at this id (jdist.data.packing)
+    # PipelineConfig when the mesh has stages (jdist.parallel.pipeline): it decides the
+    # stored layer order, so it belongs to the layout.
+    pipeline: Any = None
     quantize: str = "none"         # frozen base storage (QLoRA: "nf4"; jdist.step.trainable)
     double_quant: bool = False
+    compute: Compute = Compute()
+
+    def computing(self, **changes) -> Plan:
+        """The same layout, computing with `changes` (fields of `Compute`)."""
+        return dataclasses.replace(self, compute=dataclasses.replace(self.compute, **changes))
 
     @property
     def offload(self) -> bool:
@@ -140,13 +155,12 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
                           opt_state=jax.eval_shape(tx.init, trained))
     batch_sharding = jax.sharding.NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
+    compute = Compute(compute_dtype, memory.remat, memory.prefetch, memory.tp_halves,
+                      memory.collective_matmul, memory.fp8, memory.grad_accum,
+                      memory.attention, memory.loss, parallel.cp_strategy, eod_id)
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
-                zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, parallel.cp_strategy,
-                compute_dtype=compute_dtype, remat=memory.remat, grad_accum=memory.grad_accum,
-                prefetch=memory.prefetch, tp_halves=memory.tp_halves,
-                collective_matmul=memory.collective_matmul, fp8=memory.fp8,
-                attention=memory.attention, loss=memory.loss,
-                eod_id=eod_id, quantize=quantize, double_quant=double_quant)
+                zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, quantize=quantize,
+                double_quant=double_quant, compute=compute)
 
 
 # What sets each quantized weight's last dimension (its logical name), in flags.
@@ -216,7 +230,7 @@ def init_state(plan: Plan, seed: int) -> TrainState:
     then layers move into the plan's stored order (`jdist.step.layer_order`)."""
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
-        params = trainable.to_storage(plan.model, params, plan.compute_dtype, plan.quantize,
+        params = trainable.to_storage(plan.model, params, plan.compute.dtype, plan.quantize,
                                       plan.double_quant)
         return TrainState(jnp.zeros((), jnp.int32), params,
                           plan.tx.init(trainable.select(plan.model, params)))

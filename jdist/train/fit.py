@@ -72,14 +72,14 @@ def dry_run(config) -> None:
 
     _, plan, _ = plan_for(config)
     print(layout_table(plan), flush=True)
-    print(compute_line(plan, config.data.seq_len), flush=True)
+    print(compute_line(plan, config), flush=True)
     if plan.pipeline is not None:
         from jdist.parallel.pipeline import stashes
         from jdist.plan.cost import pipeline_bubble
 
-        schedule = plan.pipeline.table(plan.mesh.shape["stage"], stash=stashes(plan.remat))
+        schedule = plan.pipeline.table(plan.mesh.shape["stage"], stash=stashes(plan.compute.remat))
         print(f"{schedule.summary()}; time-weighted bubble "
-              f"{pipeline_bubble(schedule, plan.remat):.3f}", flush=True)
+              f"{pipeline_bubble(schedule, plan.compute.remat):.3f}", flush=True)
     compiled = compile_step(plan, config.data.batch_size, config.data.seq_len)
     measured = measure(plan, config.data.batch_size, config.data.seq_len, compiled)
     print(table(plan_breakdown(config, plan), measured), flush=True)

@@ -42,10 +42,12 @@ def layout_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def compute_line(plan: Plan, seq_len: int) -> str:
+def compute_line(plan: Plan, config) -> str:
     """Which kernels the step runs: the attention implementation (auto resolved) and loss."""
-    return (f"attention: {attention_of(plan, seq_len)} (--attention {plan.attention}); "
-            f"loss: {plan.loss}; compute dtype: {plan.compute_dtype.name}; remat: {plan.remat}")
+    return (f"attention: {attention_of(plan, config.data.seq_len)} "
+            f"(--attention {config.memory.attention}); "
+            f"loss: {plan.compute.loss}; compute dtype: {plan.compute.dtype.name}; "
+            f"remat: {plan.compute.remat}")
 
 
 def _clock(seconds: float) -> str:
@@ -206,7 +208,7 @@ def open_run_dir(run_dir: Path, setup, resume_step: int) -> MetricsLog:
         "mesh": dict(plan.mesh.shape), "data": corpus.source,
         "processes": jax.process_count(), "jax": jax.__version__}, indent=2))
     print(layout_table(plan), flush=True)
-    print(compute_line(plan, config.data.seq_len), flush=True)
+    print(compute_line(plan, config), flush=True)
     print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
           f"tokens{'; ' + corpus.note if corpus.note else ''}; run dir: {run_dir}", flush=True)
     return log

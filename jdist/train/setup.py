@@ -120,5 +120,5 @@ def prepare(config: TrainConfig) -> Setup:
                 "--packing documents needs an end-of-document id, which byte-level data has "
                 "not; pass --tokenizer (one with an eos token) or a .bin written by "
                 "python -m jdist.data tokenize")
-        plan = dataclasses.replace(plan, eod_id=corpus.eod_id)
+        plan = plan.computing(eod_id=corpus.eod_id)
     return Setup(config, model, corpus, plan, schedule, rows)

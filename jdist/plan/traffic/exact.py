@@ -159,7 +159,7 @@ def loss_shape(st: Step) -> LossShape | None:
     """The chunked loss's layout; None where the step gathers the head whole instead
     (`--loss full`, or a vocabulary split over replica axes: context.head_of)."""
     leaf, vocab_dim = st.head, 0 if st.model.tie_embeddings else 1
-    if st.plan.loss != objective.CHUNKED or leaf.sync.stored[vocab_dim] \
+    if st.plan.compute.loss != objective.CHUNKED or leaf.sync.stored[vocab_dim] \
             or leaf.sync.grad[vocab_dim]:
         return None
     vocab = vocab_axes(st, leaf, vocab_dim)

@@ -62,9 +62,9 @@ def attention_forward(st: Step) -> list[Collective]:
     if not st.cp:
         return []
     n, dt = st.size(st.cp), st.dtype
-    if st.plan.cp_strategy == RING:  # ring_attention._forward: N-1 shifts of k and v
+    if st.plan.compute.cp_strategy == RING:  # ring_attention._forward: N-1 shifts of k and v
         return [_shift(st, 2 * (n - 1), _kv(st), dt, "ring_attention: k, v")]
-    if st.plan.cp_strategy == ALL_GATHER:  # all_gather_attention._local
+    if st.plan.compute.cp_strategy == ALL_GATHER:  # all_gather_attention._local
         return [Collective(AG, st.cp, 2, _kv(st, st.seq), dt, "all_gather_attention: k, v")]
     return [Collective(A2A, st.cp, 2, _q(st), dt, "ulysses_attention: q, out"),
             Collective(A2A, st.cp, 2, _ulysses_kv(st), dt, "ulysses_attention: k, v")]
@@ -79,10 +79,10 @@ def attention_backward(st: Step) -> list[Collective]:
         return []
     n, dt = st.size(st.cp), st.dtype
     again = attention_forward(st) if partitioner.attention_recomputed(st) else []
-    if st.plan.cp_strategy == RING:
+    if st.plan.compute.cp_strategy == RING:
         return again + [_shift(st, 2 * (n - 1), _kv(st), dt, "ring_attention: k, v"),
                         _shift(st, 2 * n, _kv(st), F32, "ring_attention: dk, dv")]
-    if st.plan.cp_strategy == ALL_GATHER:
+    if st.plan.compute.cp_strategy == ALL_GATHER:
         return [Collective(AG, st.cp, 2, _kv(st, st.seq), dt, "all_gather_attention: k, v"),
                 Collective(RS, st.cp, 2, _kv(st), dt, "all_gather_attention: dk, dv")]
     return again + [Collective(A2A, st.cp, 2, _q(st), dt, "ulysses_attention: dq, dout"),
@@ -159,5 +159,5 @@ def moe_backward(st: Step) -> list[Collective]:
     against a compile)."""
     if not st.model.n_experts:
         return []
-    again = _moe_moves(st, False) if st.plan.remat == "full" else []
+    again = _moe_moves(st, False) if st.plan.compute.remat == "full" else []
     return again + _moe_moves(st, True)

@@ -188,18 +188,18 @@ def step_of(plan, batch_size: int, seq_len: int) -> Step:
     mesh = plan.mesh
     n = dict(mesh.shape)
     pipelined = plan.pipeline is not None
-    micro = plan.pipeline.table(n[ax.STAGE]).micro if pipelined else plan.grad_accum
+    micro = plan.pipeline.table(n[ax.STAGE]).micro if pipelined else plan.compute.grad_accum
     manual = PIPE_MANUAL if pipelined else MANUAL
     batch_axes = resolved(plan, (ax.BATCH, ax.LENGTH), 0, ())
     cp = mesh_axes(context_parallel_of(plan, manual).axes, mesh)
     residual = resolved(plan, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), 1, manual)
     return Step(plan, n, batch_size, seq_len, micro,
                 batch_size // math.prod(n[a] for a in batch_axes) // micro,
-                HLO_DTYPE[jnp.dtype(plan.compute_dtype).name],
+                HLO_DTYPE[jnp.dtype(plan.compute.dtype).name],
                 resolved(plan, (ax.HEADS,), 0, manual), cp,
                 tuple(a for a in residual if a not in cp),
                 resolved(plan, (ax.BATCH, ax.LENGTH), 0, manual), leaves_of(plan),
-                collective_matmul.applies(plan.collective_matmul, mesh,
+                collective_matmul.applies(plan.compute.collective_matmul, mesh,
                                           inner_rules(plan.rules, manual), pipelined))
 
 

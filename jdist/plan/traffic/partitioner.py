@@ -75,7 +75,7 @@ def tensor_backward(st: Step) -> list[Collective]:
     MLP's is dead code there); the selective and dots policies keep the projections."""
     if not st.tp:
         return []
-    again = 1 if st.plan.remat == "full" else 0
+    again = 1 if st.plan.compute.remat == "full" else 0
     if st.collective_matmul:  # the widening inputs' chunks again (the residuals are shards);
         # under remat full the whole forward again, but for the MLP's down (dead there)
         return _chunk_transfers(st, 4 + 2 + again) + _lora_partials(
@@ -172,7 +172,7 @@ def context_parallel_extras(st: Step) -> Extras:
     if not st.cp:
         return Extras()
     tokens, d, cp = st.rows * st.seq, st.model.d_model, st.cp
-    split, ring = embed_split(st), st.plan.cp_strategy == RING
+    split, ring = embed_split(st), st.plan.compute.cp_strategy == RING
     ids = 0 if ring and vocab_axes(st, st.leaf(EMBED), 0) else 1
     backward = [Collective(AG, cp, ids, tokens, S32, "GSPMD/CP: embedding ids"),
                 Collective(AG, cp, 1, tokens * d, F32, "GSPMD/CP: embedding row gradients")]
@@ -235,20 +235,20 @@ def regathers(st: Step, leaf: Leaf) -> bool:
     kept for the backward (jdist.models.remat.GATHERED) except under `everything_saveable`.
     Fitted (jax 0.10.2): with `--remat none` a norm scale is not regathered either: its
     backward reads the broadcast scale, which that policy keeps."""
-    if st.plan.remat == "everything_saveable":
+    if st.plan.compute.remat == "everything_saveable":
         return False
-    return leaf.matrix or st.plan.remat != "none"
+    return leaf.matrix or st.plan.compute.remat != "none"
 
 
 def ring_merges(st: Step) -> bool:
     """Fitted (XLA, jax 0.10.2): a ring of two devices has no loop left, and the shifts
     of k and v a recomputed forward runs are the backward's first ones, merged."""
-    return st.plan.cp_strategy == RING and st.size(st.cp) == 2
+    return st.plan.compute.cp_strategy == RING and st.size(st.cp) == 2
 
 
 def attention_recomputed(st: Step) -> bool:
     """Fitted (jax 0.10.2): every remat policy but none and everything_saveable redoes the
     context-parallel kernel's forward before its backward: its custom-VJP residuals (out,
     lse) carry no name a policy keeps. Not where `ring_merges`."""
-    return st.plan.remat not in ("none", "everything_saveable") and not ring_merges(st)
+    return st.plan.compute.remat not in ("none", "everything_saveable") and not ring_merges(st)
 

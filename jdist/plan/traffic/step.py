@@ -43,8 +43,8 @@ def prefetched(st: Step, layers: int) -> bool:
     layers + 1 (the last again, for the backward to start with), a backward layers - 1,
     whatever the remat policy; `layer_forward`'s and `layer_backward`'s gathers are not
     counted (`prefetch_gathers`)."""
-    return prefetch.applies(st.plan.prefetch, st.plan.mesh, [leaf.sync for leaf in st.blocks()],
-                            layers)
+    return prefetch.applies(st.plan.compute.prefetch, st.plan.mesh,
+                            [leaf.sync for leaf in st.blocks()], layers)
 
 
 def prefetch_gathers(layers: int) -> tuple[int, int]:
@@ -133,7 +133,7 @@ def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     and loss in the last; gradients accumulate (defer), shared ones are summed over stage
     once."""
     table = st.plan.pipeline.table(st.n[ax.STAGE])
-    redo = not stashes(st.plan.remat)
+    redo = not stashes(st.plan.compute.remat)
     k = st.model.n_layers // (table.stages * table.virtual)
     chunk_runs = table.micro * table.virtual if executed else 1
     end_runs = table.micro if executed else 1
