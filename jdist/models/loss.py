@@ -4,10 +4,13 @@ weighted load-balancing losses; and the metric names it reports.
 A step computes `loss_terms` for each piece of work it differentiates (one replica's
 micro-batch; a pipeline chunk's share of one) and averages them; `report` turns the mean
 terms into the reported loss and metrics. The objective is term 0 (what is differentiated);
-the other terms are reported only.
+the other terms are reported only. `Objective` is what a gradient path holds of all this:
+the scale of its pieces, the length of the terms, and the one call every path ends in.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +143,40 @@ def report(model, mean_terms: jax.Array) -> tuple[jax.Array, dict]:
     per_layer = loads.max(-1) / jnp.maximum(loads.mean(-1), 1e-30)
     return objective, {**terms, DROPPED_FRACTION: dropped / assigned,
                        LOAD_IMBALANCE: jnp.max(per_layer)}
+
+
+class StepResult(NamedTuple):
+    """What a gradient path gives the optimizer step."""
+
+    loss: jax.Array           # the objective (term 0), averaged over the global batch
+    metrics: dict             # the reported terms (`report`)
+    grads: Any                # laid out as the plan's gradient shardings
+    loads: jax.Array | None   # per-layer expert loads for the routing biases (`layer_loads`)
+
+
+class Objective(NamedTuple):
+    """The objective as a gradient path uses it: the dense path (`jdist.step.grads`) and
+    the pipeline schedule (`jdist.step.pipelined`) scale their pieces with `scale`, size
+    their accumulators with `n_terms`, and end in `result`."""
+
+    model: Any  # a ModelConfig
+
+    @property
+    def n_terms(self) -> int:
+        return term_count(self.model)
+
+    def scale(self, pieces: int, targets: jax.Array, axes) -> jax.Array:
+        """`piece_scale` of `pieces` pieces, with the counted targets summed over `axes` (the
+        manual axes the global batch is split over)."""
+        return piece_scale(pieces, jax.lax.psum(token_count(targets), axes))
+
+    def cross_entropy(self, mean_terms: jax.Array) -> jax.Array:
+        """The cross-entropy among the terms, without balancing losses (evaluation)."""
+        names = term_names(self.model)
+        return mean_terms[names.index(CROSS_ENTROPY) if self.model.n_experts else 0]
+
+    def result(self, mean_terms: jax.Array, grads, micro: int) -> StepResult:
+        """The step's result from the terms averaged over the global batch's `micro`
+        micro-batches, and the gradients."""
+        loss, metrics = report(self.model, mean_terms)
+        return StepResult(loss, metrics, grads, layer_loads(self.model, mean_terms, micro))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jdist.models.loss import Objective, StepResult
 from jdist.parallel import collective_matmul
 from jdist.runtime import target
 from jdist.spmd import axes as ax
@@ -28,12 +29,15 @@ class Batch(TypedDict):
     targets: jax.Array  # [batch, length] next-token ids; jdist.models.loss.IGNORE where not counted
 
 
-def gradients(plan: Plan, params: dict, batch: Batch):
+def gradients(plan: Plan, params: dict, batch: Batch) -> StepResult:
     """(objective, metrics, gradients laid out as `plan.grad_shardings`, per-layer expert
-    loads [layers, E] for the routing biases or None) of a global batch."""
-    if plan.pipeline is not None:  # stages run their schedule (jdist.parallel.pipeline)
-        return pipeline_grads(plan, params, batch)
-    return step_grads(plan, params, batch)
+    loads [layers, E] for the routing biases or None) of a global batch: by the one dense
+    path, or by the pipeline schedule when the mesh has stages (jdist.parallel.pipeline);
+    both end here, in the objective's one `result`."""
+    path = pipeline_grads if plan.pipeline is not None else step_grads
+    terms, grads, micro = path(plan, params, batch)
+    grads = jax.lax.with_sharding_constraint(grads, plan.grad_shardings)
+    return Objective(plan.model).result(terms, grads, micro)
 
 
 def compiler_options(plan: Plan) -> dict:

@@ -103,22 +103,22 @@ def replica_terms(fw: Forward, params: Params, tokens, targets, scale) -> jax.Ar
                  scale)[1]
 
 
-def step_grads(plan, params: dict, batch: dict):
-    """(objective, metrics, gradients laid out as `plan.grad_shardings`, per-layer expert
-    loads or None: `jdist.models.loss.layer_loads`) of one global batch."""
+def step_grads(plan, params: dict, batch: dict) -> tuple[jax.Array, dict, int]:
+    """(the objective's terms averaged over one global batch, gradients, micro-batches):
+    what `jdist.step.build.gradients` turns into the step's result."""
     sync = syncs(plan)
     stacked_syncs = stacked(sync)
     micro = plan.compute.grad_accum
     defer = micro > 1
     n_replicas = replica_count(plan.mesh)
+    goal = objective.Objective(plan.model)
 
     def local(stored, tokens, targets):
         primal = trained_primal(plan, stored, stacked_syncs)
         # Read, never differentiated: else the layer loop's transpose builds a (zero)
         # cotangent for the stored stack too, a full extra gradient buffer.
         stored = jax.lax.stop_gradient(stored)
-        scale = objective.piece_scale(
-            micro * n_replicas, jax.lax.psum(objective.token_count(targets), MANUAL))
+        scale = goal.scale(micro * n_replicas, targets, MANUAL)
 
         fw = Forward(plan, MANUAL, defer, tokens.shape[1], sync[BLOCKS])
 
@@ -136,8 +136,7 @@ def step_grads(plan, params: dict, batch: dict):
                 return (terms_sum + terms, jax.tree.map(jnp.add, acc, g)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), primal)
-            n_terms = objective.term_count(plan.model)
-            start = (jnp.zeros(n_terms, accumulator(plan.compute.dtype)), zeros)
+            start = (jnp.zeros(goal.n_terms, accumulator(plan.compute.dtype)), zeros)
             (terms, grads), _ = jax.lax.scan(body, start, micro_batches((tokens, targets), micro))
             terms = terms / micro
             grads = trainable.tree_map(gs.finish_reduce, grads, sync)
@@ -147,22 +146,18 @@ def step_grads(plan, params: dict, batch: dict):
                               plan.grad_shardings)
     run = replica_map(plan, local, (PartitionSpec(), grad_specs))
     terms, grads = run(params, batch["inputs"], batch["targets"])
-    grads = jax.lax.with_sharding_constraint(grads, plan.grad_shardings)
-    loss, metrics = objective.report(plan.model, terms)
-    return loss, metrics, grads, objective.layer_loads(plan.model, terms, micro)
+    return terms, grads, micro
 
 
 def step_eval(plan, params: dict, batch: dict) -> jax.Array:
     """Mean cross-entropy of a global batch (no balancing terms), by the same forward."""
-    sync = syncs(plan)
+    sync, goal = syncs(plan), objective.Objective(plan.model)
 
     def local(stored, tokens, targets):
-        scale = objective.piece_scale(replica_count(plan.mesh),
-                                      jax.lax.psum(objective.token_count(targets), MANUAL))
+        scale = goal.scale(replica_count(plan.mesh), targets, MANUAL)
         fw = Forward(plan, MANUAL, False, tokens.shape[1], sync[BLOCKS])
         terms = replica_terms(fw, Params(stored, stored, sync), tokens, targets, scale)
-        ce = terms[objective.term_names(plan.model).index(objective.CROSS_ENTROPY)] \
-            if plan.model.n_experts else terms[0]
+        ce = goal.cross_entropy(terms)
         return jax.lax.psum(ce, MANUAL) / replica_count(plan.mesh)
 
     return replica_map(plan, local, PartitionSpec())(params, batch["inputs"], batch["targets"])

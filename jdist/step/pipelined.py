@@ -49,14 +49,14 @@ def _run(plan, params: dict, batch: dict, train: bool):
     sync = syncs(plan)
     stacked_syncs = stacked(sync)
     n_replicas = replica_count(mesh)
+    goal = objective.Objective(plan.model)
     # Micro-batches accumulate: ZeRO-0/1 gradients are all-reduced once, below.
     fw = Forward(plan, PIPE_MANUAL, True, batch["inputs"].shape[1], sync[BLOCKS])
 
     def local(stored, inputs, targets):
         # The embedding and head are stored split over `stage`: whole for the ticks.
         stored = stage_shared.gather(stored, plan.shardings.params, sync)
-        scale = objective.piece_scale(table.micro * n_replicas,
-                                      jax.lax.psum(objective.token_count(targets), MANUAL))
+        scale = goal.scale(table.micro * n_replicas, targets, MANUAL)
         tokens, labels, segments, positions = fw.in_kernel_order(inputs, targets)
         tokens, labels = micro_batches((tokens, labels), table.micro)
         if segments is not None:  # packed documents: per-row layouts, per micro-batch
@@ -81,7 +81,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
         out = stage_program.program(
             primal[BLOCKS], shared.primal, table=table, chunk_fn=chunk_fn,
             act_shape=(*tokens.shape[1:], plan.model.d_model), act_dtype=plan.compute.dtype,
-            n_terms=objective.term_count(plan.model), train=train, stash_residuals=stash)
+            n_terms=goal.n_terms, train=train, stash_residuals=stash)
         terms, grads = out if train else (out, None)
         terms = jax.lax.psum(terms, PIPE_MANUAL) / n_replicas  # only the last stage has ce
         if not train:
@@ -102,19 +102,14 @@ def _run(plan, params: dict, batch: dict, train: bool):
     return run(params, batch["inputs"], batch["targets"])
 
 
-def pipeline_grads(plan, params: dict, batch: dict):
-    """(objective, metrics, gradients laid out as `plan.grad_shardings`, per-layer expert
-    loads or None), like `jdist.step.grads.step_grads`, computed by the pipeline schedule."""
+def pipeline_grads(plan, params: dict, batch: dict) -> tuple[jax.Array, dict, int]:
+    """(mean terms, gradients, micro-batches) like `jdist.step.grads.step_grads`, computed
+    by the pipeline schedule."""
     terms, grads = _run(plan, params, batch, train=True)
-    grads = jax.lax.with_sharding_constraint(grads, plan.grad_shardings)
-    loss, metrics = objective.report(plan.model, terms)
-    micro = plan.pipeline.table(plan.mesh.shape[ax.STAGE]).micro
-    return loss, metrics, grads, objective.layer_loads(plan.model, terms, micro)
+    return terms, grads, plan.pipeline.table(plan.mesh.shape[ax.STAGE]).micro
 
 
 def pipeline_eval(plan, params: dict, batch: dict) -> jax.Array:
     """Mean cross-entropy of a forward-only pass of the schedule: every stage runs only the
     blocks it stores, so a model that needs stages to fit is never gathered."""
-    terms = _run(plan, params, batch, train=False)
-    names = objective.term_names(plan.model)
-    return terms[names.index(objective.CROSS_ENTROPY) if plan.model.n_experts else 0]
+    return objective.Objective(plan.model).cross_entropy(_run(plan, params, batch, train=False))
