@@ -73,8 +73,8 @@ def builtin_tokens(tokenizer: Tokenizer | None, max_bytes: int = BUILTIN_MAX_BYT
                    where: Path | None = None) -> tuple[np.ndarray, str]:
     """The built-in corpus's ids, and what to tell the user about them. With a Hugging Face
     tokenizer they come from the token cache (`jdist.data.cache`, in `where` or the default
-    directory), keyed by the tokenizer's digest and the corpus bytes' hash: encoding 16 MB
-    takes 13-16 s, reading the entry well under one."""
+    directory), keyed by the tokenizer's digest and the corpus bytes' hash: reading an
+    entry takes a fraction of the encoding's time (docs/measurements.md#token-cache)."""
     text = builtin_text(max_bytes)
     digest = getattr(tokenizer, "digest", None)
     if tokenizer is None or tokenizer.eod_id is None or digest is None:

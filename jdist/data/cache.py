@@ -1,5 +1,6 @@
 """The token cache: the built-in corpus encoded by a Hugging Face tokenizer, kept on disk so
-that only the first run with that tokenizer pays for encoding (13-16 s for its 16 MB).
+that only the first run with that tokenizer pays for encoding (seconds: see
+docs/measurements.md#token-cache).
 
 An entry is named by a digest of everything its ids depend on: the corpus bytes (the stdlib
 of this Python), the tokenizer (its tokenizer.json bytes, eod id and vocabulary size), the

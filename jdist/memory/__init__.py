@@ -60,11 +60,11 @@ def zero_textbook(params: float, grads: float, optimizer: float, n: int, stage: 
             + optimizer / (n if stage >= 1 else 1))
 
 
-# The GPU compiler's program differs from the CPU's the model was first fitted to (jax 0.10.2,
-# H100 target; `benchmarks/planner.py --target h100-80gb`, 22 layouts of 8B, 8B/32K and 70B):
-# its peak falls in the forward layer loop, where a fused layer under `--remat full` holds
-# about six [tokens, d_ff] pieces (not the CPU's whole unfused backward); accumulation keeps
-# a third gradient tree; and some parameter stacks are copied whole, transposed
+# The GPU compiler's program differs from the CPU's the model was first fitted to (H100
+# target, jax 0.10.2; the fit: docs/measurements.md#memory-model-fits): its peak falls in
+# the forward layer loop, where a fused layer under `--remat full` holds about six
+# [tokens, d_ff] pieces (not the CPU's whole unfused backward); accumulation keeps a third
+# gradient tree; and some parameter stacks are copied whole, transposed
 # (`transposed_stacks`). Fitted, not derived: what `--verify` compiles is the check.
 GPU_FULL_MLP_PIECES = 6
 
@@ -143,14 +143,13 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     # The loss's backward is done before the first layer's starts: the larger counts.
     # Stashing, besides the held residuals: the forward branch's output, the select that
     # stores it, the backward's read of its slot, and about half a micro-batch's worth of
-    # the loss's and XLA's own (fitted: within 3.5% on 1f1b, gpipe and interleaved
-    # tables on pp=2 and dp=2,pp=4, tiny, XLA CPU, jax 0.10.2).
+    # the loss's and XLA's own (fitted on XLA CPU, jax 0.10.2: how closely, in
+    # docs/measurements.md#memory-model-fits).
     chunk = layers * per_layer
     weights_read, handover = _for_weights(a, saves_all) if awaiting else (0, 0)
     # Split, hand-overs beside those in slots: the backward branch's output and the weight
-    # branch's read of its slot, on the GPU compiler one more (fitted as the 7/2 chunks:
-    # zb-h1 and zbv, tiny on XLA CPU and 70b pp=4 selective on the H100 compiler, within
-    # 1% each, jax 0.10.2).
+    # branch's read of its slot, on the GPU compiler one more (fitted as the 7/2 chunks, on
+    # XLA CPU and the H100 compiler, jax 0.10.2; docs/measurements.md#memory-model-fits).
     copies = (3 if on_gpu(plan) else 2) if handed else 0
     stash = layers * ((per_layer - weights_read) * held + weights_read * awaiting
                       + handover * (handed + copies)) + (chunk * 7 // 2 if held else chunk)
@@ -165,9 +164,8 @@ def _for_weights(a: _Sizes, saves_all: bool) -> tuple[int, int]:
     two norms' (4x + q + 2k + 2f), and under a policy that recomputes the attention, its
     output. The residuals: the MLP's two hidden activations and the normalised inputs or
     those they are normalised from (2x + 2f), and under `none` (everything_saveable) the
-    attention output. (Read off tiny's split under both; the compiled zb-h1 step holds
-    this much more than the compiled 1f1b step within 1%, selective, dp=2,pp=4, M=16, XLA
-    CPU, jax 0.10.2.)"""
+    attention output. (Read off tiny's split under both, and checked against the compiled
+    zb-h1 and 1f1b steps on XLA CPU, jax 0.10.2: docs/measurements.md#memory-model-fits.)"""
     residuals = 2 * a.x + 2 * a.f + (a.q if saves_all else 0)
     return residuals, 4 * a.x + a.q + 2 * a.k + 2 * a.f + (0 if saves_all else a.q)
 
@@ -349,9 +347,8 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     # The prefetching loop holds the next layer's gathered parameters beside this one's.
     ahead = params if prefetches(plan) else 0
     # `--fp8`: the layer's weights quantized for the forward and again for the input
-    # gradient (rowwise: scaled per output column, then per input row), a byte each.
-    # llama3-8b fsdp=8, remat full, H100 compiler (jax 0.10.2): the peak is 0.33 GiB above
-    # bf16's; this term is 0.41.
+    # gradient (rowwise: scaled per output column, then per input row), a byte each
+    # (checked against the H100-compiled step: docs/measurements.md#memory-model-fits).
     quantized = 2 * (params // compute_bytes) if plan.compute.fp8 != "off" else 0
     return params + ahead + quantized + grad \
         + _gathered(shared, shared_sh, None if frozen else 4 + 4) + _table_scatter(plan)

@@ -6,8 +6,8 @@ that block's expert, then runs (routed rows + at most one partial block per expe
 where a buffer per expert with room for every token runs E/k times the routed FLOPs.
 
 Why not `jax.lax.ragged_dot`: the GPU compiler (H100 target, jax 0.10.2 and 0.12) lowers it
-to a dense matmul over every group, 128x the routed FLOPs on a Qwen3-30B-A3B layer
-(benchmarks/expert_matmuls.py), and its Pallas-Triton lowering is missing from jax 0.10.2
+to a dense matmul over every group, E times the routed FLOPs (benchmarks/expert_matmuls.py;
+docs/measurements.md#expert-matmuls), and its Pallas-Triton lowering is missing from jax 0.10.2
 and gone in 0.12. The blocks run in a loop, `chunk` blocks at a time, so only a few experts'
 weights are gathered at once; a custom VJP keeps the backward from saving them per iteration.
 """

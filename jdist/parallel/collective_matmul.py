@@ -5,8 +5,8 @@ Under Megatron sequence parallelism the residual stream is split along its lengt
 `tensor`. A column-parallel projection (q/k/v, gate/up) needs the whole length, so GSPMD
 gathers it first, and a row-parallel one (attention output, down) reduce-scatters its
 partial sums after: collectives on the critical path, which XLA's scheduler can only hide
-behind unrelated work (on the GPU program of 70B `fsdp=32,tp=2` SP they were 1.4 of its
-2.5 TB per step, 80-99% exposed). Here each device multiplies the length chunk it holds
+behind unrelated work (most of a 70B SP step's collective bytes, mostly exposed:
+docs/measurements.md#tensor-collectives). Here each device multiplies the length chunk it holds
 while the others' arrive, each straight from its owner (`gather_matmul`), or sends the
 partial sum of each chunk straight to its owner while it computes the next
 (`matmul_scatter`): n-1 transfers of one chunk, none waiting for another, each beside a
@@ -55,7 +55,8 @@ def _apart(x, w):
 def _chunk_dot(eq: str, x, w):
     """`einsum(eq, x, w)` on one chunk, kept apart from the other chunks' (`_apart`) in the
     forward and in the backward. Its residual is `w` itself: the barrier's outputs, one per
-    chunk, would each be saved for the backward (8B tp=4: +15 GiB of weight copies)."""
+    chunk, would each be saved for the backward, n copies of every weight
+    (docs/measurements.md#tensor-collectives)."""
     return jnp.einsum(eq, x, _apart(x, w))
 
 
@@ -74,8 +75,8 @@ _chunk_dot.defvjp(_chunk_dot_fwd, _chunk_dot_bwd)
 
 def _roll_length(x, chunks, size: int):
     """x with its length rolled by `chunks` (traced) chunks of `size`: one dynamic slice, so
-    every chunk after it is a static slice (per-chunk dynamic slices were fused into kernels
-    that took ptxas a minute each, tp=8, jax 0.10.2)."""
+    every chunk after it is a static slice (jax 0.10.2: per-chunk dynamic slices were fused
+    into kernels that ptxas was slow to compile, docs/measurements.md#tensor-collectives)."""
     return jnp.roll(x, chunks * size, axis=1)
 
 
@@ -92,7 +93,7 @@ def _gathered_dots(eq: str, axis: str, n: int, x, ws: tuple) -> tuple:
 def _gather_dots(eq: str, axis: str, n: int, x, ws: tuple) -> tuple:
     """`_gathered_dots`, whose backward gathers the chunks again beside the weight-gradient
     matmuls: autodiff would save all n chunks (the whole length) for them where the plain
-    step saves the shard (8B tp=4, --remat none: +96 MiB a layer, two inputs' 48 MiB)."""
+    step saves the shard (docs/measurements.md#tensor-collectives)."""
     return _gathered_dots(eq, axis, n, x, ws)
 
 

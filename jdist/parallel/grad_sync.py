@@ -153,7 +153,7 @@ def on_shards(local, x, sync: Sync):
     GSPMD, a replica collective is partitioned as if its operand were whole over those
     axes: under fsdp x tp every weight was all-gathered over `tensor` before its fsdp
     gather and then sliced, and every gradient likewise before its reduce-scatter (GPU
-    compiler, jax 0.10.2; 70B fsdp=8,tp=2: 2.3 TB of `tensor` all-gathers per step)."""
+    compiler, jax 0.10.2; docs/measurements.md#tensor-collectives)."""
     from jax.sharding import PartitionSpec
 
     from jdist.parallel import manual_axes

@@ -4,14 +4,14 @@ Within one half every tensor-parallel activation collective (sequence parallelis
 all-gather before attention and MLP and reduce-scatter after them, or the all-reduces
 without it) feeds, or is fed by, the next matmul: XLA can only wait for it. Across halves
 they are independent, so the GPU scheduler can run one half's collective beside the other
-half's matmuls. On the GPU compiler (H100 target, jax 0.10.2) this took the exposed share of
-llama3.1-70b `fsdp=32,tp=2 --sequence-parallel --grad-accum 4` from 67.9% to 30.3%
-(docs/gpu.md, "Hiding communication").
+half's matmuls. On the GPU compiler (H100 target, jax 0.10.2) this hid more than half of
+the exposed collectives of a 70B sequence-parallel step
+(docs/measurements.md#tensor-collectives; docs/gpu.md, "Hiding communication").
 
 The same function: rows are independent through a block (attention and MLP per row, norms
 per token), and each weight's gradient is the sum of the two halves'. Each half keeps at
 least two rows: with one, GSPMD's partitioning of the squeezed batch gathers activations
-twice as often (fsdp=8,tp=8: 5.5 -> 10.8 TB per step). Mixture-of-experts layers are not
+twice as often (docs/measurements.md#tensor-collectives). Mixture-of-experts layers are not
 split: their capacity and balance statistics are over the whole micro-batch.
 """
 

@@ -10,8 +10,9 @@ for the group. Optimizer offload is tried only where nothing else fits: it is ne
 A tensor-parallel layout without sequence parallelism is left out where the same layout
 with it runs collective matmuls (`jdist.parallel.collective_matmul`, GPUs): that one moves
 the same activation bytes beside its matmuls, where Megatron's whole all-reduces wait for
-them (70B `fsdp=8,tp=8`, GPU compiler: 31% of collective bytes exposed against 11%), and
-keeps less, so it is at least as fast wherever the other fits.
+them (a third as many bytes exposed on the GPU compiler:
+docs/measurements.md#tensor-collectives), and keeps less, so it is at least as fast
+wherever the other fits.
 """
 
 from __future__ import annotations

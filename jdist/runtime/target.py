@@ -30,18 +30,14 @@ from jdist.errors import ConfigError, require
 COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 # XLA flags jdist sets on NVIDIA GPUs (compile options of the step, unless the user set
-# XLA_FLAGS), by the jaxlib that accepts them; each kept for its measured effect on the
-# GPU-compiled step (`benchmarks/gpu_flags.py`, docs/gpu.md "GPU scheduling flags"). XLA's
-# latency-hiding scheduler keeps one collective in flight at a time and gives each one the
-# matmuls scheduled while it runs: a layer's nine weight gathers (or gradient reductions)
-# each took one matmul, and the last had none left. Combined into one collective per kind
-# and layer (up to 1 GiB; a 70B layer gathers 1.6 GiB at tp=1), each spans the whole
-# layer's compute (8B fsdp=8 with the prefetching loop: 19.1% -> 3.3% exposed, jax 0.10.2).
-# And up to four collectives in flight (XLA's default is one): the activations' tensor
-# collectives no longer wait behind the weight gathers (70B fsdp=32,tp=2: 54.6% -> 26.5%,
-# fsdp=8,tp=8 SP: 78.5% -> 54.9%, 8B dp=2,fsdp=2,tp=2: 43.4% -> 29.8%; 8B without tensor
-# parallelism 6.2% -> 7.1% and 3.7% -> 3.7%). `--tp-halves` drops the combining: it would
-# merge the two halves' collectives back into one (70B SP: 30.3% -> 43.0%).
+# XLA_FLAGS), by the jaxlib that accepts them; each kept because it lowers the exposed share
+# of the GPU-compiled step (`benchmarks/gpu_flags.py`; see docs/measurements.md#gpu-flags).
+# XLA's latency-hiding scheduler keeps one collective in flight and gives each the matmuls
+# scheduled while it runs: a layer's nine weight gathers each got one matmul, the last none.
+# Combined into one collective per kind and layer (up to 1 GiB; a 70B layer gathers 1.6 GiB
+# at tp=1), each spans the layer's compute. Four in flight (XLA's default is one): the
+# activations' tensor collectives no longer wait behind the weight gathers. `--tp-halves`
+# drops the combining, which would merge the two halves' collectives back into one.
 _COMBINE = {"xla_gpu_all_gather_combine_threshold_bytes": 2**30,
             "xla_gpu_reduce_scatter_combine_threshold_bytes": 2**30}
 _IN_FLIGHT = {"xla_gpu_experimental_parallel_collective_overlap_limit": 4}
@@ -49,22 +45,18 @@ GPU_FLAGS = {(0, 10): _COMBINE | _IN_FLIGHT,
              (0, 12): _COMBINE | _IN_FLIGHT}  # 0.11: not compiled with here yet
 
 # XLA's analytical latency estimator, set per step (`estimator_suits`): it hides more where
-# tensor parallelism is 2 or without SP (8B dp=2,fsdp=2,tp=2 SP: 27.7% -> 6.9%; 70B
-# fsdp=8,tp=8 without SP: 44.7% -> 30.8%), nothing changes without tensor parallelism
-# (8B fsdp=8 3.7%, dp=2,fsdp=4 7.1%), and it hides less with collective matmuls over 4 or 8
-# devices (8B dp=2,tp=4 SP: 4.8% -> 23.8%), whose collective-permutes it prices at a
-# kernel launch ("Runtime estimate for collective-permute-start not implemented", jax
-# 0.10.2; GPU compiler, H100 target). Set with jaxlib 0.10 only: jaxlib 0.12 accepts it
-# but its GPU compiler aborts on jdist's dense steps with it ("Check failed: buffer !=
-# nullptr", shape.h, on tests/test_gpu_target.py's zero1-accum-remat program).
+# tensor parallelism is 2 or without SP, the same without tensor parallelism, and less with
+# collective matmuls over 4 or 8 devices (see docs/measurements.md#gpu-flags), whose
+# collective-permutes jax 0.10.2 prices at a kernel launch ("Runtime estimate for
+# collective-permute-start not implemented"). jaxlib 0.10 only: jaxlib 0.12's GPU compiler
+# aborts on jdist's dense steps with it ("Check failed: buffer != nullptr", shape.h).
 _ESTIMATOR = {"xla_gpu_enable_analytical_latency_estimator": True}
 ESTIMATOR_FLAGS = {(0, 10): _ESTIMATOR}
 
-# Scheduling flags measured and not set (`benchmarks/gpu_flags.py` compares each with the
-# step as jdist compiles it), by the jaxlib that spells them so (newer XLA's
-# `xla_gpu_pipeline_*` is "No such compile option" on 0.10.2): on jax 0.10.2 for H100 the
-# pipelined all-gather raises the exposed share (8B fsdp=8: 10.4% -> 41.1%), the others
-# leave it (docs/gpu.md, "GPU scheduling flags").
+# Scheduling flags measured and not set: the pipelined all-gather exposes more, the others
+# about the same (`benchmarks/gpu_flags.py`; docs/measurements.md#gpu-flags, docs/gpu.md "GPU
+# scheduling flags"), by the jaxlib that spells them so (newer XLA's `xla_gpu_pipeline_*` is
+# "No such compile option" on jax 0.10.2).
 CANDIDATE_FLAGS = {
     (0, 10): {"xla_gpu_enable_pipelined_all_gather": True,
               "xla_gpu_enable_pipelined_reduce_scatter": True,
@@ -96,11 +88,10 @@ def estimator_suits(collective_matmul_devices: int, pipelined: bool, experts: bo
     """Whether XLA's analytical latency estimator hides more of a step whose collective
     matmuls run over this many devices (0: none) than XLA's default estimate: not over more
     than two, where it prices their transfers at a kernel launch (`_ESTIMATOR`), nor under
-    `--tp-halves` (70B fsdp=32,tp=2 SP accum 4 halves: 0.9% exposed without it, 29.4% with;
-    GPU compiler, H100 target, jax 0.10.2). Only on dense steps without pipeline stages,
-    where it was measured: with stages XLA's GPU compiler crashed (segmentation fault, jax
-    0.10.2, the pp-gpipe program of tests/test_gpu_target.py), and it prices MoE's
-    all-to-alls at a kernel launch too."""
+    `--tp-halves`, where it exposed more (docs/measurements.md#gpu-flags). Only on dense
+    steps without pipeline stages, where it was measured: jax 0.10.2: with stages XLA's GPU
+    compiler crashed (segmentation fault, the pp-gpipe program of tests/test_gpu_target.py),
+    and it prices MoE's all-to-alls at a kernel launch too."""
     return collective_matmul_devices <= 2 and not (pipelined or experts or halves)
 
 

@@ -225,10 +225,10 @@ def recompute_check(step_fn, state, batch, mesh=None):
     """Run `step_fn` (which donates its state) twice from the same state and compare all
     outputs bitwise: (new_state, metrics, Mismatch | None), the outputs of the second run.
 
-    Both runs are compared leaf by leaf, so they must be bitwise reproducible. XLA CPU is:
-    on jax 0.10.2, 100 repeats of a tiny dp=4,fsdp=2 step, 20 of dp=8, fsdp=8 and
-    dp=2,tp=2,pp=2, and 10 of `small` on dp=8 and fsdp=8 (LLVM optimised or not) all gave
-    identical bits, so a difference is a fault, not reduction-order noise."""
+    Both runs are compared leaf by leaf, so they must be bitwise reproducible. XLA CPU is
+    (repeated steps gave identical bits on jax 0.10.2:
+    docs/measurements.md#bitwise-reproducibility), so a difference is a fault, not
+    reduction-order noise."""
     mesh = mesh or next(x for _, x in arrays(state)).sharding.mesh
     named = lambda out: arrays(out[0]) + arrays({"metrics": out[1]})
     # The first run's outputs are reduced to fingerprints before the second starts, so at

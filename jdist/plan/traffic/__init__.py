@@ -24,8 +24,8 @@ Two kinds of knowledge, kept apart:
   gradients over automatic axes that split the tokens, the collectives around the
   embedding and loss, the gradient norm's scalars; and XLA's and remat's say in how
   often jdist's collectives run.
-  tests/test_plan_traffic.py keeps it honest (by hand, 70 layouts of `tiny`, `moe-tiny`
-  and `small` matched the report's bytes per kind to 0.7%, most exactly).
+  tests/test_plan_traffic.py keeps it honest (how closely it matched by hand:
+  docs/measurements.md#traffic-model-fit).
 `layout.py` reads the step as one device sees it (`Step`, `Leaf`); `step.py` counts every
 piece as often as the step runs it.
 
