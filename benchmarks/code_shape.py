@@ -20,7 +20,8 @@ imported by):
      function) that hold a percentage (`12%`, `2.5 %`), and the mentions of a jax version
      (`jax 0.10`, any case) in each.
 
-Nothing is imported or run: the files are parsed (`ast`, `tokenize`).
+Nothing of the measured tree is imported or run: its files are parsed (`ast`, `tokenize`;
+the import walker is `jdist.tools.imports`, shared with the layer test).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import common
 from common import Column
+
+from jdist.tools.imports import imports_of
 
 PERCENT = re.compile(r"\d+(\.\d+)?\s*%")
 JAX_VERSION = re.compile(r"\bjax \d+\.\d+", re.IGNORECASE)
@@ -58,29 +61,6 @@ def package_files(root: Path) -> dict[str, Path]:
             seen.add(real)
             parts = ("jdist", *path.relative_to(base).with_suffix("").parts)
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
-def imports_of(tree: ast.AST, modules: set[str]) -> set[str]:
-    """The project modules a file's tree imports anywhere, except under `if TYPE_CHECKING`
-    (relative imports are resolved by the caller's package; jdist uses none)."""
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-               and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
-        else:
-            continue
-        for name in names:
-            while name and name not in modules:
-                name = name.rpartition(".")[0]
-            if name:
-                found.add(name)
     return found
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jdist.tools.imports import imports_of as module_imports
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"jdist": "jdist"}  # directory of the project's code -> the package it installs as
 
@@ -47,27 +49,8 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """Project modules `path` imports anywhere (function bodies included: a lazy import is
-    still a dependency), except under `if TYPE_CHECKING`."""
-    tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-               and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
-        else:
-            continue
-        for name in names:
-            while name and name not in modules:
-                name = name.rpartition(".")[0]
-            if name:
-                found.add(name)
-    return found
+    """Project modules `path` imports anywhere, except under `if TYPE_CHECKING`."""
+    return module_imports(ast.parse(path.read_text()), modules)
 
 
 def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
