@@ -23,8 +23,8 @@ from jdist.errors import ConfigError
 from jdist.hf.config import model_config
 from jdist.hf.export import write_hf
 from jdist.hf.load import load_params
+from jdist.parallel.pipeline.layer_order import to_model_order
 from jdist.step.from_flags import plan_for
-from jdist.step.layer_order import to_model_order
 from jdist.step.state import build_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

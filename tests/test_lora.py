@@ -16,7 +16,7 @@ from jdist.parallel.pipeline import PipelineConfig
 from jdist.spmd.mesh import build_mesh
 from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step.optim import make_optimizer
-from jdist.step.state import build_model, init_state, make_plan
+from jdist.step.state import build_model, init_adapters, init_state, make_plan
 from jdist.tools import hlo
 from jdist.tools.equivalence import assert_matches, config, train_steps
 
@@ -202,7 +202,7 @@ def test_qlora_quantizes_while_loading_shard_by_shard(tmp_path):
     plan = make_plan(QLORA, build_mesh("fsdp=2,tp=2", jax.devices()[:4]), DEFAULT_RULES,
                      make_optimizer()[0], MemoryFlags(compute_dtype="float32"),
                      finetune=FinetuneFlags(quantize_base="nf4", double_quant=True))
-    params = load_params(tmp_path / "hf", plan, seed=0)
+    params = load_params(tmp_path / "hf", plan, adapters=init_adapters(plan, 0))
     for module, name in (("attn", "wo"), ("mlp", "w_gate"), ("mlp", "w_down")):
         got = params["blocks"][module][name]
         want = nf4.quantize(at(("blocks", module, name)), True, lead=1)

@@ -21,16 +21,16 @@ from jdist.models import get_preset
 from jdist.parallel.pipeline import PipelineConfig, check_pipeline
 from jdist.parallel.pipeline import schedule as sched
 from jdist.parallel.pipeline import shuffle as layer_shuffle
-from jdist.spmd.mesh import build_mesh, parse_mesh
-from jdist.spmd.rules import DEFAULT_RULES, with_sequence_parallel
-from jdist.step.build import make_eval_step, make_train_step
-from jdist.step.layer_order import (
+from jdist.parallel.pipeline.layer_order import (
     layer_order,
     order_of,
     permute,
     restore_order,
     to_model_order,
 )
+from jdist.spmd.mesh import build_mesh, parse_mesh
+from jdist.spmd.rules import DEFAULT_RULES, with_sequence_parallel
+from jdist.step.build import make_eval_step, make_train_step
 from jdist.step.optim import make_optimizer
 from jdist.step.state import init_state, make_plan, with_pipeline
 from jdist.tools.equivalence import assert_matches, config, train_steps
@@ -341,7 +341,7 @@ def test_activations_move_with_collective_permutes_only(corpus, mesh, schedule, 
     # the ticks and their gradients reduce-scattered back after them; the loss and the final
     # norm's gradient summed over stage. Block parameters and their gradients never leave
     # their stage (interleaved and zbv included, whose stacks are stored in chunk order,
-    # see jdist.step.layer_order).
+    # see jdist.parallel.pipeline.layer_order).
     assert counts["all-to-all"] == 0
     moved = executed_collective_bytes(hlo)
     tables = sum(4 * math.prod(shape) for shape in SHARED_SHAPES[:2])

@@ -13,20 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"jdist": "jdist"}  # directory of the project's code -> the package it installs as
 
 # The layers, lowest first. A module may import from its own layer and those below, never
-# from above. An entry is a package (or, rarely, one module of one: `jdist.hf.config` reads
-# a config.json with no weights, which the flags need before any step exists); a module
-# belongs to its longest matching entry. `jdist` is the package's own __init__ (it picks the
-# JAX platform, with the runtime's help).
+# from above. An entry is a package (or one module of one); a module belongs to its longest
+# matching entry. `jdist` is the package's own __init__ (it picks the JAX platform, with the
+# runtime's help).
 LAYERS: list[tuple[str, set[str]]] = [
     ("errors", {"jdist.errors"}),
     ("devices and named axes", {"jdist", "jdist.spmd", "jdist.runtime", "jdist.launch"}),
     ("models", {"jdist.models", "jdist.meshes"}),
     ("quantized numbers", {"jdist.quant"}),
-    ("data and files", {"jdist.data", "jdist.checkpoint", "jdist.hf.config"}),
+    ("data and files", {"jdist.data", "jdist.checkpoint"}),
     ("kernels", {"jdist.parallel"}),
+    ("Hugging Face files", {"jdist.hf"}),  # weights into a plan's layout, by its arguments
     ("flags", {"jdist.config"}),
     ("the step", {"jdist.step"}),
-    ("formats and inference", {"jdist.hf", "jdist.export", "jdist.generate"}),
+    ("export and inference", {"jdist.export", "jdist.generate"}),
     ("inspection", {"jdist.tools"}),
     ("the memory model", {"jdist.memory"}),
     ("the planner", {"jdist.plan"}),

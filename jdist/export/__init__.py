@@ -40,7 +40,7 @@ def checkpoint_reader(found):
     from jdist.checkpoint import restore_leaf
     from jdist.models.config import config_from_dict
     from jdist.models.names import BLOCKS
-    from jdist.step.layer_order import CHECKPOINT_KEY
+    from jdist.parallel.pipeline.layer_order import CHECKPOINT_KEY
     from jdist.step.state import build_model
 
     cfg = config_from_dict(found.meta["model"])
@@ -136,8 +136,8 @@ def saved_nf4_reader(found, cfg, double_quant: bool, read_checkpoint):
     from flax import nnx
 
     from jdist.checkpoint import restore_leaf
+    from jdist.parallel.pipeline.layer_order import CHECKPOINT_KEY
     from jdist.quant import nf4
-    from jdist.step.layer_order import CHECKPOINT_KEY
     from jdist.step.state import build_model
 
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, 0))))

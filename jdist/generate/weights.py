@@ -16,9 +16,9 @@ from jdist.config.groups import MemoryFlags
 from jdist.errors import ConfigError, require
 from jdist.models import ModelConfig
 from jdist.models.config import config_from_dict
+from jdist.parallel.pipeline.layer_order import CHECKPOINT_KEY, permute
 from jdist.spmd.rules import DEFAULT_RULES, Rules
-from jdist.step.layer_order import CHECKPOINT_KEY, permute
-from jdist.step.state import Plan, make_plan
+from jdist.step.state import Plan, init_adapters, make_plan
 
 DEFAULT_CONTEXT = 2048  # tokens of prompt plus completion, unless the model says otherwise
 
@@ -100,7 +100,7 @@ def lora_base(found: ckpt.Found, plan: Plan) -> dict:
             f"base model (--init-from {init_from}) is not there; run where it is, or {fix}")
     from jdist.hf.load import load_params
 
-    return load_params(init_from, plan, seed=seed)
+    return load_params(init_from, plan, adapters=init_adapters(plan, seed))
 
 
 def hf_context(hf_dir: str) -> int:

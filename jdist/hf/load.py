@@ -21,8 +21,8 @@ from jdist.errors import require
 from jdist.hf import layout
 from jdist.hf.config import model_config
 from jdist.models.names import BLOCKS
+from jdist.parallel.pipeline.layer_order import order_of
 from jdist.quant import nf4
-from jdist.step.layer_order import order_of
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
@@ -125,7 +125,7 @@ def _quantized_leaf(source: Source, table: dict, path: tuple[str, ...], stack: n
                     sharding: nf4.Nf4, order, double_quant: bool) -> nf4.Nf4:
     """An NF4-stored stack of weights (QLoRA), quantized on the devices one layer at a time:
     each device reads and holds only its shard of one float32 layer (blocks never straddle
-    shards: `jdist.step.state.check_quantizable`), written in place into the stack."""
+    shards: `check_quantizable` of jdist.step.state), written in place into the stack."""
     codes = stack.codes
     shape = (*codes.shape[1:-1], codes.shape[-1] * 2)
     mesh, spec = sharding.codes.mesh, sharding.codes.spec
@@ -144,14 +144,16 @@ def _quantized_leaf(source: Source, table: dict, path: tuple[str, ...], stack: n
     return stack
 
 
-def load_params(hf_dir: str | Path, plan, source: Source | None = None, seed: int = 0) -> dict:
+def load_params(hf_dir: str | Path, plan, source: Source | None = None,
+                adapters: dict | None = None) -> dict:
     """The parameters of `hf_dir` as `plan.abstract.params`, laid out as
     `plan.shardings.params` (in the plan's stored layer order), in their storage dtypes
-    (NF4 where the plan quantizes the base). LoRA adapters, which a Hugging Face model does
-    not have, are initialised from `seed`."""
-    from jdist.step.state import init_adapters
-    from jdist.step.trainable import quantized
-
+    (NF4 where the plan quantizes the base). `adapters`: the LoRA adapters, which a Hugging
+    Face model does not have, as the plan stores them (`jdist.step.state.init_adapters`);
+    needed when the plan's model has LoRA."""
+    require(adapters is not None or plan.model.lora is None,
+            "load_params: the plan's model has LoRA adapters, which a Hugging Face model "
+            "does not have; pass adapters=jdist.step.state.init_adapters(plan, seed)")
     cfg = model_config(hf_dir)
     require(cfg == dataclasses.replace(plan.model, lora=None),
             f"--init-from {hf_dir}: its config.json describes a different model than this "
@@ -159,7 +161,7 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None, seed: in
     source = source or Source(hf_dir)
     table = layout.tensors(cfg)
     order = order_of(plan)
-    adapters = dict(jax.tree_util.tree_leaves_with_path(init_adapters(plan, seed)))
+    adapters = dict(jax.tree_util.tree_leaves_with_path(adapters or {}))
     is_nf4 = lambda x: isinstance(x, nf4.Nf4)
     # Every NF4 stack starts as zeros, all made by one program, then filled layer by layer.
     nf4_only = lambda tree: jax.tree.map(lambda x: x if is_nf4(x) else None, tree,
@@ -173,7 +175,7 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None, seed: in
         if path in adapters:
             return adapters[path]
         keys = tuple(k.key for k in path)
-        if quantized(path, plan.quantize):
+        if is_nf4(abstract):  # the plan stores this weight NF4-quantized (QLoRA)
             return _quantized_leaf(source, table, keys, stacks[path], sharding, order,
                                    plan.double_quant)
         return _leaf(source, table, keys, abstract, sharding, order)

@@ -4,7 +4,7 @@ reduction by `jdist.parallel.grad_sync`, one objective from `jdist.models.loss`)
 micro-batches run by the stage schedule (`jdist.parallel.pipeline.program`).
 
 The shard_map is manual over `stage` too. A stage holds its contiguous shard of the stored
-layer stack (its chunks; `jdist.step.layer_order`), and 1/P of the embedding and head
+layer stack (its chunks; `jdist.parallel.pipeline.layer_order`), and 1/P of the embedding and head
 (`jdist.parallel.pipeline.shared`), gathered over `stage` before the ticks: the first chunk
 embeds, the last computes the cross-entropy. Their gradients (zero on the stages that do
 not use them) are reduce-scattered over `stage` once per step; block gradients never

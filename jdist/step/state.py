@@ -19,13 +19,13 @@ from jdist.models import Llama, ModelConfig
 from jdist.models.loss import CHUNKED
 from jdist.parallel.grad_sync import manual_part
 from jdist.parallel.pipeline import shared as stage_shared
+from jdist.parallel.pipeline.layer_order import in_model_order, store
 from jdist.quant import nf4
 from jdist.spmd import axes as ax
 from jdist.spmd import sharding as sh
 from jdist.spmd.rules import Rules, mesh_axes_of, resolve
 from jdist.spmd.zero import GRADIENTS, OPTIMIZER, PARAMETERS, zero_shardings
 from jdist.step import trainable
-from jdist.step.layer_order import in_model_order, store
 
 
 class TrainState(NamedTuple):
@@ -227,7 +227,7 @@ def state_from_params(plan: Plan, params: dict) -> TrainState:
 
 def init_state(plan: Plan, seed: int) -> TrainState:
     """Initialise inside `jit` with output shardings: each device computes only its shards;
-    then layers move into the plan's stored order (`jdist.step.layer_order`)."""
+    then layers move into the plan's stored order (`jdist.parallel.pipeline.layer_order`)."""
     def init() -> TrainState:
         params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
         params = trainable.to_storage(plan.model, params, plan.compute.dtype, plan.quantize,

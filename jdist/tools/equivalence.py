@@ -19,12 +19,18 @@ from jdist import data
 from jdist.config import TrainConfig
 from jdist.models import ModelConfig
 from jdist.parallel.pipeline import PipelineConfig
+from jdist.parallel.pipeline.layer_order import to_model_order
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES, Rules
 from jdist.step.build import make_train_step
-from jdist.step.layer_order import to_model_order
 from jdist.step.optim import make_optimizer
-from jdist.step.state import init_state, make_plan, state_from_params, with_pipeline
+from jdist.step.state import (
+    init_adapters,
+    init_state,
+    make_plan,
+    state_from_params,
+    with_pipeline,
+)
 
 RTOL = 1e-5  # float32: losses, gradient norms and each gradient leaf, relative
 
@@ -82,7 +88,8 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, flags: TrainConfig
         if init_from:
             from jdist.hf.load import load_params
 
-            state = state_from_params(plan, load_params(init_from, plan))
+            params = load_params(init_from, plan, adapters=init_adapters(plan, 0))
+            state = state_from_params(plan, params)
         else:
             state = init_state(plan, seed)
         step = make_train_step(plan, schedule, return_grads=True)

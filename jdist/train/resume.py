@@ -12,9 +12,9 @@ import jax
 from jdist import checkpoint as ckpt
 from jdist.config import result_flags
 from jdist.errors import require
+from jdist.parallel.pipeline.layer_order import CHECKPOINT_KEY, restore_order
 from jdist.step import trainable
-from jdist.step.layer_order import CHECKPOINT_KEY, restore_order
-from jdist.step.state import Plan, TrainState, init_state, state_from_params
+from jdist.step.state import Plan, TrainState, init_adapters, init_state, state_from_params
 
 # Flags that decide *what* is computed (their fields' "result" metadata). A resumed run must
 # keep them; everything else (mesh, ZeRO stage, process count, remat, ...) only decides *how*
@@ -42,8 +42,8 @@ def run_meta(config, model, mesh, step: int, data_fingerprint: str = "",
              layer_order=None, hf_source: dict | None = None) -> dict:
     """Saved with every checkpoint. Batches are a pure function of (seed, step), so the data
     position is the step and the only RNG state is the seed. `layer_order` is how the
-    stacked blocks are stored (`jdist.step.layer_order`). `hf_source`: what an export keeps
-    of the --init-from model (`jdist.hf.config.source_fields`), so it needs not the
+    stacked blocks are stored (`jdist.parallel.pipeline.layer_order`). `hf_source`: what an
+    export keeps of the --init-from model (`jdist.hf.config.source_fields`), so it needs not the
     directory."""
     order = list(range(model.n_layers)) if layer_order is None else \
         [int(i) for i in layer_order]
@@ -220,7 +220,8 @@ def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
         from jdist.hf.load import Source, load_params
 
         start, source = time.perf_counter(), Source(init_from)
-        state = state_from_params(plan, load_params(init_from, plan, source, seed))
+        params = load_params(init_from, plan, source, init_adapters(plan, seed))
+        state = state_from_params(plan, params)
         if jax.process_index() == 0:
             print(f"init: {init_from}: this process read {source.bytes_read / 2**20:,.1f} of "
                   f"{source.total_bytes() / 2**20:,.1f} MiB in "

@@ -17,7 +17,7 @@ import jax
 from jdist import checkpoint as ckpt
 from jdist import data
 from jdist.config.fields import parse_steps
-from jdist.step.layer_order import order_of
+from jdist.parallel.pipeline.layer_order import order_of
 from jdist.step.state import TrainState
 from jdist.tools import profile
 from jdist.train import faults, goodput, health, resume, straggler

@@ -4,7 +4,8 @@ A static schedule table (`jdist.parallel.pipeline.schedule`) is executed tick by
 step's shard_map by `jdist.parallel.pipeline.program`; the training side that hands it a chunk
 function (embedding on the first chunk, the loss on the last, the per-layer gradient
 reductions) is `jdist.step.pipelined`. With V virtual stages (interleaved) the stack is
-*stored* permuted (`jdist.step.layer_order`) so that stage s's shard is chunks s, s+P, ...
+*stored* permuted (`jdist.parallel.pipeline.layer_order`) so that stage s's shard is chunks
+s, s+P, ...
 A backward reads what its forward kept under the `--remat` policy (`stashes`): a stage holds
 the residuals of its in-flight micro-batches, all M of them under gpipe, about P under 1f1b.
 Under `--remat full` it recomputes its chunk from the stashed chunk input instead (`jax.vjp`
