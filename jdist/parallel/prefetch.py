@@ -25,9 +25,18 @@ stage's stash would hold them per micro-batch); so a forward and backward gather
 layers, one more than the plain loop (a forward alone n+1). With two layers the backward
 takes both from the forward instead. The backward's first and last layers run outside its
 loop. `applies` says when the loop runs (n > 1).
+
+The code: `run` builds a `_Loop` (the call's layers and settings) and runs its custom VJP:
+`_Loop.loop` (no gradient), `loop_fwd` (the forward keeping each layer's pullback) and
+`loop_bwd`, whose layer steps are a `_Pullback`'s.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,105 +51,142 @@ def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool,
     `stored`: the stored blocks [n, ...] (read); `primal`: their gradient-layout blocks
     (differentiated; None for a frozen leaf); `sync`: one layer's `grad_sync.Sync` per leaf;
     `remat`: the activation-checkpointing wrapper (`jdist.models.remat.wrapper`)."""
-    n = jax.tree.leaves(stored)[0].shape[0]
     trained = jax.tree.map(lambda p: p is not None, primal, is_leaf=lambda p: p is None)
-
-    def gather(i):
-        """Layer i's parameters as it computes with them, split (trained, frozen)."""
-        whole = jax.tree.map(lambda s, y: gs.gather(lax.dynamic_index_in_dim(
-            s, i, 0, keepdims=False), y, dtype), stored, sync)
-        return split(whole, trained)
-
+    gather = functools.partial(_gather, stored, sync, trained, dtype)
     # Closed-over values (the rotary tables, ...) become arguments: a custom VJP must not
     # close over values that autodiff traces.
     fn, consts = jax.closure_convert(
         lambda x, w, f: remat(layer)(x, merge(w, f, trained)), x,
         *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(gather, 0)))
-    where: list = []  # how the pullback's leaves are rebuilt (set by each forward trace)
+    steps = _Loop(jax.tree.leaves(stored)[0].shape[0], gather, fn, sync, trained, primal,
+                  defer)
+    loop = jax.custom_vjp(steps.loop)
+    loop.defvjp(steps.loop_fwd, steps.loop_bwd)
+    return loop(x, primal, consts)
 
-    def forward(x, consts, keep: bool):
-        def body(carry, i):
-            x, w = carry
-            w_next = gather(jnp.minimum(i + 1, n - 1))
-            if not keep:
-                y, stats = fn(x, *w, *consts)
-                return (y, w_next), (stats, None)
-            out, pullback = jax.vjp(lambda x, wt, *c: fn(x, wt, w[1], *c), x, w[0], *consts)
-            return (out[0], w_next), (out[1], stash(pullback, w, consts))
-        w_first = gather(0)
-        (y, w_last), (stats, kept) = lax.scan(body, (x, w_first), jnp.arange(n))
-        return y, stats, kept, (w_last, w_first)
 
-    def stash(pullback, w, consts):
-        leaves, tree = jax.tree.flatten(pullback)
-        given = [*jax.tree.leaves(w), *consts]
-        index = [next((j for j, g in enumerate(given) if leaf is g), None) for leaf in leaves]
-        where[:] = [tree, index]
-        return [leaf for leaf, j in zip(leaves, index) if j is None]
+def _gather(stored: dict, sync: dict, trained: dict, dtype, i) -> tuple[dict, dict]:
+    """Layer i's parameters as it computes with them, split (trained, frozen)."""
+    whole = jax.tree.map(lambda s, y: gs.gather(lax.dynamic_index_in_dim(
+        s, i, 0, keepdims=False), y, dtype), stored, sync)
+    return split(whole, trained)
 
-    def unstash(kept, w, consts):
-        tree, index = where
-        given, kept = [*jax.tree.leaves(w), *consts], iter(kept)
-        return jax.tree.unflatten(tree, [next(kept) if j is None else given[j] for j in index])
 
-    @jax.custom_vjp
-    def loop(x, primal, consts):
-        y, stats, _, _ = forward(x, consts, keep=False)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Loop:
+    """One call's loop: its layers, and the custom VJP's three functions."""
+
+    n: int                     # layers
+    gather: Callable           # i -> layer i's gathered (trained, frozen) parameters
+    fn: Callable               # (x, trained, frozen, *consts) -> (x, stats): one layer
+    sync: dict
+    trained: dict
+    primal: dict               # the differentiated blocks: the gradients' tree and dtypes
+    defer: bool
+    # How a layer's pullback is rebuilt from its stashed leaves: (tree, per leaf the index
+    # of the weight or const it is, else None). Set by the forward's trace, read by the
+    # backward's.
+    where: list = dataclasses.field(default_factory=list)
+
+    def loop(self, x, primal, consts):
+        y, stats, _, _ = self.forward(x, consts, keep=False)
         return y, stats
 
-    def loop_fwd(x, primal, consts):
-        y, stats, kept, ends = forward(x, consts, keep=True)
+    def loop_fwd(self, x, primal, consts):
+        y, stats, kept, ends = self.forward(x, consts, keep=True)
         # Beyond two layers no gathered weights are handed to the backward: it gathers its
         # own first two. Kept, they would be two layers' gathered weights per micro-batch in
         # a pipeline's stash (jdist.parallel.pipeline.residuals). With two layers the backward's
         # gathers would repeat the forward's, which one compiler merges (CPU) and another
         # does not (GPU): keep those.
-        return (y, stats), (kept, ends if n == 2 else None, consts)
+        return (y, stats), (kept, ends if self.n == 2 else None, consts)
 
-    def loop_bwd(saved, cts):
+    def loop_bwd(self, saved, cts):
         kept, ends, consts = saved
-        w_last, w_first = ends if n == 2 else (gather(n - 1), None)
+        n = self.n
+        w_last, w_first = ends if n == 2 else (self.gather(n - 1), None)
         dy, dstats = cts
-        synced = select(sync, trained)
-
-        def back(i, dx, w, dconsts):
-            """Layer i pulled back: (dx, its unreduced weight gradient, dconsts)."""
-            pull = unstash(at(kept, i), w, consts)
-            dx, dw, *dc = pull((dx, at(dstats, i)))
-            return dx, dw, [a + b for a, b in zip(dconsts, dc)]
-
-        def put(grads, dw, i):
-            """Layer i's gradient reduced (`grad_sync.reduce`) into the stacked gradient."""
-            return jax.tree.map(lambda acc, g, y: lax.dynamic_update_index_in_dim(
-                acc, gs.reduce(g, y, defer), i, 0), grads, dw, synced)
-
+        pb = _Pullback(self, kept, dstats, consts, select(self.sync, self.trained))
         # Layer i's gradient is reduced in the iteration of layer i-1, whose backward hides
         # it: reduced where it is produced, the last of them (the first layers' projections)
         # would have no compute left beside it. The last layer is pulled back before the
         # loop (nothing to reduce yet), the first after it (nothing to prefetch), and the
         # first layer's gradient reduced last.
-        grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), primal)
-        w = gather(n - 2) if n > 2 else w_first
-        dx, pending, dconsts = back(n - 1, dy, w_last, [jnp.zeros_like(c) for c in consts])
-
-        def body(carry, i):
-            dx, w, pending, dconsts, grads = carry
-            w_prev = gather(i - 1)
-            grads = put(grads, pending, i + 1)
-            dx, dw, dconsts = back(i, dx, w, dconsts)
-            return (dx, w_prev, dw, dconsts, grads), None
-
+        grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), self.primal)
+        w = self.gather(n - 2) if n > 2 else w_first
+        dx, pending, dconsts = pb.back(n - 1, dy, w_last, [jnp.zeros_like(c) for c in consts])
         if n > 2:
             (dx, w, pending, dconsts, grads), _ = lax.scan(
-                body, (dx, w, pending, dconsts, grads), jnp.arange(1, n - 1), reverse=True)
-        grads = put(grads, pending, 1)
-        dx, pending, dconsts = back(0, dx, w, dconsts)
-        grads = put(grads, pending, 0)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, primal)
+                pb.body, (dx, w, pending, dconsts, grads), jnp.arange(1, n - 1), reverse=True)
+        grads = pb.put(grads, pending, 1)
+        dx, pending, dconsts = pb.back(0, dx, w, dconsts)
+        grads = pb.put(grads, pending, 0)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, self.primal)
         return dx, grads, dconsts
 
-    loop.defvjp(loop_fwd, loop_bwd)
-    return loop(x, primal, consts)
+    def forward(self, x, consts, keep: bool):
+        """The layers in a scan, each iteration gathering the next layer's weights ->
+        (y, stats, with `keep` each layer's stashed pullback, (last, first) weights)."""
+        w_first = self.gather(0)
+        (y, w_last), (stats, kept) = lax.scan(functools.partial(self.body, consts, keep),
+                                              (x, w_first), jnp.arange(self.n))
+        return y, stats, kept, (w_last, w_first)
+
+    def body(self, consts, keep: bool, carry, i):
+        """Layer i, with layer i+1's gathered weights in flight."""
+        x, w = carry
+        w_next = self.gather(jnp.minimum(i + 1, self.n - 1))
+        if not keep:
+            y, stats = self.fn(x, *w, *consts)
+            return (y, w_next), (stats, None)
+        # Differentiated in the trained weights only; the frozen ones are held.
+        out, pullback = jax.vjp(lambda x, wt, *c: self.fn(x, wt, w[1], *c), x, w[0], *consts)
+        return (out[0], w_next), (out[1], self.stash(pullback, w, consts))
+
+    def stash(self, pullback, w, consts) -> list:
+        """The pullback's leaves but the weights and consts it holds (by identity)."""
+        leaves, tree = jax.tree.flatten(pullback)
+        given = [*jax.tree.leaves(w), *consts]
+        index = [next((j for j, g in enumerate(given) if leaf is g), None) for leaf in leaves]
+        self.where[:] = [tree, index]
+        return [leaf for leaf, j in zip(leaves, index) if j is None]
+
+    def unstash(self, kept, w, consts):
+        """A pullback from its stashed leaves and the weights (gathered again) and consts."""
+        tree, index = self.where
+        given, kept = [*jax.tree.leaves(w), *consts], iter(kept)
+        return jax.tree.unflatten(tree, [next(kept) if j is None else given[j] for j in index])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Pullback:
+    """One backward through the loop: what the forward stacked, and the cotangents."""
+
+    steps: _Loop
+    kept: list                 # per layer [n, ...]: the pullbacks' stashed leaves
+    dstats: Any                # the stats' cotangents [n, ...]
+    consts: list
+    synced: dict               # the trained leaves' `grad_sync.Sync`
+
+    def back(self, i, dx, w, dconsts):
+        """Layer i pulled back: (dx, its unreduced weight gradient, dconsts)."""
+        pull = self.steps.unstash(at(self.kept, i), w, self.consts)
+        dx, dw, *dc = pull((dx, at(self.dstats, i)))
+        return dx, dw, [a + b for a, b in zip(dconsts, dc)]
+
+    def put(self, grads, dw, i):
+        """Layer i's gradient reduced (`grad_sync.reduce`) into the stacked gradient."""
+        return jax.tree.map(lambda acc, g, y: lax.dynamic_update_index_in_dim(
+            acc, gs.reduce(g, y, self.steps.defer), i, 0), grads, dw, self.synced)
+
+    def body(self, carry, i):
+        """Layer i pulled back while layer i-1's weights are gathered and layer i+1's
+        gradient is reduced."""
+        dx, w, pending, dconsts, grads = carry
+        w_prev = self.steps.gather(i - 1)
+        grads = self.put(grads, pending, i + 1)
+        dx, dw, dconsts = self.back(i, dx, w, dconsts)
+        return (dx, w_prev, dw, dconsts, grads), None
 
 
 def applies(setting: str, mesh, syncs, n_layers: int) -> bool:
