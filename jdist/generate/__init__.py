@@ -34,7 +34,14 @@ from jdist.models.context import ModelContext
 from jdist.models.names import EMBED
 from jdist.parallel import embedding
 from jdist.spmd import axes as ax
-from jdist.spmd.rules import DEFAULT_RULES, Rules, constrainer, mesh_axes_of, resolve
+from jdist.spmd.rules import (
+    DEFAULT_RULES,
+    Rules,
+    batch_split,
+    constrainer,
+    mesh_axes_of,
+    resolve,
+)
 
 __all__ = ["KVCache", "Sampling", "cache_bytes", "forward", "generate", "init_cache",
            "left_pad", "stream"]
@@ -107,10 +114,14 @@ def stream(params: dict, cfg: ModelConfig, prompts: Sequence[np.ndarray],
            dtype=jnp.float32, rules: Rules = DEFAULT_RULES) -> Iterator[np.ndarray]:
     """Yields the next token of every prompt [batch] int32, `max_new_tokens` times (stop
     early by closing the generator). `params` (a pure dict, like TrainState.params) may be
-    sharded on any mesh; the cache is laid out on the same one. Each step is dispatched
-    before the previous step's tokens are read, so the host never stalls the device."""
+    sharded on any mesh, as `rules` lay them out; the cache is laid out on the same one.
+    Each step is dispatched before the previous step's tokens are read, so the host never
+    stalls the device."""
     mesh = mesh_of(params)
-    tokens, start = left_pad(prompts)
+    # Rows split over the batch's mesh axes: a batch that does not divide is filled up
+    # with copies of its last prompt, whose tokens are dropped.
+    n, ways = len(prompts), batch_split(mesh.shape, rules)[1]
+    tokens, start = left_pad(list(prompts) + [prompts[-1]] * (-n % ways))
     cache = init_cache(cfg, start, tokens.shape[1] + max_new_tokens, dtype, mesh, rules)
     step = compiled_step(cfg, mesh, rules, jnp.dtype(dtype), sampling)
     key = jax.random.key(seed)
@@ -121,7 +132,7 @@ def stream(params: dict, cfg: ModelConfig, prompts: Sequence[np.ndarray],
         current = tokens
         if i < max_new_tokens:
             tokens, cache = step(params, cache, current, key, np.int32(i))
-        yield np.asarray(current)[:, 0]
+        yield np.asarray(current)[:n, 0]
 
 
 def generate(params: dict, cfg: ModelConfig, prompts: Sequence[np.ndarray],

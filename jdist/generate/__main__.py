@@ -91,11 +91,23 @@ def model_and_params(args):
             args.tokenizer or args.init_from)
 
 
+def valid_ids(cfg, tok) -> int:
+    """How many of the model's ids may be generated: those the tokenizer can decode (a
+    vocabulary padded to a multiple of 64 or 128 has rows no text maps to), said once."""
+    if tok.vocab_size >= cfg.vocab_size:
+        return 0
+    print(f"note: the model's vocabulary ({cfg.vocab_size}) is padded past tokenizer "
+          f"{tok.name}'s ({tok.vocab_size}); ids {tok.vocab_size}-{cfg.vocab_size - 1} are never "
+          "generated", file=sys.stderr)
+    return tok.vocab_size
+
+
 def run(args) -> None:
     import jax.numpy as jnp
 
     from jdist.data.tokenizer import load_tokenizer
     from jdist.generate import cache_bytes, left_pad, stream
+    from jdist.generate.placement import generation_rules
     from jdist.generate.sample import Sampling
     from jdist.generate.text import TextStream, complete, decode, encode_prompts, read_prompts
     from jdist.generate.weights import DEFAULT_CONTEXT, hf_context, inference_plan
@@ -111,16 +123,19 @@ def run(args) -> None:
                                    else DEFAULT_CONTEXT)
     prompts = encode_prompts(tok, texts, cfg.vocab_size, context, args.max_new_tokens)
     mesh = mesh_for(args.mesh)
-    params = restore(inference_plan(cfg, mesh, dtype=dtype))
+    rules, placed = generation_rules(cfg, mesh, dtype)
+    params = restore(inference_plan(cfg, mesh, rules, dtype))
     max_len = left_pad(prompts)[0].shape[1] + args.max_new_tokens
     print(f"model: {cfg.n_params() / 1e6:.2f}M parameters; mesh: {describe(mesh)}; KV cache "
-          f"{cache_bytes(cfg, len(prompts), max_len, dtype) / 2**20:.2f} MiB", file=sys.stderr)
+          f"{cache_bytes(cfg, len(prompts), max_len, dtype) / 2**20:.2f} MiB"
+          + (f"; {placed}" if placed else ""), file=sys.stderr)
     shown = TextStream(tok) if len(prompts) == 1 else None
     if shown:
         print(texts[0], end="", flush=True)
     start = time.perf_counter()
     steps = stream(params, cfg, prompts, args.max_new_tokens, seed=args.seed, dtype=dtype,
-                   sampling=Sampling(args.temperature, args.top_p))
+                   rules=rules,
+                   sampling=Sampling(args.temperature, args.top_p, valid_ids(cfg, tok)))
     first = next(steps)  # compiles the prefill and the decode step
     first_s = time.perf_counter() - start
     out = complete(itertools.chain([first], steps), len(prompts), tok.eod_id,

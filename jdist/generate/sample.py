@@ -1,5 +1,5 @@
 """Choosing the next token from logits: greedy (temperature 0), or temperature and nucleus
-(top-p) sampling with a `jax.random` key."""
+(top-p) sampling with a `jax.random` key; never an id past the tokenizer's vocabulary."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ class Sampling:
 
     temperature: float = 0.0
     top_p: float = 1.0
+    # Ids from here on are never chosen: the rows of a vocabulary padded past its
+    # tokenizer's (to a multiple of 64 or 128), which no text encodes and the tokenizer
+    # cannot decode. 0: every id of the model.
+    valid_ids: int = 0
 
     def check(self) -> None:
         require(self.temperature >= 0,
@@ -39,9 +43,17 @@ def nucleus(logits: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def without_padding(logits: jax.Array, valid_ids: int) -> jax.Array:
+    """Logits [batch, vocab] with every id >= `valid_ids` set to -inf."""
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.where(ids < valid_ids, logits, -jnp.inf)
+
+
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     """Next token ids [batch] int32 from logits [batch, vocab]."""
     logits = logits.astype(jnp.float32)
+    if 0 < sampling.valid_ids < logits.shape[-1]:
+        logits = without_padding(logits, sampling.valid_ids)
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / sampling.temperature
