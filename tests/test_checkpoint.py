@@ -3,6 +3,8 @@ checkpoints, mismatched runs, and the three `--on-nan` policies (with an injecte
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -120,20 +122,31 @@ def test_corrupt_newest_is_detected(ref, tmp_path, how, capsys):
     assert not newest.exists() and any((run_dir / "checkpoints.bad").iterdir())
 
 
-def test_same_size_tampering_is_found_by_a_full_validation(ref, tmp_path):
-    """Resuming checks only that every file is there at its size (no re-read of the whole
-    checkpoint); `full` re-hashes and so finds a flipped byte, and never falls back from an
-    explicit PATH."""
+def test_same_size_tampering_is_found_by_default(ref, tmp_path):
+    """A flipped byte keeps every size, and Orbax restores it as it is (its array files carry
+    no checksum): resuming re-hashes every file by default and falls back; `full=False`
+    (--verify-checkpoint size) only stats. An explicit PATH never falls back."""
     run_dir, newest = corrupt_copy(ref, tmp_path, "tamper")
     root = run_dir / "checkpoints"
-    assert ckpt.validate(newest) is None
+    assert ckpt.validate(newest) is None and ckpt.latest_good(root, full=False).step == 20
     assert "does not match its recorded sha256" in ckpt.validate(newest, full=True)
-    assert ckpt.latest_good(root).step == 20
-    found = ckpt.latest_good(root, full=True)
+    found = ckpt.latest_good(root)
     assert found.step == 15 and found.skipped[0][0] == newest
     with pytest.raises(ConfigError, match="not usable: file .* sha256"):
-        ckpt.resolve_explicit(str(newest), full=True)
+        ckpt.resolve_explicit(str(newest))
     assert ckpt.resolve_explicit(str(root), full=False).step == 20
+
+
+def test_generate_refuses_a_tampered_checkpoint_in_one_line(ref, tmp_path):
+    run_dir, newest = corrupt_copy(ref, tmp_path, "tamper")
+    result = subprocess.run([sys.executable, "-m", "jdist.generate", "--checkpoint",
+                             str(run_dir), "--prompt", "def", "--max-new-tokens", "2"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1, result.stderr
+    assert err[0].startswith(f"jdist: error: --checkpoint {run_dir}: checkpoint is not usable")
+    assert "sha256" in err[0] and str(run_dir / "checkpoints" / "15") in err[0]  # the way out
+    assert result.stdout == ""
 
 
 def ref_model():
@@ -142,9 +155,14 @@ def ref_model():
     return get_preset("tiny")
 
 
-def test_auto_falls_back_and_completes_the_run(ref, tmp_path):
-    run_dir, newest = corrupt_copy(ref, tmp_path, "truncate")
+def test_auto_falls_back_and_completes_the_run(ref, tmp_path, capsys):
+    """A flipped byte in the newest checkpoint, default flags: one line says so, the run
+    resumes from the one before and reproduces the uninterrupted run bitwise."""
+    run_dir, newest = corrupt_copy(ref, tmp_path, "tamper")
     history = train(config(run_dir, mesh="dp=8", steps=20, checkpoint_every=5, keep=4))
+    said = [x for x in capsys.readouterr().out.splitlines()
+            if str(newest) in x and "saved step" not in x]
+    assert len(said) == 1 and "sha256" in said[0] and "falling back" in said[0], said
     assert losses(history) == {s: ref[1][s] for s in range(16, 21)}
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 21))
     assert ckpt.validate(newest) is None  # saved again, good this time

@@ -36,7 +36,7 @@ OLD_CONFIG_JSON = {
     "coordinator": "", "num_processes": 0, "process_id": -1, "checkpoint_every": 3,
     "no_final_checkpoint": False, "keep": 3, "resume": "auto", "on_nan": "stop",
     "inject_nan_at_step": 0,
-    "verify_checkpoint": "size", "tensorboard": False, "profile_steps": "",
+    "verify_checkpoint": "full", "tensorboard": False, "profile_steps": "",
     "straggler_every": 10, "straggler_threshold": 1.5, "straggler_windows": 3,
     "check_replicas_every": 100, "recompute_check_every": 1000,
     "inject_corruption_at_step": 0, "inject_straggler": "",

@@ -18,9 +18,9 @@ for process 0 to merge (and delete).
 Orbax writes a step into a temporary directory and renames it when every process has
 finished, so a killed save never leaves a `<step>` directory. The manifest is written
 after that commit and is what makes a checkpoint *good*: a checkpoint without one (killed
-between commit and manifest) or whose files do not match it (deleted or truncated: checked
-on every resume; corrupted in place: checked with `full=True`, which re-hashes) is never
-restored. Old checkpoints are pruned only once a newer one is good, so the newest `keep`
+between commit and manifest) or whose files do not match it (deleted, truncated or
+corrupted in place: every file is re-hashed before a restore, unless a caller asks for the
+size check alone with `full=False`) is never restored. Old checkpoints are pruned only once a newer one is good, so the newest `keep`
 good checkpoints always survive. A save that fails is recorded, said once, and raised as
 SaveFailed by `Checkpointer.wait()`; the next save retries.
 

@@ -136,7 +136,9 @@ def validate(path: Path, full: bool = False) -> str | None:
     """None if the checkpoint at `path` is complete and intact, else why it is not. Every
     file the manifest lists must exist with its recorded size (one stat a file: catches a
     deleted or truncated file); `full` also re-reads and re-hashes every file (catches a
-    same-size corruption, at the cost of reading the whole checkpoint)."""
+    same-size corruption, which Orbax restores without complaint: its array files carry no
+    checksum). A restore reads the files anyway, so re-hashing costs mostly CPU: 1.4-1.6 s
+    per GiB on 2 busy cores, against 8-11 s for Orbax's restore of the same GiB."""
     manifest = path / MANIFEST
     if not path.is_dir():
         return "not a directory"
@@ -181,9 +183,9 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted((int(p.name), p) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def latest_good(root: Path, full: bool = False) -> Found | None:
+def latest_good(root: Path, full: bool = True) -> Found | None:
     """The newest good checkpoint under `root`, or None; remembers the bad ones passed over.
-    `full`: re-hash each candidate (see `validate`)."""
+    `full`: re-hash each candidate (see `validate`), else only check sizes."""
     skipped = []
     for step, path in reversed(step_dirs(root)):
         problem = validate(path, full)
@@ -195,10 +197,10 @@ def latest_good(root: Path, full: bool = False) -> Found | None:
     return None
 
 
-def resolve_explicit(text: str, flag: str = "--resume", full: bool = False) -> Found:
+def resolve_explicit(text: str, flag: str = "--resume", full: bool = True) -> Found:
     """`--resume PATH`: a step directory, or a run/checkpoint directory meaning its newest
-    step. It must be good (`full`: re-hashed, see `validate`): an explicit request never
-    falls back."""
+    step. It must be good (`full`: re-hashed, else only sizes checked; see `validate`): an
+    explicit request never falls back."""
     path = Path(text)
     if path.is_dir() and not (path / MANIFEST).exists() and not (path / STATE).exists():
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path

@@ -297,8 +297,8 @@ class CheckpointFlags:
     resume: str = flag("auto", "auto (newest good checkpoint in --run-dir, else start fresh), "
                        "a checkpoint directory, or none")
     verify_checkpoint: Literal["size", "full"] = flag(
-        "size", "size (every file of a checkpoint present with its recorded size) or full "
-        "(also re-hash every file) before resuming from it")
+        "full", "full (every file of a checkpoint re-hashed against its manifest: finds a "
+        "flipped byte) or size (only each file's size: no re-read) before resuming from it")
     on_nan: str = flag("stop", "non-finite loss or gradient: skip the update, rollback to the "
                        "last checkpoint and skip that batch, or stop (exit status 3)")
     inject_nan_at_step: int = flag(0, "debug: make step N's loss and gradients NaN (tests "

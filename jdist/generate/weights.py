@@ -32,7 +32,7 @@ def inference_plan(cfg: ModelConfig, mesh, rules: Rules = DEFAULT_RULES,
 
 def find_checkpoint(text: str) -> ckpt.Found:
     """`--checkpoint`: a step directory, or a run or checkpoints directory (its newest step),
-    which must be intact."""
+    which must be intact: every file re-hashed (Orbax would restore a flipped byte as it is)."""
     return ckpt.resolve_explicit(text, "--checkpoint")
 
 

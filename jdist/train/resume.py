@@ -166,12 +166,15 @@ def finished(config, run_dir: Path, model_of) -> str | None:
     another computation is left to `find`'s errors)."""
     if config.checkpoint.resume == "none":
         return None
+    # Sizes only: the hashes are checked once, by `find`, unless the run is already done.
     if config.checkpoint.resume == "auto":
-        found = ckpt.latest_good(ckpt.checkpoint_root(run_dir))
+        found = ckpt.latest_good(ckpt.checkpoint_root(run_dir), full=False)
     else:
-        found = ckpt.resolve_explicit(config.checkpoint.resume)
+        found = ckpt.resolve_explicit(config.checkpoint.resume, full=False)
     if found is None or found.step < config.optim.steps:
         return None
+    if config.checkpoint.verify_checkpoint == "full" and ckpt.validate(found.path, full=True):
+        return None  # corrupted: `find` says so and falls back (or refuses an explicit PATH)
     model = model_of(config)
     check_compatible(found, config, model)
     # The layout flags that change the numerics too (the mesh is not built yet: the saved

@@ -290,7 +290,8 @@ class Run:
                            self.run_dir, self.data_id)
         origin = self.origin
         if origin is not None and (good is None or origin.step > good.step) \
-                and ckpt.validate(origin.path) is None:
+                and ckpt.validate(origin.path, self.config.checkpoint.verify_checkpoint
+                                  == "full") is None:
             good = origin  # resumed from elsewhere; nothing as recent saved here yet
         with self.clock("checkpoint" if good else "init"):
             self.state = resume.start_state(self.plan, self.config.data.seed, good,
