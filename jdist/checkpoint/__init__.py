@@ -20,9 +20,10 @@ finished, so a killed save never leaves a `<step>` directory. The manifest is wr
 after that commit and is what makes a checkpoint *good*: a checkpoint without one (killed
 between commit and manifest) or whose files do not match it (deleted, truncated or
 corrupted in place: every file is re-hashed before a restore, unless a caller asks for the
-size check alone with `full=False`) is never restored. Old checkpoints are pruned only once a newer one is good, so the newest `keep`
-good checkpoints always survive. A save that fails is recorded, said once, and raised as
-SaveFailed by `Checkpointer.wait()`; the next save retries.
+size check alone with `full=False`) is never restored. Old checkpoints are pruned only once
+a newer one is good, so the newest `keep` good checkpoints always survive. A save that
+fails is recorded, said once, and raised as SaveFailed by `Checkpointer.wait()`; the next
+save retries.
 
 Modules, by concern (everything callers use is re-exported here, so
 `from jdist.checkpoint import X` and `jdist.checkpoint.X` are the interface):
