@@ -28,6 +28,21 @@ jax.config.update("jax_num_cpu_devices", 8)
 import pytest
 
 from jdist import data
+from jdist.runtime import target
+
+# `pip install -e ".[dev]"` has no CUDA plugin: there the GPU compiler's tests skip with the
+# extra to install. CI installs it and sets this, so a missing plugin fails the run instead.
+REQUIRE_CUDA_PLUGIN = os.environ.get("JDIST_REQUIRE_CUDA_PLUGIN") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if target.plugin_installed() or REQUIRE_CUDA_PLUGIN:
+        return
+    skip = pytest.mark.skip(reason="compiles for a GPU target, which needs jax's CUDA plugin: "
+                                   f"{target.CUDA_EXTRA}")
+    for item in items:
+        if item.get_closest_marker("gpu_compiler"):
+            item.add_marker(skip)
 
 
 def pytest_unconfigure(config):
@@ -39,6 +54,15 @@ def pytest_unconfigure(config):
 def corpus() -> data.Corpus:
     """The builtin corpus (Python stdlib source), loaded once per test session."""
     return data.load_corpus(None, seq_len=128)
+
+
+@pytest.fixture(scope="session")
+def plan_of():
+    """`plan_of(mesh, **flags)`: the Plan the command line makes for those flags
+    (`jdist.tools.equivalence.plan_of`), shared by every test that plans."""
+    from jdist.tools.equivalence import plan_of
+
+    return plan_of
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,8 @@ from jdist.spmd.mesh import build_mesh
 from jdist.step.from_flags import plan_for
 from jdist.tools import comm, gpu_report
 
+pytestmark = pytest.mark.gpu_compiler
+
 H100 = "h100-80gb"
 
 

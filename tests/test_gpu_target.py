@@ -23,8 +23,8 @@ shows as bf16 here and nowhere else). Per family, one compile serves every asser
   chunks on a mesh that does not split the vocabulary: a whole-head gather is then a bug,
   not a tiny vocabulary's single chunk.
 
-Without jax's CUDA plugin every test here fails (never skips):
-install it with `pip install -e ".[dev,cuda12]"`.
+Every test here needs jax's CUDA plugin (`pip install -e ".[dev,cuda12]"`). Without it they
+skip, naming the extra, except where JDIST_REQUIRE_CUDA_PLUGIN=1 (CI): there they fail.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ from jdist.step.from_flags import plan_for
 from jdist.tools import hlo
 from jdist.tools.comm import axes_of
 from jdist.tools.gpu_report import executions, step_report
+
+pytestmark = pytest.mark.gpu_compiler
 
 TARGET = "h100-80gb"
 VOCAB = 131_072  # two loss chunks of the head where the vocabulary is not split (module doc)

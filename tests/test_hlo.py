@@ -4,65 +4,53 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdist.models import get_preset
 from jdist.parallel import embedding
-from jdist.spmd.mesh import build_mesh
-from jdist.spmd.rules import DEFAULT_RULES
-from jdist.step import make_eval_step, make_optimizer, make_plan, make_train_step
+from jdist.step import make_eval_step, make_train_step
 from jdist.tools.hlo import collective_counts, collective_shapes, loop_bodies, partitioned
 
 TOKENS = jax.ShapeDtypeStruct((16, 32), jnp.int32)
 BATCH = {"inputs": TOKENS, "targets": TOKENS}
 
 
-def plan_for(mesh: str):
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    return make_plan(get_preset("tiny"), build_mesh(mesh), DEFAULT_RULES, tx)
-
-
-def train_step_hlo(mesh: str) -> str:
-    plan = plan_for(mesh)  # lowered on abstract inputs: nothing is allocated
+def train_step_hlo(plan) -> str:
+    # lowered on abstract inputs: nothing is allocated
     return make_train_step(plan).lower(plan.abstract, BATCH).compile().as_text()
 
 
-def forward_hlo(mesh: str) -> str:
-    plan = plan_for(mesh)
+def forward_hlo(plan) -> str:
     return make_eval_step(plan).lower(plan.abstract.params, BATCH).compile().as_text()
 
 
-def test_ddp_all_reduces_gradients_and_never_gathers_parameters():
-    counts = collective_counts(train_step_hlo("dp=8"))
+def test_ddp_all_reduces_gradients_and_never_gathers_parameters(plan_of):
+    counts = collective_counts(train_step_hlo(plan_of("dp=8")))
     assert counts["all-reduce"] >= 1
     assert counts["all-gather"] == 0
 
 
 @pytest.mark.parametrize("mesh", ["fsdp=8", "dp=2,fsdp=4"])
-def test_fsdp_all_gathers_parameters(mesh):
-    text = train_step_hlo(mesh)
+def test_fsdp_all_gathers_parameters(mesh, plan_of):
+    text = train_step_hlo(plan_of(mesh))
     assert collective_counts(text)["all-gather"] >= 1
     # ... inside the layer loop, i.e. just in time for each block, not once up front.
     assert any(collective_counts(body)["all-gather"] >= 1 for body in loop_bodies(text))
 
 
-def test_tensor_parallel_block_has_two_all_reduces_per_forward():
+def test_tensor_parallel_block_has_two_all_reduces_per_forward(plan_of):
     # Megatron: row-parallel attention output and MLP down projections each end in one
     # all-reduce over `tensor`; nothing else in a block communicates.
-    (tp_body,) = loop_bodies(forward_hlo("dp=2,tp=4"))
+    (tp_body,) = loop_bodies(forward_hlo(plan_of("dp=2,tp=4")))
     assert collective_counts(tp_body)["all-reduce"] == 2
-    (dp_body,) = loop_bodies(forward_hlo("dp=8"))
+    (dp_body,) = loop_bodies(forward_hlo(plan_of("dp=8")))
     assert collective_counts(dp_body)["all-reduce"] == 0
 
 
 @pytest.mark.parametrize("mesh", ["fsdp=8", "tp=4", "dp=2,fsdp=2,tp=2"])
-def test_embedding_table_is_never_gathered(mesh, monkeypatch):
+def test_embedding_table_is_never_gathered(mesh, monkeypatch, plan_of):
     # The table [512, 64] stays sharded (vocab over tensor, embed over fsdp): tokens and
     # rows move instead. The old path (the table gathered for a local take) is caught.
-    model = get_preset("tiny", vocab_size=512)
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    mesh_ = build_mesh(mesh, jax.devices()[:4] if mesh == "tp=4" else None)
+    plan = plan_of(mesh, vocab_size=512)
 
     def table_gathers() -> list:
-        plan = make_plan(model, mesh_, DEFAULT_RULES, tx)
         text = partitioned(make_train_step(plan).lower(plan.abstract, BATCH))
         return [s for s in collective_shapes(text, "all-gather") if s[:1] == (512,)]
 

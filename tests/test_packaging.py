@@ -40,3 +40,40 @@ def test_wheel_installs_jdist_alone_and_trains(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [r["step"] for r in records if "loss" in r][-1] == 2
+
+
+def test_the_dev_install_pulls_no_cuda_wheels(tmp_path):
+    """`pip install -e ".[dev]"` (the README's first command) resolves to CPU jax: no CUDA
+    plugin, no NVIDIA libraries (5.5 GB of them); the cuda12 extra adds them. Resolved by
+    pip against the package index, nothing installed."""
+    def resolved(extras: str) -> list[str]:
+        report = tmp_path / f"{extras}.json"
+        subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
+                        "--ignore-installed", "--report", str(report), "-e",
+                        f"{ROOT}[{extras}]"], check=True, capture_output=True, timeout=300)
+        return [p["metadata"]["name"].lower() for p in json.loads(report.read_text())["install"]]
+
+    cuda = lambda names: sorted(n for n in names if "cuda" in n or n.startswith("nvidia"))
+    dev = resolved("dev")
+    assert {"jax", "jaxlib", "pytest"} <= set(dev) and cuda(dev) == [], cuda(dev)
+    assert "jax-cuda12-plugin" in cuda(resolved("dev,cuda12"))
+
+
+def test_gpu_compiler_tests_skip_without_the_cuda_extra_unless_required(tmp_path):
+    """Without jax's CUDA plugin (hidden here by a regular `jax_plugins` package first on the
+    path) a `gpu_compiler` test skips and names the extra; with JDIST_REQUIRE_CUDA_PLUGIN=1,
+    as CI sets it, the same test fails."""
+    (tmp_path / "jax_plugins").mkdir()
+    (tmp_path / "jax_plugins" / "__init__.py").write_text("")
+    test = "tests/test_gpu_target.py::test_cuda_plugin_is_installed"
+
+    def run(require: str):
+        env = {**os.environ, "PYTHONPATH": str(tmp_path), "JDIST_REQUIRE_CUDA_PLUGIN": require}
+        return subprocess.run([sys.executable, "-m", "pytest", "-n0", "-rs", "-p",
+                               "no:cacheprovider", test], capture_output=True, text=True,
+                              cwd=ROOT, env=env, timeout=300)
+
+    skipped, required = run("0"), run("1")
+    assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout[-2000:]
+    assert '".[cuda12]"' in skipped.stdout, skipped.stdout[-2000:]
+    assert required.returncode == 1 and "1 failed" in required.stdout, required.stdout[-2000:]

@@ -8,12 +8,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jdist.config.groups import MemoryFlags
 from jdist.models import get_preset
-from jdist.spmd.mesh import build_mesh
-from jdist.spmd.rules import DEFAULT_RULES
-from jdist.step import make_optimizer, make_plan, make_train_step
-from jdist.tools.equivalence import assert_matches, config, train_steps
+from jdist.step import make_train_step
+from jdist.tools.equivalence import assert_matches, config, plan_of, train_steps
 from jdist.tools.hlo import collective_counts, collective_dtypes, loop_bodies, partitioned
 
 TINY = get_preset("tiny")
@@ -56,10 +53,9 @@ LOOPED = dataclasses.replace(TINY, n_layers=4)
 
 
 def lowered_step(mesh: str, zero: int, grad_accum: int = 1, compute_dtype: str = "float32"):
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    plan = make_plan(LOOPED, build_mesh(mesh), DEFAULT_RULES, tx,
-                     MemoryFlags(zero=zero, grad_accum=grad_accum, compute_dtype=compute_dtype,
-                                 prefetch="on"))  # what GPUs run: auto is off on the CPU
+    plan = plan_of(mesh, n_layers=LOOPED.n_layers, batch_size=BATCH, zero=zero,
+                   grad_accum=grad_accum, compute_dtype=compute_dtype,
+                   prefetch="on")  # what GPUs run: auto is off on the CPU
     return plan, make_train_step(plan).lower(plan.abstract, {"inputs": TOKENS, "targets": TOKENS})
 
 

@@ -23,8 +23,10 @@ from jdist.parallel.pipeline.layer_order import to_model_order
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES, Rules
 from jdist.step.build import make_train_step
+from jdist.step.from_flags import plan_for
 from jdist.step.optim import make_optimizer
 from jdist.step.state import (
+    Plan,
     init_adapters,
     init_state,
     make_plan,
@@ -59,6 +61,18 @@ def config(**flags) -> TrainConfig:
     """The flags of a harness run (`TrainConfig.of`'s flat names), the rest at the harness's
     defaults (HARNESS) or the trainer's."""
     return TrainConfig.of(**{**HARNESS, **flags})
+
+
+def plan_of(mesh: str = "dp=1", **flags) -> Plan:
+    """The Plan the command line makes for `--mesh mesh` and these flags (`model` defaults to
+    tiny), through the one flags-to-plan path (`plan_for`: every `auto` resolved, every check
+    run); made once per process for each set of flags (plans are immutable)."""
+    return _plan_of(mesh, tuple(sorted(flags.items())))
+
+
+@functools.cache
+def _plan_of(mesh: str, flags: tuple) -> Plan:
+    return plan_for(TrainConfig.of(**{"model": "tiny", "mesh": mesh, **dict(flags)}))[1]
 
 
 def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, flags: TrainConfig | None = None,
