@@ -8,7 +8,6 @@ step's loss normalisation, masking, embedding lookup or gradient plumbing shows 
 though every layout would agree with it.
 """
 
-import dataclasses
 import operator
 
 import jax
@@ -18,16 +17,13 @@ import pytest
 from flax import nnx
 
 import jdist.models.loss
-from jdist.models import Llama, get_preset
+from jdist.models import Llama
 from jdist.models.context import LOCAL
 from jdist.models.layers import rotary_tables
-from jdist.spmd.mesh import build_mesh
-from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step.build import make_train_step
-from jdist.step.optim import make_optimizer
-from jdist.step.state import init_state, make_plan
+from jdist.step.state import init_state
+from jdist.tools.equivalence import plan_of
 
-MODEL = get_preset("tiny")
 BATCH, SEQ = 4, 32
 IGNORED = -1  # jdist's mark for a target the loss does not count (jdist.models.loss.IGNORE)
 RTOL = 1e-6  # float32 at matmul precision "highest": both sides sum in a different order
@@ -78,11 +74,9 @@ def reference_loss(params: dict, cfg, inputs, targets) -> jax.Array:
     return ce + sum(penalties) / cfg.n_layers if penalties else ce
 
 
-def jdist_step(cfg, batch: dict) -> tuple[dict, float, dict]:
+def jdist_step(plan, batch: dict) -> tuple[dict, float, dict]:
     """(initial parameters, loss, gradients) of jdist's first training step on one device,
     with its default settings (chunked loss, attention chosen automatically)."""
-    tx, _ = make_optimizer(1e-3, 10, warmup=2)
-    plan = make_plan(cfg, build_mesh("dp=1", jax.devices()[:1]), DEFAULT_RULES, tx)
     state = init_state(plan, seed=0)
     params = jax.tree.map(np.asarray, state.params)  # before the step donates them
     _, metrics, grads = make_train_step(plan, return_grads=True)(
@@ -90,11 +84,14 @@ def jdist_step(cfg, batch: dict) -> tuple[dict, float, dict]:
     return params, float(metrics["loss"]), jax.tree.map(np.asarray, grads)
 
 
-def mismatches(cfg, batch: dict, rtol: float = RTOL) -> list[str]:
-    """Where jdist's one-device step differs from the reference beyond `rtol`: the loss, and
-    each gradient leaf (largest difference over the leaf's largest magnitude)."""
+def mismatches(batch: dict, rtol: float = RTOL, **flags) -> list[str]:
+    """Where jdist's one-device step for these flags (the tiny model by default) differs from
+    the reference beyond `rtol`: the loss, and each gradient leaf (largest difference over
+    the leaf's largest magnitude)."""
+    plan = plan_of("dp=1", batch_size=BATCH, seq_len=SEQ, **flags)
+    cfg = plan.model
     with jax.default_matmul_precision("highest"):
-        params, loss, grads = jdist_step(cfg, batch)
+        params, loss, grads = jdist_step(plan, batch)
         ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference_loss), static_argnums=1)(
             params, cfg, batch["inputs"], batch["targets"])
     out = []
@@ -126,19 +123,19 @@ def test_batch_has_ignored_targets(batch):
 
 
 def test_one_device_step_matches_plain_jax_grad(batch):
-    problems = mismatches(MODEL, batch)
+    problems = mismatches(batch)
     assert not problems, "; ".join(problems)
 
 
 def test_tied_embeddings_match_plain_jax_grad(batch):
     """The table serves as embedding and head: its gradient is the sum of both uses."""
-    problems = mismatches(dataclasses.replace(MODEL, tie_embeddings=True, n_layers=1), batch)
+    problems = mismatches(batch, tie_embeddings=True, n_layers=1)
     assert not problems, "; ".join(problems)
 
 
 def test_moe_step_matches_plain_jax_grad(batch):
     """The routed experts, and the objective's balance penalties, on one device."""
-    problems = mismatches(get_preset("moe-tiny"), batch)
+    problems = mismatches(batch, model="moe-tiny")
     assert not problems, "; ".join(problems)
 
 
@@ -158,6 +155,6 @@ def test_comparison_catches_a_wrong_normalisation(batch, monkeypatch, break_norm
     """Negative control: with jdist's loss normalisation broken the comparison must fail,
     on the loss and on the gradients (each is scaled by the same wrong factor)."""
     break_normalisation(monkeypatch)
-    problems = mismatches(MODEL, batch)
+    problems = mismatches(batch)
     assert any(p.startswith("loss") for p in problems), problems
     assert any(p.startswith("gradient ['head']") for p in problems), problems

@@ -6,21 +6,15 @@ import sys
 
 import pytest
 
-from jdist.config.groups import MemoryFlags
 from jdist.memory import measure, predict, zero_textbook
 from jdist.models import get_preset
-from jdist.parallel.pipeline import PipelineConfig
-from jdist.spmd.mesh import build_mesh
-from jdist.spmd.rules import DEFAULT_RULES
-from jdist.step import make_optimizer, make_plan
-from jdist.step.state import with_pipeline
+from jdist.tools.equivalence import plan_of
 
 TINY = get_preset("tiny")
 
 
 def plan(mesh: str, zero: int):
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    return make_plan(TINY, build_mesh(mesh), DEFAULT_RULES, tx, MemoryFlags(zero=zero))
+    return plan_of(mesh, zero=zero, batch_size=16, seq_len=32)
 
 
 def test_textbook_example():
@@ -58,10 +52,8 @@ def test_pipeline_activations_follow_the_schedule(schedule, micro):
     every layer's activations for every micro-batch (activations measured 1.7% (1f1b) and
     2.8% (gpipe) above it, 0.2% below (zb-h1, which also holds what the weight gradients
     read) and 1.9% above (zbv, in half-size chunks), jax 0.10.2 on CPU)."""
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    deep = get_preset("tiny", n_layers=8)
-    p = with_pipeline(make_plan(deep, build_mesh("dp=2,pp=4"), DEFAULT_RULES, tx),
-                      PipelineConfig(schedule, micro, 1 + (schedule == "zbv")))
+    p = plan_of("dp=2,pp=4", n_layers=8, batch_size=64, seq_len=128, pp_schedule=schedule,
+                microbatches=micro, pp_virtual_stages=1 + (schedule == "zbv"))
     predicted, measured = predict(p, 64, 128), measure(p, 64, 128)
     for key in ("activations", "total"):
         ratio = getattr(measured, key) / getattr(predicted, key)
@@ -109,16 +101,14 @@ def test_awaiting_weight_gradients_hold_what_the_split_hands_over(monkeypatch, r
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name: seen.setdefault(
             _n, _f(*a)))
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    deep = get_preset("tiny", n_layers=8)
-    p = with_pipeline(make_plan(deep, build_mesh("dp=2,pp=4"), DEFAULT_RULES, tx,
-                                MemoryFlags(remat=remat)), PipelineConfig("zb-h1", 16))
+    p = plan_of("dp=2,pp=4", n_layers=8, batch_size=64, seq_len=128, remat=remat,
+                pp_schedule="zb-h1", microbatches=16)
     tokens = jax.ShapeDtypeStruct((64, 128), np.int32)
     make_train_step(p).lower(p.abstract, {"inputs": tokens, "targets": tokens})
     split, halves = seen["split"], seen["halves"]
     nbytes = lambda avals: sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
     held = [a for a, s, w in zip(split.jaxpr.out_avals[2:], split.stashed, halves.w_reads)
             if s and w]
-    layers = deep.n_layers // 4
+    layers = p.model.n_layers // 4
     assert _for_weights(_activations(p, 64 // 16, 128, 4), remat == "none") == (
         nbytes(held) / layers, nbytes(halves.handover_avals()) / layers)
