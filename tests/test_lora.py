@@ -9,19 +9,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdist.config.groups import FinetuneFlags, MemoryFlags
+from jdist.config import TrainConfig
 from jdist.models import get_preset
 from jdist.models.lora import LoraConfig, is_adapter
 from jdist.parallel.pipeline import PipelineConfig
-from jdist.spmd.mesh import build_mesh
-from jdist.spmd.rules import DEFAULT_RULES
-from jdist.step.optim import make_optimizer
-from jdist.step.state import build_model, init_adapters, init_state, make_plan
+from jdist.step.from_flags import model_of
+from jdist.step.state import build_model, init_adapters, init_state
 from jdist.tools import hlo
-from jdist.tools.equivalence import assert_matches, config, train_steps
+from jdist.tools.equivalence import assert_matches, config, plan_of, train_steps
 
 # 4 layers so that an interleaved pipeline has two chunks per stage.
-LORA = dataclasses.replace(get_preset("tiny"), n_layers=4, lora=LoraConfig(4, 8.0))
+LORA_FLAGS = {"n_layers": 4, "lora_rank": 4, "lora_alpha": 8.0}
+LORA = model_of(TrainConfig.of(model="tiny", **LORA_FLAGS))
 # The lr is 0 at step 0 (warmup), so B leaves zero at step 1 and A's gradient is nonzero
 # from step 2: those are the gradients compared.
 SETTINGS = {"steps": 3, "lr": 1e-2}
@@ -39,8 +38,7 @@ def reference(single_device):
 
 @pytest.fixture(scope="module")
 def initial():
-    plan = make_plan(LORA, build_mesh("dp=1", jax.devices()[:1]), DEFAULT_RULES,
-                     make_optimizer()[0])
+    plan = plan_of("dp=1", **LORA_FLAGS)
     return flat(jax.tree.map(np.asarray, init_state(plan, 0).params))
 
 
@@ -106,16 +104,14 @@ def test_no_gradient_collective_touches_a_base_weight(corpus):
 
 
 def test_optimizer_state_is_the_adapters_only():
-    plan = make_plan(LORA, build_mesh("fsdp=8", jax.devices()), DEFAULT_RULES,
-                     make_optimizer()[0])
+    plan = plan_of("fsdp=8", **LORA_FLAGS)
     adapters = sum(np.prod(v.shape) for k, v in flat(plan.abstract.params).items()
                    if "_lora" in k)
     moments = [x for x in jax.tree.leaves(plan.abstract.opt_state) if x.ndim > 0]
     assert sum(np.prod(x.shape) for x in moments) == 2 * adapters  # Adam's mu and nu
     frozen = [v for k, v in flat(plan.abstract.params).items() if not is_adapter(k.split("'"))]
     assert frozen and all(x.dtype == jnp.float32 for x in frozen)  # float32 compute: as is
-    bf16 = make_plan(LORA, plan.mesh, DEFAULT_RULES, make_optimizer()[0],
-                     MemoryFlags(compute_dtype="bfloat16"))
+    bf16 = plan_of("fsdp=8", **LORA_FLAGS, compute_dtype="bfloat16")
     stored = {k: v.dtype for k, v in flat(bf16.abstract.params).items()}
     assert all(d == (jnp.float32 if "_lora" in k or "norm" in k else jnp.bfloat16)
                for k, d in stored.items()), stored
@@ -165,8 +161,9 @@ def test_checkpoints_hold_the_adapters_and_resume_elastically(tmp_path, capsys):
 
 
 # QLoRA needs whole NF4 blocks of 64 in every shard of each weight's last dimension.
-QLORA = dataclasses.replace(get_preset("tiny"), d_model=128, n_heads=2, n_kv_heads=2, d_ff=256,
-                            lora=LoraConfig(4, 8.0))
+QLORA_FLAGS = {"d_model": 128, "n_heads": 2, "n_kv_heads": 2, "d_ff": 256, "lora_rank": 4,
+               "lora_alpha": 8.0}
+QLORA = model_of(TrainConfig.of(model="tiny", **QLORA_FLAGS))
 Q_SETTINGS = {**SETTINGS, "quantize_base": "nf4", "double_quant": True}
 
 
@@ -199,9 +196,8 @@ def test_qlora_quantizes_while_loading_shard_by_shard(tmp_path):
             leaf = leaf[k]
         return leaf
     write_hf(tmp_path / "hf", base_cfg, at)
-    plan = make_plan(QLORA, build_mesh("fsdp=2,tp=2", jax.devices()[:4]), DEFAULT_RULES,
-                     make_optimizer()[0], MemoryFlags(compute_dtype="float32"),
-                     finetune=FinetuneFlags(quantize_base="nf4", double_quant=True))
+    plan = plan_of("fsdp=2,tp=2", **QLORA_FLAGS, compute_dtype="float32", quantize_base="nf4",
+                   double_quant=True)
     params = load_params(tmp_path / "hf", plan, adapters=init_adapters(plan, 0))
     for module, name in (("attn", "wo"), ("mlp", "w_gate"), ("mlp", "w_down")):
         got = params["blocks"][module][name]
@@ -221,8 +217,7 @@ def test_qlora_refuses_shards_that_split_nf4_blocks():
     from jdist.errors import ConfigError
 
     with pytest.raises(ConfigError, match="not a whole number of NF4 blocks of 64"):
-        make_plan(QLORA, build_mesh("fsdp=4", jax.devices()[:4]), DEFAULT_RULES,
-                  make_optimizer()[0], finetune=FinetuneFlags(quantize_base="nf4"))
+        plan_of("fsdp=4", **QLORA_FLAGS, quantize_base="nf4")
 
 
 def test_memory_planner_knows_lora_and_qlora(quantize="nf4"):
@@ -230,9 +225,8 @@ def test_memory_planner_knows_lora_and_qlora(quantize="nf4"):
     state of the adapters only: predicted as the compiler lays them out."""
     from jdist.memory import measure, predict
 
-    p = make_plan(QLORA, build_mesh("fsdp=2,tp=2", jax.devices()[:4]), DEFAULT_RULES,
-                  make_optimizer()[0], finetune=FinetuneFlags(quantize_base=quantize,
-                                                              double_quant=quantize == "nf4"))
+    p = plan_of("fsdp=2,tp=2", **QLORA_FLAGS, batch_size=8, seq_len=64, quantize_base=quantize,
+                double_quant=quantize == "nf4")
     predicted, measured = predict(p, 8, 64), measure(p, 8, 64)
     for key in ("params", "grads", "optimizer"):
         a, b = getattr(predicted, key), getattr(measured, key)
