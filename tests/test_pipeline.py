@@ -15,7 +15,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist import data
-from jdist.config.groups import MemoryFlags
 from jdist.errors import ConfigError
 from jdist.models import get_preset
 from jdist.parallel.pipeline import PipelineConfig, check_pipeline
@@ -31,9 +30,8 @@ from jdist.parallel.pipeline.layer_order import (
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES, with_sequence_parallel
 from jdist.step.build import make_eval_step, make_train_step
-from jdist.step.optim import make_optimizer
-from jdist.step.state import init_state, make_plan, with_pipeline
-from jdist.tools.equivalence import assert_matches, config, train_steps
+from jdist.step.state import init_state
+from jdist.tools.equivalence import assert_matches, config, plan_of, train_steps
 from jdist.tools.hlo import collective_counts, executed_collective_bytes, loop_bodies
 
 LOSS_RTOL = 1e-5
@@ -294,14 +292,12 @@ def test_weight_half_does_a_third_of_the_backward_under_every_stashing_remat(mon
         return split
 
     monkeypatch.setattr(split_backward, "halves", spy)
-    tx, _ = make_optimizer(1e-3, 10, 1)
     tokens = jax.ShapeDtypeStruct((8, 32), np.int32)
     remats = [n for n in NAMES if pipeline.stashes(n)]
     assert "selective" in remats
     for remat in remats:
-        plan = with_pipeline(make_plan(DEEP, build_mesh("pp=2", jax.devices()[:2]),
-                                       DEFAULT_RULES, tx, MemoryFlags(remat=remat)),
-                             PipelineConfig("zb-h1", 2))
+        plan = plan_of("pp=2", n_layers=DEEP.n_layers, batch_size=8, seq_len=32, remat=remat,
+                       pp_schedule="zb-h1", microbatches=2)
         make_train_step(plan).lower(plan.abstract, {"inputs": tokens, "targets": tokens})
     for remat, (b, w, whole) in flops.items():
         assert w / (b + w) > 1 / 3, (remat, b, w)
@@ -393,20 +389,15 @@ def test_pipelined_moe_reports_load_metrics(corpus):
     """Capacity routing drops tokens: the pipelined step reports what the same expert groups
     report without stages, accumulating the same micro-batches (capacity is per group, so
     one device would drop differently), and a load imbalance."""
-    moe = get_preset("moe-tiny", n_layers=4, moe_routing="capacity", capacity_factor=0.5)
-    tx, _ = make_optimizer(1e-3, 10, 1)
-
-    def metrics(mesh, pipeline=None, grad_accum=1):
-        built = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
-        plan = with_pipeline(make_plan(moe, built, DEFAULT_RULES, tx,
-                                       MemoryFlags(grad_accum=grad_accum)),
-                             pipeline)
+    def metrics(mesh, **flags):
+        plan = plan_of(mesh, model="moe-tiny", n_layers=4, moe_routing="capacity",
+                       capacity_factor=0.5, batch_size=16, seq_len=32, **flags)
         batch = data.global_batch(corpus.train, 0, 0, 16, 32, plan.batch_sharding)
         _, out = make_train_step(plan)(init_state(plan, 0), batch)
         return {k: float(v) for k, v in out.items()}
 
     plain = metrics("ep=2", grad_accum=MOE_MICRO)
-    piped = metrics("pp=2,ep=2", PipelineConfig("1f1b", MOE_MICRO))
+    piped = metrics("pp=2,ep=2", pp_schedule="1f1b", microbatches=MOE_MICRO)
     assert 0.2 < piped["moe_dropped_fraction"] < 0.9
     assert piped["moe_dropped_fraction"] == pytest.approx(plain["moe_dropped_fraction"], rel=1e-5)
     assert piped["moe_load_imbalance"] >= 1.0
@@ -451,11 +442,10 @@ def test_tensor_parallel_stages_match_single_device(request, corpus, model, mesh
     assert_matches(run, reference)
 
 
-def evaluate(corpus, mesh: str, pipeline: PipelineConfig | None = None):
-    """(eval loss of the initial parameters, collective counts of the compiled eval step)."""
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    mesh = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
-    plan = with_pipeline(make_plan(DEEP, mesh, DEFAULT_RULES, tx), pipeline)
+def evaluate(corpus, mesh: str, **pipeline):
+    """(eval loss of the initial parameters, collective counts of the compiled eval step);
+    `pipeline`: the pipeline's flags (`pp_schedule`, `microbatches`, ...)."""
+    plan = plan_of(mesh, n_layers=DEEP.n_layers, batch_size=BATCH, seq_len=32, **pipeline)
     params = init_state(plan, 0).params
     batch = data.global_batch(corpus.val, 0, 0, BATCH, 32, plan.batch_sharding,
                               data.VAL_STREAM)
@@ -470,8 +460,8 @@ def test_evaluation_runs_forward_through_the_stages(corpus, mesh, schedule, micr
     """Evaluation is a forward-only pass of the schedule: the same loss as one device, and
     no stage ever gathers another stage's blocks."""
     want, _ = evaluate(corpus, "dp=1")
-    got, counts = evaluate(corpus, mesh, PipelineConfig(schedule, micro, 1 + (
-        schedule in ("interleaved", "zbv"))))
+    got, counts = evaluate(corpus, mesh, pp_schedule=schedule, microbatches=micro,
+                           pp_virtual_stages=1 + (schedule == "interleaved"))
     assert abs(got - want) <= LOSS_RTOL * want
     # Forward activations only: up the stages, and in the V back down.
     assert counts["collective-permute"] == 1 + (schedule == "zbv")
@@ -511,13 +501,11 @@ def test_layer_shuffle_moves_by_permutes_only():
 def test_interleaved_state_with_offloaded_optimizer_changes_order():
     """Initialising and re-ordering a state whose optimizer moments live in host memory
     (a plain checkpoint resumed onto an interleaved mesh)."""
-    tx, _ = make_optimizer(1e-3, 10, 1)
-    mesh = build_mesh("pp=2,fsdp=2", jax.devices()[:4])
-    plan = with_pipeline(make_plan(DEEP, mesh, DEFAULT_RULES, tx,
-                                   MemoryFlags(offload="optimizer")),
-                         PipelineConfig("interleaved", 4, 2))
+    deep = {"n_layers": DEEP.n_layers, "batch_size": 16, "seq_len": 32, "microbatches": 4}
+    plan = plan_of("pp=2,fsdp=2", **deep, offload="optimizer", pp_schedule="interleaved",
+                   pp_virtual_stages=2)
     state = init_state(plan, 0)
-    plain = init_state(make_plan(DEEP, mesh, DEFAULT_RULES, tx), 0)
+    plain = init_state(plan_of("pp=2,fsdp=2", **deep), 0)
     w = lambda s: np.asarray(s.params["blocks"]["mlp"]["w_up"])
     assert np.array_equal(w(state), w(plain)[order_of(plan)])
     before = w(state)
