@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,6 +50,38 @@ def test_sigterm_saves_the_current_step_and_exits_75(tmp_path):
     (step, path), = ckpt.step_dirs(tmp_path / "run" / "checkpoints")
     assert ckpt.validate(path) is None and 3 <= step < 500
     assert metrics(tmp_path / "run")[-1]["step"] == step  # the step it was on when stopped
+
+
+def interrupt(proc: subprocess.Popen) -> tuple[int, float, str]:
+    """SIGINT now: (exit status, seconds it took to exit, what it printed after)."""
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    try:
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    return proc.returncode, time.monotonic() - sent, rest
+
+
+def test_ctrl_c_during_start_up_exits_130_at_once(tmp_path):
+    """Ctrl-C while jax is imported (Python lost it in a gc callback: the run trained to the
+    end, exit 0) and while the step compiles (the exit came seconds late, then segfaulted):
+    status 130 within seconds, one line, nothing saved. Later, the step is saved (75)."""
+    proc = start(tmp_path / "a", "--steps", "500")
+    time.sleep(1.0)  # importing jax
+    code, took, said = interrupt(proc)
+    assert code == 130 and took < 5 and said.strip() == "jdist: interrupted", (code, took, said)
+    proc = start(tmp_path / "b", "--steps", "500")
+    seen = next((line for line in proc.stdout if line.startswith("data: ")), "")  # compiling
+    code, took, said = interrupt(proc)
+    assert seen and code == 130 and took < 5, (code, took, said)
+    assert said.strip().splitlines()[-1] == "jdist: interrupted" and "Traceback" not in said
+    assert not ckpt.step_dirs(tmp_path / "b" / "checkpoints")
+    proc = start(tmp_path / "c", "--steps", "500")
+    wait_for_step(proc, 2)
+    code, _, said = interrupt(proc)
+    assert code == 75 and "SIGINT received" in said and "saved a checkpoint at step" in said
+    assert len(ckpt.step_dirs(tmp_path / "c" / "checkpoints")) == 1
 
 
 @pytest.fixture(scope="module")

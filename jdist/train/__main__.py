@@ -11,6 +11,15 @@ from jdist.errors import run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jdist.runtime.interrupt import exit_at_once_on_ctrl_c
+
+    # From the first import of jax until training installs its own handler (finish the
+    # step, save, exit 75), Ctrl-C exits 130 at once: nothing is trained yet to save.
+    with exit_at_once_on_ctrl_c():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     from jdist.checkpoint import SaveFailed
     from jdist.train import faults
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -203,10 +204,14 @@ def open_run_dir(run_dir: Path, setup, resume_step: int) -> MetricsLog:
     run_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(run_dir, resume_step)
     config, plan, corpus = setup.config, setup.plan, setup.corpus
-    (run_dir / "config.json").write_text(json.dumps({
+    # Whole or not at all (through a rename): a Ctrl-C or a full disk never leaves a
+    # truncated config.json, which the next run in RUN_DIR would refuse as not a jdist run's.
+    partial = run_dir / "config.json.tmp"
+    partial.write_text(json.dumps({
         "train": config.flat(), "model": dataclasses.asdict(setup.model),
         "mesh": dict(plan.mesh.shape), "data": corpus.source,
         "processes": jax.process_count(), "jax": jax.__version__}, indent=2))
+    os.replace(partial, run_dir / "config.json")
     print(layout_table(plan), flush=True)
     print(compute_line(plan, config), flush=True)
     print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
