@@ -25,6 +25,7 @@ OLD_CONFIG_JSON = {
     "fp8": "off", "offload": "none",
     "dry_run": False,
     "device_memory_gb": 0.0,
+    "text_column": "text",
     "peak_tflops": 0.0, "data": "", "data_dtype": "uint16", "tokenizer": "", "init_from": "",
     "packing": "none", "data_format": "text", "cpu_devices": 0, "target": "", "hosts": 1,
     "lora_rank": None, "lora_alpha": 16.0, "lora_targets": "", "quantize_base": "none",
@@ -45,7 +46,8 @@ OLD_CONFIG_JSON = {
 OLD_RESULT_FLAGS = {"seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",
                     "clip_norm", "data", "data_dtype", "init_from", "tokenizer", "packing",
                     "data_format", "lora_rank", "lora_alpha", "lora_targets", "quantize_base",
-                    "double_quant"}
+                    "double_quant",
+                    "text_column"}  # newer: the column of .parquet/.arrow data
 
 
 def a_value(field: dataclasses.Field, hint):

@@ -253,8 +253,10 @@ class OptimFlags:
 class DataFlags:
     """the data: what is read, how it is tokenized and packed, and the batch"""
 
-    path: str = flag("", "text file, directory of text files, or .bin of token ids (default: "
-                     "builtin corpus)", result=True, name="data")
+    path: str = flag("", "text file, directory of text files, .bin of token ids, or Hugging "
+                     "Face .parquet/.arrow files (a file or a dataset directory); several "
+                     "weighted as PATH:WEIGHT,PATH:WEIGHT (default: builtin corpus)",
+                     result=True, name="data")
     data_dtype: str = flag("uint16", "token dtype of a .bin file: uint16 or uint32 (its "
                            ".bin.json sidecar, when there is one, decides)", result=True)
     tokenizer: str = flag("", "Hugging Face tokenizer directory or tokenizer.json (default: "
@@ -263,6 +265,8 @@ class DataFlags:
                                    "prompt/completion or chat messages records; loss on the "
                                    "answers only; implies --packing documents; needs "
                                    "--tokenizer)", result=True)
+    text_column: str = flag("text", "the column of .parquet/.arrow files that holds the text",
+                            result=True)
     packing: Packing = flag("none", "none (windows of the token stream attend across "
                             "documents) or documents (attention and rotary positions restart "
                             "at each end-of-document id)", result=True)
@@ -275,6 +279,8 @@ class DataFlags:
     def validate(self) -> None:
         require(self.batch_size >= 1, f"--batch-size {self.batch_size} must be at least 1")
         require(self.seq_len >= 2, f"--seq-len {self.seq_len} must be at least 2")
+        require(bool(self.text_column), "--text-column is empty; name the column of the "
+                ".parquet/.arrow files that holds the text (default: text)")
         # Read as text, records would train on their JSON syntax, quotes and keys included.
         require(not (self.path.endswith(".jsonl") and self.data_format == "text"),
                 f"--data {self.path} is JSON lines, which --data-format text would train on "

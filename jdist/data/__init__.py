@@ -176,11 +176,13 @@ def jsonl_records(path: Path) -> Iterator[tuple[str, object, int]]:
 
 
 def load_tokens(path: str | None, bin_dtype: str | None = None,
-                tokenizer: Tokenizer | None = None) -> tuple[np.ndarray, str, str]:
-    """All token ids of a data source: builtin corpus, text file, directory of text, or `.bin`
-    (its dtype from its sidecar, else `bin_dtype`, else uint16), its description and a note
-    (where cached ids came from). Text is encoded by `tokenizer` (default: bytes); a `.bin`
-    is already ids."""
+                tokenizer: Tokenizer | None = None,
+                text_column: str = "text") -> tuple[np.ndarray, str, str]:
+    """All token ids of a data source: builtin corpus, text file, directory of text, `.bin`
+    (its dtype from its sidecar, else `bin_dtype`, else uint16), or Hugging Face tables
+    (`jdist.data.hf_files`: `.parquet`/`.arrow` files or a directory of them, one document
+    per row of `text_column`), its description and a note (where cached ids came from). Text
+    is encoded by `tokenizer` (default: bytes); a `.bin` is already ids."""
     named = "" if tokenizer is None or tokenizer.eod_id is None else f" ({tokenizer.name})"
     if path in (None, "", BUILTIN):
         tokens, note = builtin_tokens(tokenizer)
@@ -189,6 +191,12 @@ def load_tokens(path: str | None, bin_dtype: str | None = None,
     require(p.exists(), f"data path {path!r} does not exist; pass a text file, a directory "
                         "of text files, or a .bin of token ids (or omit --data for the builtin "
                         "corpus)")
+    from jdist.data import hf_files
+
+    if hf_files.table_files(p):
+        docs = hf_files.texts(p, text_column)
+        return _encode_documents(docs, tokenizer), \
+            f"{path} ({len(docs):,} rows of {text_column!r}){named}", ""
     if p.is_dir():
         files = _text_files(p)
         require(bool(files), f"data directory {path!r} has no text files; add .txt files or "
@@ -209,9 +217,10 @@ def load_tokens(path: str | None, bin_dtype: str | None = None,
 
 
 def load_corpus(path: str | None, seq_len: int, bin_dtype: str | None = None,
-                val_fraction: float = VAL_FRACTION, tokenizer: Tokenizer | None = None) -> Corpus:
+                val_fraction: float = VAL_FRACTION, tokenizer: Tokenizer | None = None,
+                text_column: str = "text") -> Corpus:
     """Split a source into train and held-out validation tokens (the last `val_fraction`)."""
-    tokens, source, note = load_tokens(path, bin_dtype, tokenizer)
+    tokens, source, note = load_tokens(path, bin_dtype, tokenizer, text_column)
     n_val = int(len(tokens) * val_fraction)
     need = 2 * (seq_len + 1)
     require(len(tokens) - n_val > need and n_val > seq_len + 1,
@@ -246,21 +255,29 @@ def host_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_le
 def global_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int,
                  sharding, stream: int = TRAIN_STREAM) -> dict:
     """The global batch as sharded `jax.Array`s; this process reads only its devices' rows."""
+    starts = window_starts(len(tokens), seed, step, batch_size, seq_len, stream)
+    return sharded_windows(lambda rows: batch_rows(tokens, starts[rows], seq_len), batch_size,
+                           seq_len, sharding)
+
+
+def sharded_windows(rows, batch_size: int, seq_len: int, sharding) -> dict:
+    """Inputs and targets as sharded `jax.Array`s from `rows(slice)`, the windows (seq_len + 1
+    tokens) of a slice of the batch's rows: each slice this process's devices hold is read
+    once, and no other."""
     import jax
 
-    starts = window_starts(len(tokens), seed, step, batch_size, seq_len, stream)
     shape = (batch_size, seq_len)
     cache: dict[tuple, np.ndarray] = {}
 
-    def rows(index: tuple) -> np.ndarray:
+    def read(index: tuple) -> np.ndarray:
         key = (index[0].start, index[0].stop)
         if key not in cache:
-            cache[key] = batch_rows(tokens, starts[index[0]], seq_len)
+            cache[key] = rows(index[0])
         return cache[key]
 
     def make(shift: int):
         return jax.make_array_from_callback(
-            shape, sharding, lambda index: rows(index)[:, shift: shift + seq_len][:, index[1]])
+            shape, sharding, lambda index: read(index)[:, shift: shift + seq_len][:, index[1]])
 
     return {"inputs": make(0), "targets": make(1)}
 

@@ -15,16 +15,20 @@ def make_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="python -m jdist.data", description="Token data tools.")
     commands = parser.add_subparsers(dest="command", required=True)
     tok = commands.add_parser(
-        "tokenize", help="text files, directories and .jsonl files to a .bin of token ids",
-        description="Every text file is one document, every .jsonl record is one; each is "
+        "tokenize", help="text, .jsonl, .parquet and .arrow files and directories to a .bin "
+                         "of token ids",
+        description="Every text file is one document, every .jsonl record and every "
+                    ".parquet/.arrow row is one; each is "
                     "followed by the tokenizer's end-of-document id. Writes FILE.bin and "
                     "FILE.bin.json (dtype, eod id) atomically.")
     tok.add_argument("inputs", nargs="+", metavar="INPUT",
-                     help="text file, directory (its text files, recursively) or .jsonl file")
+                     help="text file, directory (its text files, recursively; a dataset "
+                     "directory's .parquet/.arrow files), .jsonl, .parquet or .arrow file")
     tok.add_argument("--tokenizer", default="",
                      help="Hugging Face tokenizer directory or tokenizer.json (default: bytes)")
     tok.add_argument("--out", required=True, help="output FILE.bin")
-    tok.add_argument("--field", default="text", help="the text's field in .jsonl records")
+    tok.add_argument("--field", default="text",
+                     help="the text's field in .jsonl records, its column in .parquet/.arrow")
     tok.add_argument("--workers", type=int, default=1,
                      help="tokenizer processes (1: this process, the library threads batches)")
     commands.add_parser(

@@ -1,5 +1,6 @@
-"""Supervised fine-tuning data (`--data FILE.jsonl --data-format sft`): prompt/completion or
-chat records, packed into rows whose loss counts only the answers.
+"""Supervised fine-tuning data (`--data FILE.jsonl --data-format sft`, or Hugging Face
+.parquet/.arrow files with those columns, `jdist.data.hf_files`): prompt/completion or chat
+records, packed into rows whose loss counts only the answers.
 
 Each record is one packed document, `[eod] + prompt ids + answer ids` (the eod id opens a
 document, `jdist.data.packing`). Targets predicting prompt tokens are IGNORE; those predicting
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jdist.data import TRAIN_STREAM, VAL_FRACTION, Corpus, jsonl_records
+from jdist.data import TRAIN_STREAM, VAL_FRACTION, Corpus, hf_files, jsonl_records
 from jdist.data.chat import chat_template, render
 from jdist.data.tokenizer import Tokenizer
 from jdist.errors import require
@@ -61,8 +62,10 @@ class SftData:
 
 
 def records(path: Path) -> Iterator[tuple[str, dict]]:
-    """(`FILE:LINE`, record) of every non-empty line, each checked to be one of the formats."""
-    for where, record, _ in jsonl_records(path):
+    """(`FILE:LINE`, record) of every non-empty line (`FILE row N` of every table row), each
+    checked to be one of the formats."""
+    read = hf_files.records if hf_files.table_files(path) else jsonl_records
+    for where, record, _ in read(path):
         require(isinstance(record, dict) and (is_pair(record) or "messages" in record),
                 f"{where} has neither \"prompt\" and \"completion\" nor \"messages\"; an sft "
                 "record is {\"prompt\": ..., \"completion\": ...} or {\"messages\": [{\"role\":"
@@ -156,8 +159,8 @@ def load_sft(path: str, tokenizer: Tokenizer, seq_len: int,
              val_fraction: float = VAL_FRACTION) -> SftData:
     """The rows of an sft JSONL file, split into train and the last `val_fraction` of rows."""
     p = Path(path)
-    require(p.is_file(), f"data path {path!r} does not exist or is not a file; pass a .jsonl "
-                         "of sft records")
+    require(p.is_file() or bool(hf_files.table_files(p)), f"data path {path!r} does not "
+            "exist or is not a file; pass a .jsonl of sft records (or .parquet/.arrow files)")
     template, count = chat_template(tokenizer), [0]
 
     def docs():
@@ -183,8 +186,9 @@ def for_training(config, tokenizer: Tokenizer) -> SftData:
     from jdist.runtime.distributed import is_main_process
 
     given = repr(config.data.path) if config.data.path else "the builtin corpus"
-    require(config.data.path.endswith(".jsonl"),
-            "--data-format sft reads a .jsonl of records, "
+    require(config.data.path.endswith(".jsonl") or hf_files.is_table(config.data.path) or
+            bool(config.data.path and hf_files.table_files(Path(config.data.path))),
+            "--data-format sft reads a .jsonl of records (or .parquet/.arrow files of them), "
             f"not {given}; pass --data FILE.jsonl")
     require(bool(config.data.tokenizer), "--data-format sft needs --tokenizer (a Hugging Face "
             "tokenizer directory, with its chat template for messages records)")

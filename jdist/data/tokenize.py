@@ -1,10 +1,12 @@
 """Pre-tokenize text into a `.bin` of token ids that training memory-maps (`--data FILE.bin`).
 
 Every text file is one document; every record of a `.jsonl` file is one document (its
-`field`). Each document's ids are followed by the tokenizer's separator (its eod id; a newline
-for bytes), in input order whatever the worker count. Empty documents are skipped. The ids
-go to a temporary file beside the output, renamed into place only once everything succeeded,
-with a sidecar `FILE.bin.json` telling training the dtype and eod id.
+`field`), and so is every row of a `.parquet` or `.arrow` file (its column `field`;
+`jdist.data.hf_files`: a directory holding such files is read as them alone). Each
+document's ids are followed by the tokenizer's separator (its eod id; a newline for bytes),
+in input order whatever the worker count. Empty documents are skipped. The ids go to a
+temporary file beside the output, renamed into place only once everything succeeded, with a
+sidecar `FILE.bin.json` telling training the dtype and eod id.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jdist.data import _text_files, jsonl_records, sidecar_path
+from jdist.data import _text_files, hf_files, jsonl_records, sidecar_path
 from jdist.data.tokenizer import Tokenizer, id_dtype, load_tokenizer
 from jdist.errors import require
 
@@ -36,7 +38,7 @@ def input_files(inputs: list[str]) -> list[Path]:
         p = Path(name)
         require(p.exists(), f"input {name!r} does not exist; pass text files, directories of "
                             "text files, or .jsonl files")
-        found = _text_files(p) if p.is_dir() else [p]
+        found = (hf_files.table_files(p) or _text_files(p)) if p.is_dir() else [p]
         require(bool(found), f"input directory {name!r} has no text files; add some or drop it")
         files += found
     return files
@@ -58,6 +60,8 @@ def documents(files: list[Path], field: str) -> Iterator[tuple[str, int]]:
     for path in files:
         if path.suffix == ".jsonl":
             yield from _jsonl(path, field)
+        elif hf_files.is_table(path):
+            yield from hf_files.documents(path, field)
         else:
             raw = path.read_bytes()
             yield raw.decode("utf-8", errors="replace"), len(raw)

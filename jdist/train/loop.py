@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jdist import data
 from jdist.parallel.pipeline import show_schedule
 from jdist.runtime.distributed import is_main_process
 from jdist.step.build import compiler_options, make_eval_step, make_train_step
@@ -40,7 +39,7 @@ def train(config) -> list[dict]:
     with clock("setup"):
         setup = prepare(config)
         fit.check_fits(config, setup.plan)
-        data_id = data.fingerprint(setup.corpus)
+        data_id = setup.fingerprint()
         found = resume.find(config, setup.model, run_dir, data_id,  # before anything is written
                             dict(setup.plan.mesh.shape))
         first = found.step if found else 0

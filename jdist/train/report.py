@@ -214,7 +214,8 @@ def open_run_dir(run_dir: Path, setup, resume_step: int) -> MetricsLog:
     os.replace(partial, run_dir / "config.json")
     print(layout_table(plan), flush=True)
     print(compute_line(plan, config), flush=True)
-    print(f"data: {corpus.source}: {len(corpus.train):,} train / {len(corpus.val):,} val "
+    train, val = setup.token_counts()
+    print(f"data: {corpus.source}: {train:,} train / {val:,} val "
           f"tokens{'; ' + corpus.note if corpus.note else ''}; run dir: {run_dir}", flush=True)
     return log
 

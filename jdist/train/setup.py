@@ -11,7 +11,7 @@ import jax
 
 from jdist import data
 from jdist.config import TrainConfig
-from jdist.data import packing, sft
+from jdist.data import mixture, packing, sft
 from jdist.data.tokenizer import load_tokenizer
 from jdist.errors import require
 from jdist.models import ModelConfig
@@ -29,6 +29,7 @@ class Setup:
     plan: Plan
     schedule: object
     rows: sft.SftData | None = None  # --data-format sft (then `corpus` holds their tokens)
+    mix: mixture.Mixture | None = None  # --data A:W,B:W (then `corpus` describes it)
 
     def batch(self, step: int, stream: int = data.TRAIN_STREAM) -> dict:
         """The global batch of `step` (training or validation stream), laid out for the mesh."""
@@ -37,9 +38,20 @@ class Setup:
             rows = self.rows.train if stream == data.TRAIN_STREAM else self.rows.val
             return sft.sft_batch(rows, flags.seed, step, flags.batch_size,
                                  self.plan.batch_sharding, stream)
+        if self.mix is not None:
+            return self.mix.global_batch(flags.seed, step, flags.batch_size, flags.seq_len,
+                                         self.plan.batch_sharding, stream)
         tokens = self.corpus.train if stream == data.TRAIN_STREAM else self.corpus.val
         return data.global_batch(tokens, flags.seed, step, flags.batch_size, flags.seq_len,
                                  self.plan.batch_sharding, stream)
+
+    def fingerprint(self) -> str:
+        """The data's fingerprint, which a resumed run compares."""
+        return self.mix.fingerprint() if self.mix else data.fingerprint(self.corpus)
+
+    def token_counts(self) -> tuple[int, int]:
+        """Train and validation tokens."""
+        return self.mix.counts() if self.mix else (len(self.corpus.train), len(self.corpus.val))
 
 
 def check_tensor_files(hf_dir: str) -> None:
@@ -110,9 +122,12 @@ def prepare(config: TrainConfig) -> Setup:
     # --data-dtype's default defers to a .bin's sidecar; only another value counts as given.
     dtype = None if config.data.data_dtype == "uint16" else config.data.data_dtype
     rows = sft.for_training(config, tokenizer) if config.data.data_format == sft.SFT else None
-    corpus = rows.corpus() if rows is not None else \
+    parts = mixture.parse(config.data.path) if rows is None else None
+    mix = mixture.load(parts, config.data.seq_len, dtype, tokenizer,
+                       config.data.text_column) if parts else None
+    corpus = rows.corpus() if rows is not None else mix.corpus() if mix else \
         data.load_corpus(config.data.path or None, config.data.seq_len, dtype,
-                         tokenizer=tokenizer)
+                         tokenizer=tokenizer, text_column=config.data.text_column)
     data.check_vocab(corpus, model.vocab_size)
     # sft records are packed documents
     if config.data.packing == packing.DOCUMENTS or rows is not None:
@@ -121,4 +136,4 @@ def prepare(config: TrainConfig) -> Setup:
                 "not; pass --tokenizer (one with an eos token) or a .bin written by "
                 "python -m jdist.data tokenize")
         plan = plan.computing(eod_id=corpus.eod_id)
-    return Setup(config, model, corpus, plan, schedule, rows)
+    return Setup(config, model, corpus, plan, schedule, rows, mix)
