@@ -77,6 +77,16 @@ def test_mixed_batch_is_identical_for_every_mesh(sources, mesh, spec):
         np.testing.assert_array_equal(np.asarray(batch[key]), ref[key])
 
 
+def test_each_process_reads_only_its_rows(sources, monkeypatch):
+    # make_array_from_callback asks only for addressable rows; count the rows materialised.
+    mix = mixture.load(mixture.parse(f"{sources['letters']}:0.7,{sources['digits']}:0.3"), 32)
+    seen, rows = [], mixture.Mixture.rows
+    monkeypatch.setattr(mixture.Mixture, "rows",
+                        lambda self, s, *a: seen.append(len(s)) or rows(self, s, *a))
+    mix.global_batch(0, 0, 16, 32, NamedSharding(build_mesh("dp=8"), P("data")))
+    assert sum(seen) == 16 and max(seen) == 2  # eight devices, two rows each, read once
+
+
 @pytest.mark.parametrize("spec, says", [
     ("a.txt:0.7,b.txt", "--data part 'b.txt' is not PATH:WEIGHT"),
     ("a.txt:0.7,b.txt:-1", "--data part 'b.txt:-1' is not PATH:WEIGHT with a positive weight"),
@@ -94,6 +104,9 @@ def test_sources_of_different_tokenizations_are_refused(sources, tmp_path):
     with pytest.raises(ConfigError, match=r"\(bytes\) and .* \(token ids, eod id None\) are "
                                           "not tokenized alike; pass --tokenizer"):
         mixture.load(parts, 16)
+    with pytest.raises(ConfigError, match="chats.jsonl is JSON lines, which would be trained "
+                                          "on as raw JSON text; run python -m jdist.data"):
+        mixture.load(mixture.parse(f"{sources['letters']}:1,chats.jsonl:1"), 16)
 
 
 ARGS = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--warmup", "1",

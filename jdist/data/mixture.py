@@ -112,6 +112,10 @@ def load(parts: list[tuple[str, float]], seq_len: int, bin_dtype: str | None = N
          tokenizer=None, text_column: str = "text") -> Mixture:
     """Every source loaded (each checked as it would be alone), and checked to share one
     tokenization: ids of one vocabulary cannot be mixed with another's."""
+    for path, _ in parts:  # as `DataFlags.validate` says of a single source
+        require(not path.endswith(".jsonl"), f"--data source {path} is JSON lines, which "
+                "would be trained on as raw JSON text; run python -m jdist.data tokenize "
+                f"{path} --out FILE.bin and mix FILE.bin")
     corpora = [data.load_corpus(None if path == data.BUILTIN else path, seq_len, bin_dtype,
                                 tokenizer=tokenizer, text_column=text_column)
                for path, _ in parts]
