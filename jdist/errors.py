@@ -3,7 +3,9 @@ and how every `python -m jdist.*` command reports them."""
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -48,6 +50,25 @@ def require(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless `condition` holds."""
     if not condition:
         raise ConfigError(message)
+
+
+def require_writable_dir(path: str | Path, given: str) -> None:
+    """An output directory `path` must be one this process can fill: an existing directory,
+    or one it can create (under a directory, not a file). Checked by creating and removing a
+    directory in the nearest one that exists, since permission bits say nothing of /proc or
+    a read-only mount. `given` is the flag and value the error names ("--out x/y.bin").
+    Call before any expensive work."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # exists() is False below a file, too: "FILE/x"
+    require(existing.is_dir(), f"{given}: {existing} is a file, not a directory; choose a "
+            "path under a directory")
+    try:
+        Path(tempfile.mkdtemp(prefix=".jdist-write-check-", dir=existing)).rmdir()
+    except OSError as e:
+        raise ConfigError(f"{given}: cannot create anything in {existing} "
+                          f"({e.strerror or e}); choose a directory you can write to") from None
 
 
 def run_cli(body: Callable[[], int | None]) -> int:

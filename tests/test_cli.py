@@ -159,6 +159,40 @@ def test_messages_name_the_real_problem(tmp_path, command, args, says, never):
     assert not given["NEW"].exists()  # nothing written
 
 
+UNWRITABLE = [  # (command, args, the flag and value named); FILE is a regular file
+    ("jdist.train", [*TINY, "--run-dir", "FILE/x"], "--run-dir FILE/x"),
+    ("jdist.train", [*TINY, "--run-dir", "/proc/x"], "--run-dir /proc/x"),
+    ("jdist.export", ["RUN", "--hf", "FILE/x"], "--hf FILE/x"),
+    ("jdist.export", ["RUN", "--peft", "/proc/x"], "--peft /proc/x"),
+    ("jdist.data", ["tokenize", "TEXT", "--out", "FILE/x.bin"], "--out FILE/x.bin"),
+    ("jdist.data", ["tokenize", "TEXT", "--out", "/proc/x.bin"], "--out /proc/x.bin"),
+]
+
+
+@pytest.mark.parametrize("command, args, names", UNWRITABLE,
+                         ids=["train-file", "train-proc", "export-file", "export-proc",
+                              "tokenize-file", "tokenize-proc"])
+def test_unwritable_outputs_are_one_line_exit_2_before_any_work(tmp_path, command, args,
+                                                                names):
+    """Under a regular file or in /proc: one line naming the flag, exit 2, nothing written
+    (checked before the run loads data, or the export reads the checkpoint)."""
+    shutil.copytree(FIXTURES / "checkpoint_v1", tmp_path / "run")
+    (tmp_path / "file").write_text("a file, not a directory\n")
+    (tmp_path / "text.txt").write_text("some text\n")
+    given = {"RUN": str(tmp_path / "run"), "TEXT": str(tmp_path / "text.txt")}
+    here = lambda a: given.get(a, a.replace("FILE", str(tmp_path / "file")))
+    files = lambda: sorted(p for p in tmp_path.rglob("*"))
+    before = files()
+    result = subprocess.run([sys.executable, "-m", command, *map(here, args)], check=False,
+                            capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stdout + result.stderr
+    assert here(names) + ": " in lines[0], lines[0]
+    assert ("is a file, not a directory" if "FILE" in names else "cannot create") in lines[0]
+    assert "data:" not in result.stdout and "restored" not in result.stderr  # no work done
+    assert files() == before and not Path("/proc/x").exists()
+
+
 def test_readme_lists_every_exit_status():
     from jdist import errors
 

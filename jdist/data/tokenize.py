@@ -24,7 +24,7 @@ import numpy as np
 
 from jdist.data import _text_files, hf_files, jsonl_records, sidecar_path
 from jdist.data.tokenizer import Tokenizer, id_dtype, load_tokenizer
-from jdist.errors import require
+from jdist.errors import require, require_writable_dir
 
 CHUNK_BYTES = 1 << 20  # text per task: big enough to amortise IPC, small enough to stream
 _worker: Tokenizer | None = None
@@ -141,8 +141,10 @@ def tokenize(inputs: list[str], tokenizer: str, out: str, field: str = "text",
     out_path = Path(out)
     require(out_path.suffix == ".bin", f"--out {out!r} must end in .bin (training reads .bin "
                                        "files as token ids)")
+    require_writable_dir(out_path.parent, f"--out {out}")
     require(out_path.parent.resolve().is_dir(), f"--out directory {str(out_path.parent)!r} "
                                                 "does not exist; create it first")
+    require(not out_path.is_dir(), f"--out {out} is a directory; name a FILE.bin")
     require(workers >= 1, f"--workers {workers} must be at least 1")
     tok = load_tokenizer(tokenizer)
     files = input_files(inputs)

@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from jdist.errors import EXIT_CONFIG, ConfigError, require
+from jdist.errors import EXIT_CONFIG, ConfigError, require, require_writable_dir
 
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMG]?B)$", re.IGNORECASE)
 UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         require(not (args.hf and args.peft and Path(args.hf).resolve() ==
                      Path(args.peft).resolve()),
                 f"--hf and --peft are both {args.hf}; give them different directories")
+        for flag, out in (("--hf", args.hf), ("--peft", args.peft)):
+            if out:  # before the checkpoint is read and hashed
+                require_writable_dir(out, f"{flag} {out}")
         found = resolve_explicit(args.checkpoint, "checkpoint")
         cfg, read_leaf = checkpoint_reader(found)
         if cfg.lora is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from jdist.errors import require_writable_dir
 from jdist.parallel.pipeline import show_schedule
 from jdist.runtime.distributed import is_main_process
 from jdist.step.build import compiler_options, make_eval_step, make_train_step
@@ -31,6 +32,7 @@ def train(config) -> list[dict]:
     clock = Goodput()
     run_dir = Path(config.checkpoint.run_dir or report.default_run_dir())
     config.validate()
+    require_writable_dir(run_dir, f"--run-dir {run_dir}")
     done = resume.finished(config, run_dir, model_of)  # before data, plans or compiles
     if done is not None:
         if is_main_process():
