@@ -165,8 +165,8 @@ def gpu_main(args) -> None:
                    "compile_s": v.compile_s}
             out.append(row)
             if not args.json:
-                print(f"{name:7} {rank:2d} {row['layout']:62} {e.memory.total / 1e9:7.2f} GB "
-                      f"compiled {v.compiled_peak / 1e9:7.2f} GB  x{v.memory_ratio:.3f}  "
+                print(f"{name:7} {rank:2d} {row['layout']:62} {e.memory.total / 2**30:7.2f} GiB "
+                      f"compiled {v.compiled_peak / 2**30:7.2f} GiB  x{v.memory_ratio:.3f}  "
                       f"{'fits' if v.fits else 'OVER':4}  exposed {v.report.exposed:6.1%}",
                       flush=True)
     worst = max(abs(r["ratio"] - 1) for r in out)
@@ -174,7 +174,7 @@ def gpu_main(args) -> None:
     common.emit({"target": args.target, "budget_bytes": budget, "rows": out,
                  "max_memory_deviation": worst, "over_budget": over}, args.json, lambda: [
         f"\n{len(out)} layouts compiled for {args.target}: memory within {worst:.1%} of the "
-        f"GPU-compiled peak (target 5%); {over} above the {budget / 1e9:.1f} GB budget the "
+        f"GPU-compiled peak (target 5%); {over} above the {budget / 2**30:.1f} GiB budget the "
         "planner claims (target 0)"])
 
 

@@ -98,14 +98,17 @@ def test_device_group_formats():
 
 
 def test_dry_run_reports_the_compiled_step(monkeypatch, capsys):
+    from jdist import memory
     from jdist.config import parse_args
     from jdist.train import fit
 
     compiled, measured = [], []
-    real = fit.compile_step
-    monkeypatch.setattr(fit, "compile_step", lambda *a: compiled.append(real(*a)) or compiled[0])
+    real = memory.compile_step
+    monkeypatch.setattr(memory, "compile_step",
+                        lambda *a: compiled.append(real(*a)) or compiled[0])
     # The memory measurement (its own gradient compile) is jdist.memory's, tested there.
-    monkeypatch.setattr(fit, "measure", lambda *a: measured.append(a[-1]) or Breakdown(1, 1, 1, 1))
+    monkeypatch.setattr(memory, "measure",
+                        lambda *a: measured.append(a[-1]) or Breakdown(1, 1, 1, 1))
     config = parse_args(["--model", "tiny", "--mesh", "dp=2,fsdp=2,tp=2", "--batch-size", "8",
                          "--seq-len", "32", "--dry-run"])
     fit.dry_run(config)
@@ -162,9 +165,10 @@ def test_preset_links_reach_the_report_and_dcn_axes_use_dcn():
 def test_memory_cli_includes_the_report(monkeypatch, capsys):
     import json
 
+    from jdist import memory
     from jdist.memory import __main__ as cli
 
-    monkeypatch.setattr(cli, "measure", lambda *a: Breakdown(1, 1, 1, 1))  # as above
+    monkeypatch.setattr(memory, "measure", lambda *a: Breakdown(1, 1, 1, 1))  # as above
     assert cli.main(["--model", "tiny", "--mesh", "fsdp=4", "--batch-size", "8", "--seq-len",
                  "32", "--measure", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -78,8 +78,10 @@ def test_dry_run_refuses_what_does_not_fit_and_suggests_a_fix():
     result = run("jdist.train", "--model", "small", "--mesh", "dp=4", "--batch-size", "8",
                  "--seq-len", "64", "--dry-run", "--device-memory-gb", "0.03")
     assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "try --zero" in lines[0], lines
+    # One error line, after the lines saying what compiled (jdist.tools.progress).
+    *progress, error = result.stderr.strip().splitlines()
+    assert error.startswith("jdist: error: ") and "try --zero" in error, error
+    assert all(line.startswith("jdist: compil") for line in progress), progress
     assert "predicted" in result.stdout and "measured" in result.stdout
 
 

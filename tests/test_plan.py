@@ -164,8 +164,10 @@ def test_bad_input_is_one_line(argv, words, capsys):
     for i in range(0, len(argv), 2):
         base[argv[i]] = argv[i + 1]
     assert plan_main([x for kv in base.items() for x in kv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("jdist: error: ")
+    # One error line, after the lines saying what was searched (jdist.tools.progress).
+    *progress, err = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("jdist: error: ")
+    assert all(line.startswith("jdist: ") and "error" not in line for line in progress), progress
     for w in words:
         assert w in err, err
 
@@ -230,3 +232,31 @@ def test_70b_on_64_h100s():
     assert out["replanned_totals"] == [r["memory"]["total"] for r in rows]
     steps = [r["step_s"] for r in rows]
     assert steps == sorted(steps)
+
+
+def test_planner_memory_is_the_memory_tools(capsys):
+    """The planner's GiB/dev of a layout is `python -m jdist.memory`'s predicted total for
+    it: the planner prints that command (the same flags, on the devices it planned on; for
+    a GPU target the memory tool needs `--target`, as a GPU compiler keeps other buffers
+    than the CPU's, which the tool says without it)."""
+    from jdist.memory.__main__ import main as memory_main
+
+    argv = ["--model", "small", "--devices", "8", "--accelerator", "h100-80gb", "--batch-size",
+            "16", "--seq-len", "128", "--fix", "tp=2"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    header, first = out.splitlines()[1:3]
+    end = header.index("GiB/dev") + len("GiB/dev")  # a right-aligned column
+    gib = float(first[end - len("GiB/dev"):end])
+    command = out.splitlines()[-1].split(": ", 1)[1]
+    assert command.startswith("python -m jdist.memory ") and "--target h100-80gb" in command
+    assert plan_main(argv + ["--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert row["memory_command"] == command
+
+    assert memory_main(command.split()[3:] + ["--json"]) == 0
+    predicted = json.loads(capsys.readouterr().out)["predicted"]
+    assert predicted == row["memory"]
+    assert f"{predicted['total'] / 2**30:.2f}" == f"{gib:.2f}"
+    assert memory_main(command.split(" --target")[0].split()[3:]) == 0
+    assert "predicted for the XLA CPU compiler" in capsys.readouterr().out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from jdist.memory import compile_step, gib, measure, peak, predict, table
+from jdist.memory import compile_and_measure, gib, peak, predict, table
 from jdist.tools import gpu_report
 from jdist.tools.comm import comm_table, step_report
 
@@ -29,9 +29,11 @@ def make_parser():
 
 def main(argv: list[str] | None = None) -> int:
     from jdist.errors import ConfigError, require
+    from jdist.runtime.compiler_logs import quiet_compiler
     from jdist.runtime.distributed import configure_devices
     from jdist.runtime.target import prepare_target
 
+    quiet_compiler()
     parser = make_parser()
     try:
         args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
@@ -42,8 +44,6 @@ def main(argv: list[str] | None = None) -> int:
 
         config = TrainConfig.of(**args)
         target = config.devices.target
-        require(do_measure or not target, "--target compiles the step for a GPU; "
-                "add --measure")
         require(do_measure or not want_breakdown, "--peak-breakdown reads the compiled step; "
                 "add --measure")
         if target:
@@ -60,14 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     micro = batch_size // config.memory.grad_accum
     predicted = predict(plan, micro, seq_len)
     lines: list[str] = []
-    compiled = compile_step(plan, batch_size, seq_len,
-                            lines if want_breakdown else None) if do_measure else None
-    measured = measure(plan, batch_size, seq_len, compiled) if do_measure else None
+    compiled, measured = compile_and_measure(plan, batch_size, seq_len,
+                                             lines if want_breakdown else None) \
+        if do_measure else (None, None)
     comm = step_report(compiled, config.parallel.mesh, plan.mesh) if do_measure else None
-    gpu = gpu_report.step_report(compiled, plan, batch_size, seq_len) if target else None
+    gpu = gpu_report.step_report(compiled, plan, batch_size, seq_len) \
+        if target and do_measure else None
     if as_json:
         out = {"model": config.model.preset, "mesh": dict(plan.mesh.shape),
-               "zero": config.memory.zero,
+               "zero": config.memory.zero, "compiler": target or "cpu",
                "predicted": predicted.as_dict()}
         if measured:
             out["measured"] = measured.as_dict()
@@ -85,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
               + (f", LoRA rank {plan.model.lora.rank}" if plan.model.lora else "")
               + (f", base {plan.quantize}" + (" double-quant" if plan.double_quant else "")
                  if plan.quantize != "none" else ""))
+        # The buffers a step keeps depend on the compiler (jdist.memory.on_gpu): the same
+        # flags predict other bytes for a GPU target than for the CPU.
+        print(f"predicted for the {target} GPU compiler" if target else
+              "predicted for the XLA CPU compiler (a GPU's keeps other buffers: add --target "
+              "NAME --hosts N, as python -m jdist.plan prints)")
         print(table(predicted, measured))
         if compiled is not None:
             where = f"{target} GPU compiler" if target else "compiled step"

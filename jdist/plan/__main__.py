@@ -12,6 +12,8 @@ import sys
 import time
 
 from jdist.errors import ArgumentParser, ConfigError, require, run_cli
+from jdist.runtime.compiler_logs import quiet_compiler
+from jdist.tools import progress
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -36,8 +38,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on accelerators, float32 on cpu-sim")
     p.add_argument("--memory-gb", type=float, default=0.0,
-                   help="per-device memory a process may use, in GB (1e9 bytes; default: the "
-                        "profile's memory_gb x usable_memory_fraction)")
+                   help="per-device memory a process may use, in GiB (2**30 bytes, as "
+                        "train's --device-memory-gb and every memory figure jdist prints; "
+                        "default: the profile's memory_gb x usable_memory_fraction)")
     p.add_argument("--moe-routing", choices=["dropless", "grouped", "capacity"], default=None,
                    help="a mixture of experts' routing path (default: the model's)")
     p.add_argument("--lora-rank", type=int, default=None, help="plan LoRA fine-tuning")
@@ -67,10 +70,12 @@ def base_config(args):
         model = {"init_from": path or "."}
     if args.moe_routing:
         model["moe_routing"] = args.moe_routing
+    # On a GPU target the hosts lay the compile-only devices out (as `--verify` compiles).
+    where = {"target": args.target, "hosts": args.hosts} if args.target else {}
     return TrainConfig.of(**model, batch_size=args.batch_size, seq_len=args.seq_len,
-                       compute_dtype=dtype, lora_rank=args.lora_rank,
-                       quantize_base=args.quantize_base, double_quant=args.double_quant,
-                       target=args.target)
+                          compute_dtype=dtype, lora_rank=args.lora_rank,
+                          quantize_base=args.quantize_base, double_quant=args.double_quant,
+                          **where)
 
 
 def command(base, layout) -> str:
@@ -90,12 +95,21 @@ def command(base, layout) -> str:
     return " ".join(head + layout.flags())
 
 
+def memory_command(base, layout) -> str:
+    """The `python -m jdist.memory` line whose predicted total is the planner's figure for
+    `layout`: the same flags, on the devices the planner planned on (a GPU target's compiler
+    keeps other buffers than the CPU's, so without `--target` the total differs)."""
+    where = f" --target {base.devices.target} --hosts {base.devices.hosts}" \
+        if base.devices.target else ""
+    return command(base, layout).replace("jdist.train", "jdist.memory", 1) + where
+
+
 def table(ranked, top: int) -> str:
     width = max(len(e.layout.label()) for e in ranked[:top])
-    lines = [f"{'#':>3} {'layout':{width}} {'GB/dev':>7} {'step s':>9} {'tokens/s':>11} "
+    lines = [f"{'#':>3} {'layout':{width}} {'GiB/dev':>7} {'step s':>9} {'tokens/s':>11} "
              f"{'MFU':>6}  bottleneck"]
     for i, e in enumerate(ranked[:top], 1):
-        lines.append(f"{i:3d} {e.layout.label():{width}} {e.memory.total / 1e9:7.2f} "
+        lines.append(f"{i:3d} {e.layout.label():{width}} {e.memory.total / 2**30:7.2f} "
                      f"{e.step_s:9.4g} {e.tokens_per_s:11.4g} {e.mfu:6.1%}  {e.bottleneck}")
     return "\n".join(lines)
 
@@ -105,7 +119,8 @@ def as_json(e, base) -> dict:
             "memory": e.memory.as_dict(), "step_s": e.step_s, "tokens_per_s": e.tokens_per_s,
             "mfu": e.mfu, "bottleneck": e.bottleneck, "compute_s": e.compute_s,
             "memory_bound_s": e.memory_bound_s, "comm_s": e.comm_s, "bubble": e.bubble,
-            "flops_per_device": e.flops, "command": command(base, e.layout)}
+            "flops_per_device": e.flops, "command": command(base, e.layout),
+            "memory_command": memory_command(base, e.layout)}
 
 
 def simulate_devices(n: int) -> None:
@@ -125,7 +140,7 @@ def plan_main(argv: list[str]) -> int:
     args = make_parser().parse_args(argv)
     args.profile = load_profile(args.accelerator)
     require(args.devices >= 1, f"--devices {args.devices} must be at least 1")
-    hosts = args.hosts or max(1, args.devices // args.profile.devices_per_host)
+    hosts = args.hosts = args.hosts or max(1, args.devices // args.profile.devices_per_host)
     require(args.devices % hosts == 0,
             f"--devices {args.devices} do not split evenly over --hosts {hosts}; give a "
             "multiple of the host count")
@@ -155,28 +170,40 @@ def plan_main(argv: list[str]) -> int:
         simulate_devices(args.devices * GROWTH)  # before jax starts its backends
 
     base = base_config(args)
-    budget = args.memory_gb * 1e9 * HEADROOM if args.memory_gb else None
+    budget = args.memory_gb * 2**30 * HEADROOM if args.memory_gb else None
     start = time.perf_counter()
-    result = search(base, args.devices, hosts, args.profile, fixed, budget)
+    with progress.Counter(f"searching the layouts of {args.model} on {args.devices} "
+                          "devices, by mesh shape") as counter:
+        result = search(base, args.devices, hosts, args.profile, fixed, budget,
+                        lambda n, m, r: counter.at(n, m, f"{r.considered} planned, "
+                                                         f"{len(r.ranked)} fit"))
     took = time.perf_counter() - start
     if not result.ranked:
         need = ""
         if result.smallest:
             need = (f" (the most frugal, {result.smallest[1].label()}, needs "
-                    f"{result.smallest[0] / 1e9:.1f} GB)")
-        changes = smallest_change(base, args.devices, hosts, args.profile) if not fixed else []
+                    f"{result.smallest[0] / 2**30:.1f} GiB)")
+        changes = []
+        if not fixed:
+            with progress.phase("nothing fits: searching again with more devices, a shorter "
+                                "sequence and QLoRA", "searched for a change that fits"):
+                changes = smallest_change(base, args.devices, hosts, args.profile)
         fix = ("it fits with " + ", or ".join(changes)) if changes else \
             "use more devices, a shorter --seq-len, a smaller --batch-size or QLoRA"
-        budget_gb = (budget or args.profile.usable_memory_bytes * HEADROOM) / 1e9
+        budget_gib = (budget or args.profile.usable_memory_bytes * HEADROOM) / 2**30
         raise ConfigError(f"no layout of {args.model} on {args.devices} {args.profile.name} "
-                          f"devices fits in {budget_gb:.1f} GB per device{need}; {fix}")
+                          f"devices fits in {budget_gib:.1f} GiB per device{need}; {fix}")
     best = result.ranked[0]
     verified = []
     if args.verify:
         from jdist.plan import verify
 
-        verified = verify.verify(result.ranked, args.verify, base, hosts, args.profile,
-                                 budget or args.profile.usable_memory_bytes * HEADROOM)
+        with progress.Counter(f"compiling the best layouts for {args.devices} x {args.target} "
+                              f"until {args.verify} fit", every=0) as counter:
+            verified = verify.verify(
+                result.ranked, args.verify, base, hosts, args.profile,
+                budget or args.profile.usable_memory_bytes * HEADROOM,
+                lambda n, m, label: counter.at(n, m, f"compiling {label}"))
         fitting = [v for v in verified if v.fits]
         if not fitting:
             from jdist.plan.verify import table as verified_table
@@ -193,7 +220,8 @@ def plan_main(argv: list[str]) -> int:
                "accelerator": args.profile.name, "planned_on": devices,
                "batch_size": args.batch_size, "seq_len": args.seq_len, "search_s": took,
                "layouts": [as_json(e, base) for e in result.ranked[:args.top]],
-               "command": command(base, best.layout)}
+               "command": command(base, best.layout),
+               "memory_command": memory_command(base, best.layout)}
         if verified:
             from jdist.plan.verify import as_json as verified_json
             out["verified"] = [verified_json(v) for v in verified]
@@ -210,14 +238,16 @@ def plan_main(argv: list[str]) -> int:
         print(f"\nthe best {len(verified)} compiled for {args.devices} x {args.target} by the "
               f"GPU compiler ({sum(v.compile_s for v in verified):.0f} s) until {args.verify} "
               "fit the budget; verified ranking (fits: compiled peak within the budget of "
-              f"{(budget or args.profile.usable_memory_bytes * HEADROOM) / 1e9:.1f} GB):")
+              f"{(budget or args.profile.usable_memory_bytes * HEADROOM) / 2**30:.1f} GiB):")
         print(verified_table(verified))
     print(f"\nbest: {command(base, best.layout)}")
+    print(f"its memory, term by term (the same GiB/dev): {memory_command(base, best.layout)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_compiler()
     if argv[:1] == ["calibrate"]:
         from jdist.plan.calibrate import main as calibrate
         return calibrate(argv[1:])

@@ -78,9 +78,10 @@ def accumulations(per_replica: int, pipelined: bool) -> list[int]:
 
 
 def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | None = None,
-           budget: float | None = None) -> Result:
+           budget: float | None = None, progress=None) -> Result:
     """Every fitting layout of `base` (a TrainConfig: model, batch, sequence, dtype,
-    fine-tuning) on `n_devices` devices over `hosts` hosts, ranked by predicted step time."""
+    fine-tuning) on `n_devices` devices over `hosts` hosts, ranked by predicted step time.
+    `progress(n, m, result)` hears after each of the m mesh shapes."""
     from jdist.step.from_flags import model_of
 
     fixed = fixed or {}
@@ -90,7 +91,10 @@ def search(base, n_devices: int, hosts: int, profile, fixed: dict[str, int] | No
     model = model_of(base)
     result = Result([])
     per_host = n_devices // hosts
-    for shape in meshes(n_devices, bool(model.n_experts), fixed, max_tensor=per_host):
+    shapes = list(meshes(n_devices, bool(model.n_experts), fixed, max_tensor=per_host))
+    for i, shape in enumerate(shapes):
+        if progress is not None:
+            progress(i, len(shapes), result)
         try:
             dcn = dcn_sizes(shape, {}, hosts)
         except ConfigError:

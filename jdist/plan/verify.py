@@ -35,15 +35,19 @@ class Verified:
         return self.planned.memory.total / self.compiled_peak
 
 
-def verify(ranked: list[cost.Estimate], k: int, base, hosts: int, profile, budget: float) -> \
-        list[Verified]:
+def verify(ranked: list[cost.Estimate], k: int, base, hosts: int, profile, budget: float,
+           progress=None) -> list[Verified]:
     """Compile the layouts of `ranked` for `base.devices.target` on `hosts` hosts, best first,
     until `k` of them fit `budget` by the GPU compiler (at most 2k compiles); the verified
-    ranking: fitting ones by re-priced step time, then the ones that do not fit."""
+    ranking: fitting ones by re-priced step time, then the ones that do not fit.
+    `progress(n, m, label)` hears before each compile (minutes each for a 70B)."""
     out = []
-    for e in ranked[:2 * k]:
+    candidates = ranked[:2 * k]
+    for e in candidates:
         if sum(v.fits for v in out) == k:
             break
+        if progress is not None:
+            progress(len(out), len(candidates), e.layout.label())
         out.append(compile_layout(e, base, hosts, profile, budget))
     return sorted(out, key=lambda v: (not v.fits, v.verified.step_s))
 
@@ -67,13 +71,13 @@ def compile_layout(e: cost.Estimate, base, hosts: int, profile, budget: float) -
 
 def table(verified: list[Verified]) -> str:
     width = max(len(v.planned.layout.label()) for v in verified)
-    lines = [f"{'#':>3} {'layout':{width}} {'predicted GB':>12} {'compiled GB':>11} "
+    lines = [f"{'#':>3} {'layout':{width}} {'predicted GiB':>13} {'compiled GiB':>12} "
              f"{'pred/comp':>9} {'fits':>4} {'exposed':>7} {'assumed s':>9} {'verified s':>10} "
              f"{'MFU':>6}"]
     for i, v in enumerate(verified, 1):
         lines.append(
-            f"{i:3d} {v.planned.layout.label():{width}} {v.planned.memory.total / 1e9:12.2f} "
-            f"{v.compiled_peak / 1e9:11.2f} {v.memory_ratio:9.3f} "
+            f"{i:3d} {v.planned.layout.label():{width}} {v.planned.memory.total / 2**30:13.2f} "
+            f"{v.compiled_peak / 2**30:12.2f} {v.memory_ratio:9.3f} "
             f"{'yes' if v.fits else 'NO':>4} {v.report.exposed:7.1%} "
             f"{v.planned.step_s:9.4g} {v.verified.step_s:10.4g} {v.verified.mfu:6.1%}")
     return "\n".join(lines)

@@ -8,11 +8,13 @@ from __future__ import annotations
 import sys
 
 from jdist.errors import run_cli
+from jdist.runtime.compiler_logs import quiet_compiler
 
 
 def main(argv: list[str] | None = None) -> int:
     from jdist.runtime.interrupt import exit_at_once_on_ctrl_c
 
+    quiet_compiler()  # before jax starts its backends
     # From the first import of jax until training installs its own handler (finish the
     # step, save, exit 75), Ctrl-C exits 130 at once: nothing is trained yet to save.
     with exit_at_once_on_ctrl_c():

@@ -4,7 +4,7 @@ before anything is allocated, with a suggestion when it does not; and `--dry-run
 from __future__ import annotations
 
 from jdist.errors import ConfigError
-from jdist.memory import Breakdown, compile_step, gib, measure, peak, predict, table
+from jdist.memory import Breakdown, compile_and_measure, gib, peak, predict, table
 from jdist.step.from_flags import plan_for
 from jdist.tools import gpu_report
 from jdist.tools.comm import comm_table, step_report
@@ -80,8 +80,7 @@ def dry_run(config) -> None:
         schedule = plan.pipeline.table(plan.mesh.shape["stage"], stash=stashes(plan.compute.remat))
         print(f"{schedule.summary()}; time-weighted bubble "
               f"{pipeline_bubble(schedule, plan.compute.remat):.3f}", flush=True)
-    compiled = compile_step(plan, config.data.batch_size, config.data.seq_len)
-    measured = measure(plan, config.data.batch_size, config.data.seq_len, compiled)
+    compiled, measured = compile_and_measure(plan, config.data.batch_size, config.data.seq_len)
     print(table(plan_breakdown(config, plan), measured), flush=True)
     if config.devices.target:
         hosts = config.devices.hosts
