@@ -240,6 +240,7 @@ def test_planner_memory_is_the_memory_tools(capsys):
     a GPU target the memory tool needs `--target`, as a GPU compiler keeps other buffers
     than the CPU's, which the tool says without it)."""
     from jdist.memory.__main__ import main as memory_main
+    from jdist.runtime.target import plugin_installed
 
     argv = ["--model", "small", "--devices", "8", "--accelerator", "h100-80gb", "--batch-size",
             "16", "--seq-len", "128", "--fix", "tp=2"]
@@ -249,7 +250,9 @@ def test_planner_memory_is_the_memory_tools(capsys):
     end = header.index("GiB/dev") + len("GiB/dev")  # a right-aligned column
     gib = float(first[end - len("GiB/dev"):end])
     command = out.splitlines()[-1].split(": ", 1)[1]
-    assert command.startswith("python -m jdist.memory ") and "--target h100-80gb" in command
+    assert command.startswith("python -m jdist.memory ")
+    # Without jax's CUDA plugin the planner plans on simulated CPUs, and says so.
+    assert ("--target h100-80gb" in command) == plugin_installed()
     assert plan_main(argv + ["--json"]) == 0
     row = json.loads(capsys.readouterr().out)["layouts"][0]
     assert row["memory_command"] == command
@@ -258,5 +261,6 @@ def test_planner_memory_is_the_memory_tools(capsys):
     predicted = json.loads(capsys.readouterr().out)["predicted"]
     assert predicted == row["memory"]
     assert f"{predicted['total'] / 2**30:.2f}" == f"{gib:.2f}"
-    assert memory_main(command.split(" --target")[0].split()[3:]) == 0
-    assert "predicted for the XLA CPU compiler" in capsys.readouterr().out
+    if plugin_installed():
+        assert memory_main(command.split(" --target")[0].split()[3:]) == 0
+        assert "predicted for the XLA CPU compiler" in capsys.readouterr().out

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from jdist.runtime import compiler_logs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 XLA_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [\w.]+:\d+\]")
 
 
+@pytest.mark.gpu_compiler
 def test_plan_verify_shows_progress_and_no_compiler_logs():
     """Verifying tiny's fsdp=4,tp=2 for an H100 target compiles it with XLA's GPU compiler,
     which logs a warning for each collective it cannot time (16 lines here, with
