@@ -89,3 +89,36 @@ def single_device(corpus):
         return cache[key]
 
     return run
+
+
+# SmolLM2-Instruct's chat template (ChatML with a default system message).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(tmp_path_factory):
+    """A tokenizer directory laid out as SmolLM2-Instruct's, whose eos (<|im_end|>) also
+    closes every chat turn: byte-level BPE trained here on the stdlib's text, <|endoftext|>
+    id 0, <|im_start|> (its bos) and <|im_end|> special (ids 300, 301: the HF fixtures'
+    384-id models can run it), and its chat template. No network."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from jdist.data.tokenizer import train_bpe
+
+    out = tmp_path_factory.mktemp("smollm2")
+    text = data.builtin_text(1 << 16).decode("utf-8", "replace").splitlines()
+    path = train_bpe(text, 300, out, eod="<|endoftext|>")
+    tok = Tokenizer.from_file(str(path))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>")])
+    tok.save(str(path))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+        "chat_template": SMOLLM2_TEMPLATE}))
+    return out

@@ -195,6 +195,8 @@ def test_cli_generates_from_a_training_checkpoint(run_dir):
      "prompt 0 has 12 tokens, which with --max-new-tokens 64 exceeds the model's context of 16"),
     (["--checkpoint", "RUN", "--prompt", "x", "--mesh", "pp=2"],
      "generation shards over data, fsdp, tensor, expert only, not stage"),
+    (["--checkpoint", "RUN", "--prompt", "x", "--chat"],
+     "--chat needs a chat template, which tokenizer bytes has not"),
 ])
 def test_bad_input_is_one_line_and_exit_2(run_dir, args, message, capsys):
     from jdist.generate.__main__ import main
@@ -312,3 +314,46 @@ def test_a_padded_vocabulary_never_generates_an_id_past_the_tokenizer(tmp_path, 
                               "--max-new-tokens", "16", *extra]) == 0
         out, err = capsys.readouterr()
         assert out.startswith("def f(x):") and "ids 320-383 are never generated" in err
+
+
+def test_chat_answers_a_message_from_stdin_in_the_tokenizers_template(tmp_path,
+                                                                      smollm2_tokenizer):
+    """`--chat`: the message (here on stdin) is a user's turn of the tokenizer's chat template,
+    ready for the answer, as transformers' `apply_chat_template(add_generation_prompt=True)`
+    renders it; stdout is the answer alone, which ends at the token closing the turn
+    (SmolLM2's <|im_end|>, also its eos; Llama 3's <|eot_id|>, not its eos)."""
+    import shutil
+
+    from jdist.data.chat import chat_template, render
+    from jdist.data.tokenizer import load_tokenizer
+    from jdist.generate.text import chat_prompts, complete
+
+    hf = tmp_path / "smol"
+    shutil.copytree(FIXTURES / "llama-untied", hf)
+    (hf / "special_tokens_map.json").unlink()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_tokenizer / name, hf / name)
+    message = "What is 2 + 2?"
+    result = subprocess.run([sys.executable, "-m", "jdist.generate", "--init-from", str(hf),
+                             "--chat", "--max-new-tokens", "12"], input=message + "\n",
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    tok = load_tokenizer(str(hf))
+    text = render(chat_template(tok), tok, [{"role": "user", "content": message}], True)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained "
+                    "by Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    cfg = model_config(hf)
+    params = load_params(hf, inference_plan(cfg, mesh_of("", 1)))
+    ids = generate(params, cfg, [tok.encode(text).astype(np.int32)], 12,
+                   sampling=Sampling(valid_ids=tok.vocab_size))[0].tolist()
+    end = tok.token_id("<|im_end|>")
+    assert result.stdout == tok.decode(ids[:ids.index(end)] if end in ids else ids) + "\n"
+    _, stops = chat_prompts(tok, [message])
+    assert stops == {end}
+    llama3 = load_tokenizer(str(FIXTURES / "tokenizer"))
+    _, stops = chat_prompts(llama3, ["hi"])
+    assert stops == {llama3.eod_id, llama3.token_id("<|eot_id|>")}
+    # each prompt's answer ends at the first of them, which is not printed
+    steps = [np.array([5, 7]), np.array([319, 9]), np.array([4, 316]), np.array([8, 8])]
+    assert complete(iter(steps), 2, stops) == [[5], [7, 9]]

@@ -263,3 +263,89 @@ def test_resume_fingerprint_covers_the_loss_masks(tmp_path, tok):
     np.testing.assert_array_equal(a.val, b.val)
     assert data.fingerprint(a) != data.fingerprint(b)
     assert data.fingerprint(a) == data.fingerprint(sft.load_sft(uncounted, tok, 32).corpus())
+
+
+# ------------------------------------------------------ a model whose eos closes each turn
+
+def test_a_chat_whose_eos_ends_each_turn_trains_every_answer_and_its_end(smollm2_tokenizer):
+    from jdist.data.packing import document_layout
+
+    tok = load_tokenizer(str(smollm2_tokenizer))
+    template = chat_template(tok)
+    im_end, endoftext = tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>")
+    assert tok.eod_id == im_end and endoftext == 0
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ok"}]
+    tokens, targets = sft.document({"messages": messages}, "x:1", tok, template)
+    ids = tokens[1:]
+    assert tokens[0] == endoftext  # documents are separated by another end-of-text token
+    assert ids.tolist() == tok.encode(sft.render(template, tok, messages, False)).tolist()
+    counted = ids[targets[:-1] >= 0]
+    assert tok.decode(counted) == "yo<|im_end|>ok<|im_end|>"  # not the "\n" after either
+    assert targets[-1] == IGNORE  # the last answer's end is its own <|im_end|>
+    np.testing.assert_array_equal(targets[:-1][targets[:-1] >= 0], counted)
+    segments, _ = document_layout(jax.numpy.asarray(tokens[None]), endoftext)
+    assert set(np.asarray(segments)[0].tolist()) == {1}  # one conversation, one document
+
+
+def test_cli_trains_on_a_chat_whose_eos_ends_each_turn(tmp_path, smollm2_tokenizer):
+    records = [{"messages": [{"role": "user", "content": f"Square of {i}?"},
+                             {"role": "assistant", "content": f"{i * i}"}]} for i in range(40)]
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    result = subprocess.run(
+        [sys.executable, "-m", "jdist.train", "--model", "tiny", "--vocab-size", "384",
+         "--tokenizer", str(smollm2_tokenizer), "--data", path, "--data-format", "sft", "--seq-len",
+         "128", "--batch-size", "4", "--steps", "2", "--mesh", "dp=1", "--eval-every", "0",
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "40 records in" in result.stdout
+    assert "documents are separated by <|endoftext|> (id 0)" in result.stdout
+
+
+# ------------------------------------------------- --init-from brings its own tokenizer
+
+
+def test_init_from_reads_text_with_the_models_own_tokenizer(tmp_path):
+    from jdist.config import TrainConfig
+    from jdist.train.setup import prepare
+
+    path = write_jsonl(tmp_path / "d.jsonl", mixed(30))
+    setup = prepare(TrainConfig.of(init_from=str(MODEL), mesh="dp=1", seq_len=64,
+                                   batch_size=4, data=path, data_format="sft"))
+    assert setup.config.data.tokenizer == str(MODEL)  # recorded: generate and export find it
+    assert setup.plan.compute.eod_id == EOD
+    result = subprocess.run(
+        [sys.executable, "-m", "jdist.train", "--init-from", str(MODEL), "--tokenizer", "bytes",
+         "--steps", "1", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
+    assert result.stderr.strip().splitlines() == [
+        f"jdist: error: --tokenizer bytes has 256 tokens but the model's own tokenizer "
+        f"(--init-from {MODEL}) has 320; drop --tokenizer to use the model's own"]
+
+
+# ----------------------------------------------------------------- records cut by --seq-len
+
+
+def test_records_longer_than_a_row_are_refused_past_5_percent(tmp_path, capsys):
+    from jdist.data import truncation
+    from jdist.train.setup import prepare
+
+    long = [{"prompt": f"{'x' * (40 + i)} {i}? ", "completion": "y"} for i in range(10)]
+    path = write_jsonl(tmp_path / "d.jsonl", mixed(30) + long)
+    lengths = sft.load_sft(path, load_tokenizer(str(TOK)), 64).lengths
+    assert truncation.seq_len_for(lengths, 1.0) == -(-lengths.max() // 64) * 64
+    with pytest.raises(ConfigError) as e:
+        prepare(sft_config(data=path, tokenizer=str(TOK), seq_len=32))
+    cut = int((lengths > 32).sum())
+    assert str(e.value) == (
+        f"{cut} of 70 sft records ({cut / 70:.1%}) are longer than --seq-len 32 and are cut, "
+        f"losing the ends of their answers; --seq-len {truncation.seq_len_for(lengths, 0.95)} "
+        f"fits 95% of them, {truncation.seq_len_for(lengths, 1.0)} all; pass one of those, or "
+        "--allow-truncation to train on the cut records")
+    prepare(sft_config(data=path, tokenizer=str(TOK), seq_len=32, allow_truncation=True))
+    assert f"jdist: warning: {cut} of 70 sft records" in capsys.readouterr().err
+    fits = truncation.seq_len_for(lengths, 0.95)
+    prepare(sft_config(data=path, tokenizer=str(TOK), seq_len=fits))
+    assert (lengths > fits).mean() <= 0.05

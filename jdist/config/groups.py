@@ -260,13 +260,16 @@ class DataFlags:
     data_dtype: str = flag("uint16", "token dtype of a .bin file: uint16 or uint32 (its "
                            ".bin.json sidecar, when there is one, decides)", result=True)
     tokenizer: str = flag("", "Hugging Face tokenizer directory or tokenizer.json (default: "
-                          "bytes)", result=True)
+                          "the --init-from directory's own, else bytes)", result=True)
     data_format: DataFormat = flag("text", "text (documents or token ids) or sft (a .jsonl of "
                                    "prompt/completion or chat messages records; loss on the "
                                    "answers only; implies --packing documents; needs "
                                    "--tokenizer)", result=True)
     text_column: str = flag("text", "the column of .parquet/.arrow files that holds the text",
                             result=True)
+    allow_truncation: bool = flag(False, "with --data-format sft, train even when more than 5%% "
+                                  "of the records are longer than --seq-len (they are cut, "
+                                  "losing their answers' ends); by default that is refused")
     packing: Packing = flag("none", "none (windows of the token stream attend across "
                             "documents) or documents (attention and rotary positions restart "
                             "at each end-of-document id)", result=True)

@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
-from jdist.data.tokenizer import Tokenizer
+from jdist.data.tokenizer import BYTES, Tokenizer
 from jdist.errors import ConfigError
 
 
@@ -17,6 +18,8 @@ def chat_template(tokenizer: Tokenizer):
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    if tokenizer.spec == BYTES:
+        return None
     spec = Path(tokenizer.spec)
     folder = spec if spec.is_dir() else spec.parent
     config = folder / "tokenizer_config.json"
@@ -69,3 +72,21 @@ def render(template, tokenizer: Tokenizer, messages: list, add_generation_prompt
     except TemplateError as e:
         raise ConfigError(f"{where}: the chat template fails on this record ({_first_line(e)});"
                           " fix the record") from None
+
+
+PROBE = "PROBE-ANSWER"  # an answer whose text the template cannot mistake for a marker
+
+
+@functools.lru_cache(maxsize=8)
+def turn_end(template, tokenizer: Tokenizer) -> int | None:
+    """The special token that closes an assistant's turn in `template` (Llama 3's
+    <|eot_id|>, ChatML's <|im_end|>, which SmolLM2 also names its eos): the first token
+    after an answer's text, if special; None if the template closes turns with plain text
+    or fails on a plain user/assistant exchange."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": PROBE}]
+    try:
+        text = render(template, tokenizer, messages, False)
+    except ConfigError:
+        return None
+    after = tokenizer.encode(text.partition(PROBE)[2])
+    return int(after[0]) if len(after) and tokenizer.is_special(int(after[0])) else None

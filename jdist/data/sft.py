@@ -2,28 +2,35 @@
 .parquet/.arrow files with those columns, `jdist.data.hf_files`): prompt/completion or chat
 records, packed into rows whose loss counts only the answers.
 
-Each record is one packed document, `[eod] + prompt ids + answer ids` (the eod id opens a
-document, `jdist.data.packing`). Targets predicting prompt tokens are IGNORE; those predicting
-answer tokens are counted, and so is the one after the last answer token (the next eod: the
-model learns where the answer ends). Chat records are rendered with the tokenizer's chat
-template the way transformers renders it; an assistant message's tokens are what its turn
-adds to the prompt rendered with `add_generation_prompt`. Records fill rows of seq_len + 1
-tokens in file order; a batch is a pure function of (seed, step), a permutation per epoch.
+Each record is one packed document, `[separator] + prompt ids + answer ids` (the separator
+opens a document, `jdist.data.packing`). Targets predicting prompt tokens are IGNORE; those
+predicting answer tokens are counted, and so is the one after the last answer token (the
+eos: the model learns where the answer ends) unless the record ends with an eos of its own.
+Chat records are rendered with the tokenizer's chat template the way transformers renders
+it; an assistant message's tokens are what its turn adds to the prompt rendered with
+`add_generation_prompt`, up to and including the token that closes the turn
+(`chat.turn_end`; what the template writes after it, a newline, belongs to the next
+prompt). The separator is the eos, unless the template closes every turn with the eos
+(SmolLM2's <|im_end|>): one conversation would then be cut into documents that cannot see
+each other, so another end-of-text token of the tokenizer separates them.
+Records fill rows of seq_len + 1 tokens in file order; a batch is a pure function of
+(seed, step), a permutation per epoch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from jdist.data import TRAIN_STREAM, VAL_FRACTION, Corpus, hf_files, jsonl_records
-from jdist.data.chat import chat_template, render
-from jdist.data.tokenizer import Tokenizer
-from jdist.errors import require
+from jdist.data import TRAIN_STREAM, VAL_FRACTION, Corpus, hf_files, jsonl_records, truncation
+from jdist.data.chat import chat_template, render, turn_end
+from jdist.data.tokenizer import EOD_CANDIDATES, Tokenizer
+from jdist.errors import ConfigError, require
 from jdist.models.loss import IGNORE
 
 TEXT, SFT = "text", "sft"
@@ -46,6 +53,8 @@ class SftData:
     records: int
     counted: int    # counted targets, train and validation
     truncated: int  # records cut to one row (their end is not counted)
+    lengths: np.ndarray = dataclasses.field(  # each record's document, in tokens
+        default_factory=lambda: np.zeros(0, np.int64))
 
     def corpus(self) -> Corpus:
         """What the rest of training reads of its data (the source and token counts it
@@ -108,7 +117,8 @@ def pieces(record: dict, where: str, tokenizer: Tokenizer, template) -> list[tup
                 f"{where}: the chat template is not prefix-stable at message {i} (a rendering is"
                 " not a prefix of the next), so the assistant's tokens cannot be found; use "
                 "prompt/completion records")
-        out += [(prompt[len(done):], False), (answer[len(prompt):], True)]
+        said, after = closed(answer[len(prompt):], template, tokenizer)
+        out += [(prompt[len(done):], False), (said, True), (after, False)]
         done = answer
     full = render(template, tokenizer, messages, False, where)
     require(full.startswith(done), f"{where}: the chat template is not prefix-stable after "
@@ -116,23 +126,52 @@ def pieces(record: dict, where: str, tokenizer: Tokenizer, template) -> list[tup
     return out + [(full[len(done):], False)]
 
 
-def document(record: dict, where: str, tokenizer: Tokenizer, template):
-    """(tokens, targets) of one record's document, both of its length: `[eod] + ids`, and what
-    each position predicts (its next id, IGNORE unless counted; the last, the next eod)."""
-    eod = tokenizer.eod_id
+def closed(turn: str, template, tokenizer: Tokenizer) -> tuple[str, str]:
+    """An assistant turn's text as (what the assistant says, up to and including the token
+    that closes its turn; what the template writes after that)."""
+    end = turn_end(template, tokenizer)
+    marker = "" if end is None else tokenizer.decode([end])
+    cut = turn.rfind(marker) + len(marker) if marker and marker in turn else len(turn)
+    return turn[:cut], turn[cut:]
+
+
+def separator(tokenizer: Tokenizer, template) -> int:
+    """The id that opens each packed document: the eos id, unless `template` closes every
+    turn with it; then the tokenizer's first other end-of-text token (SmolLM2's
+    <|endoftext|>), if it has one."""
+    eos = tokenizer.eod_id
+    if template is None or turn_end(template, tokenizer) != eos:
+        return eos
+    others = (tokenizer.token_id(c) for c in EOD_CANDIDATES)
+    return next((i for i in others if i is not None and i != eos), eos)
+
+
+def document(record: dict, where: str, tokenizer: Tokenizer, template,
+             sep: int | None = None):
+    """(tokens, targets) of one record's document, both of its length: `[sep] + ids`, and
+    what each position predicts (its next id, IGNORE unless counted; the last, the eos).
+    `sep`: the separator (default: `separator(tokenizer, template)`)."""
+    eos = tokenizer.eod_id
+    sep = separator(tokenizer, template) if sep is None else sep
     parts = [(tokenizer.encode(text).astype(np.int32), c) for text, c in
              pieces(record, where, tokenizer, template) if text]
     ids = np.concatenate([p for p, _ in parts] + [np.zeros(0, np.int32)])
     counted = np.concatenate([np.full(len(p), c) for p, c in parts] + [np.zeros(0, bool)])
-    require(eod not in ids[:-1], f"{where} holds the end-of-document token (id {eod}) before "
+    if sep in ids[:-1] and not is_pair(record) and sep == turn_end(template, tokenizer):
+        raise ConfigError(
+            f"{where}: tokenizer {tokenizer.name!r} closes every chat turn with its eos token "
+            f"(id {eos}), which also separates packed documents, and has no other end-of-text "
+            f"token ({', '.join(EOD_CANDIDATES)}) to separate them with; add one to its "
+            "tokenizer.json, or write the records as prompt/completion")
+    require(sep not in ids[:-1], f"{where} holds the end-of-document token (id {sep}) before "
             "its end; packed documents start at every one, so what follows would not see "
             "what precedes it; split the record or remove the token")
     # The answer's end is predicted (a chat record's only if it ends with an answer), unless
-    # the record ends with an eod of its own.
+    # the record ends with an eos of its own.
     answered = is_pair(record) or (len(ids) > 0 and bool(counted[-1]))
-    closes = answered and not (len(ids) > 0 and ids[-1] == eod)
-    targets = np.append(np.where(counted, ids, IGNORE), eod if closes else IGNORE)
-    return np.concatenate([[eod], ids]).astype(np.int32), targets.astype(np.int32)
+    closes = answered and not (len(ids) > 0 and ids[-1] == eos)
+    targets = np.append(np.where(counted, ids, IGNORE), eos if closes else IGNORE)
+    return np.concatenate([[sep], ids]).astype(np.int32), targets.astype(np.int32)
 
 
 def pack(docs, seq_len: int, eod: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -161,15 +200,17 @@ def load_sft(path: str, tokenizer: Tokenizer, seq_len: int,
     p = Path(path)
     require(p.is_file() or bool(hf_files.table_files(p)), f"data path {path!r} does not "
             "exist or is not a file; pass a .jsonl of sft records (or .parquet/.arrow files)")
-    template, count = chat_template(tokenizer), [0]
+    template, lengths = chat_template(tokenizer), []
+    sep = separator(tokenizer, template)
 
     def docs():
         for where, record in records(p):
-            count[0] += 1
-            yield document(record, where, tokenizer, template)
+            doc = document(record, where, tokenizer, template, sep)
+            lengths.append(len(doc[0]))
+            yield doc
 
-    tokens, targets, truncated = pack(docs(), seq_len, tokenizer.eod_id)
-    n, n_rec = len(tokens), count[0]
+    tokens, targets, truncated = pack(docs(), seq_len, sep)
+    n, n_rec = len(tokens), len(lengths)
     n_val = max(1, int(n * val_fraction))
     require(n_rec > 0, f"{path!r} holds no records; add prompt/completion or messages lines")
     require(n - n_val >= 1, f"{path!r}: {n_rec} records fill {n} row of --seq-len {seq_len}, "
@@ -177,8 +218,8 @@ def load_sft(path: str, tokenizer: Tokenizer, seq_len: int,
             "like these or a shorter --seq-len")
     cut = n - n_val
     return SftData(SftRows(tokens[:cut], targets[:cut]), SftRows(tokens[cut:], targets[cut:]),
-                   f"{path} (sft, {tokenizer.name})", tokenizer.eod_id, n_rec,
-                   int((targets != IGNORE).sum()), truncated)
+                   f"{path} (sft, {tokenizer.name})", sep, n_rec,
+                   int((targets != IGNORE).sum()), truncated, np.array(lengths, np.int64))
 
 
 def for_training(config, tokenizer: Tokenizer) -> SftData:
@@ -193,8 +234,15 @@ def for_training(config, tokenizer: Tokenizer) -> SftData:
     require(bool(config.data.tokenizer), "--data-format sft needs --tokenizer (a Hugging Face "
             "tokenizer directory, with its chat template for messages records)")
     loaded = load_sft(config.data.path, tokenizer, config.data.seq_len)
+    cut = truncation.check(loaded.lengths, config.data.seq_len, config.data.allow_truncation)
     if is_main_process():
         print(loaded.summary(), flush=True)
+        if loaded.eod_id != tokenizer.eod_id:
+            print(f"sft data: documents are separated by {tokenizer.decode([loaded.eod_id])} "
+                  f"(id {loaded.eod_id}): the chat template closes every turn with the eos, "
+                  f"{tokenizer.decode([tokenizer.eod_id])}", flush=True)
+        if cut:
+            print(f"jdist: warning: {cut}", file=sys.stderr, flush=True)
     return loaded
 
 

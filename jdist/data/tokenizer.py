@@ -51,6 +51,14 @@ class Tokenizer:
         with the special tokens the tokenizer's own post-processor adds, if any."""
         return self.encode(text)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a token of the vocabulary, spelled `text` (None: no such token)."""
+        return None
+
+    def is_special(self, token: int) -> bool:
+        """Whether `token` is a special token (a chat template's markers, eos)."""
+        return False
+
     def separator(self) -> np.ndarray:
         """The ids that follow every document: the eod id, or a newline for bytes."""
         return encode(b"\n") if self.eod_id is None else np.array([self.eod_id], np.uint32)
@@ -113,6 +121,13 @@ class HFTokenizer(Tokenizer):
         h.update(f";eod={self.eod_id};vocab={self.vocab_size};"
                  f"tokenizers={tokenizers.__version__}".encode())
         return h.hexdigest()
+
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
+
+    def is_special(self, token: int) -> bool:
+        added = self._tok.get_added_tokens_decoder().get(token)
+        return added is not None and added.special
 
     def encode(self, text: str) -> np.ndarray:
         return np.array(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)

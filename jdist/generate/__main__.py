@@ -30,6 +30,10 @@ def make_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--prompt", action="append", default=[],
                          help="prompt text (repeatable)")
     prompts.add_argument("--prompts-file", default="", help="a file of prompts, one per line")
+    prompts.add_argument("--chat", action="store_true",
+                         help="each prompt is a user's message, rendered with the tokenizer's "
+                              "chat template; stdout gets the answers only; with no --prompt "
+                              "or --prompts-file, the message is read from stdin")
     decoding = p.add_argument_group("decoding")
     decoding.add_argument("--max-new-tokens", type=int, default=64,
                           help="tokens generated per prompt")
@@ -54,7 +58,7 @@ def check_args(args) -> None:
 
     require(bool(args.checkpoint) != bool(args.init_from),
             "give exactly one of --checkpoint CKPT and --init-from HF_DIR")
-    require(bool(args.prompt) or bool(args.prompts_file),
+    require(bool(args.prompt) or bool(args.prompts_file) or args.chat,
             "give a prompt: --prompt TEXT or --prompts-file FILE")
     require(args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     require(args.max_context >= 0,
@@ -109,7 +113,14 @@ def run(args) -> None:
     from jdist.generate import cache_bytes, left_pad, stream
     from jdist.generate.placement import generation_rules
     from jdist.generate.sample import Sampling
-    from jdist.generate.text import TextStream, complete, decode, encode_prompts, read_prompts
+    from jdist.generate.text import (
+        TextStream,
+        chat_prompts,
+        complete,
+        decode,
+        encode_prompts,
+        read_prompts,
+    )
     from jdist.generate.weights import DEFAULT_CONTEXT, hf_context, inference_plan
     from jdist.spmd.mesh import describe
 
@@ -121,7 +132,10 @@ def run(args) -> None:
     tok = load_tokenizer(tokenizer_spec)
     context = args.max_context or (hf_context(args.init_from) if args.init_from
                                    else DEFAULT_CONTEXT)
-    prompts = encode_prompts(tok, texts, cfg.vocab_size, context, args.max_new_tokens)
+    inputs, stops = chat_prompts(tok, texts) if args.chat else (texts, {tok.eod_id})
+    prompts = encode_prompts(tok, inputs, cfg.vocab_size, context, args.max_new_tokens,
+                             rendered=args.chat)
+    echo = [""] * len(texts) if args.chat else texts  # a chat's stdout is the answers
     mesh = mesh_for(args.mesh)
     rules, placed = generation_rules(cfg, mesh, dtype)
     params = restore(inference_plan(cfg, mesh, rules, dtype))
@@ -131,19 +145,19 @@ def run(args) -> None:
           + (f"; {placed}" if placed else ""), file=sys.stderr)
     shown = TextStream(tok) if len(prompts) == 1 else None
     if shown:
-        print(texts[0], end="", flush=True)
+        print(echo[0], end="", flush=True)
     start = time.perf_counter()
     steps = stream(params, cfg, prompts, args.max_new_tokens, seed=args.seed, dtype=dtype,
                    rules=rules,
                    sampling=Sampling(args.temperature, args.top_p, valid_ids(cfg, tok)))
     first = next(steps)  # compiles the prefill and the decode step
     first_s = time.perf_counter() - start
-    out = complete(itertools.chain([first], steps), len(prompts), tok.eod_id,
+    out = complete(itertools.chain([first], steps), len(prompts), stops,
                    shown.add if shown else None)
     elapsed = time.perf_counter() - start
     if shown:
         shown.close()
-    for i, (text, ids) in enumerate(zip(texts, out) if not shown else ()):
+    for i, (text, ids) in enumerate(zip(echo, out) if not shown else ()):
         print(f"=== prompt {i} ===\n{text}{decode(tok, ids)}", flush=True)
     n = max(len(ids) for ids in out)
     rate = (n - 1) * len(prompts) / max(elapsed - first_s, 1e-9)

@@ -3,6 +3,8 @@ vocabulary and context), and completions streamed to stdout as their tokens arri
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +13,16 @@ from jdist.errors import ConfigError, require
 
 
 def read_prompts(args) -> list[str]:
-    """The --prompt texts, then the non-blank lines of --prompts-file."""
+    """The --prompt texts, then the non-blank lines of --prompts-file; with --chat and
+    neither, one message read from stdin."""
     prompts = list(args.prompt)
+    if args.chat and not prompts and not args.prompts_file:
+        if sys.stdin.isatty():
+            print("type the message, then Ctrl-D:", file=sys.stderr, flush=True)
+        message = sys.stdin.read().strip()
+        require(bool(message), "--chat read no message from stdin; pipe one in or pass "
+                "--prompt TEXT")
+        return [message]
     if args.prompts_file:
         try:
             lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
@@ -23,12 +33,30 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
+def chat_prompts(tok, messages: list[str]) -> tuple[list[str], set[int]]:
+    """`--chat`: each message as a user's turn rendered by the tokenizer's chat template,
+    ready for the assistant's answer (transformers' `apply_chat_template(...,
+    add_generation_prompt=True)`); and the ids that end an answer: the eos and the token
+    that closes the template's turns."""
+    from jdist.data.chat import chat_template, render, turn_end
+
+    template = chat_template(tok)
+    require(template is not None, f"--chat needs a chat template, which tokenizer {tok.name} "
+            "has not (chat_template in tokenizer_config.json); pass --tokenizer with one, or "
+            "drop --chat")
+    texts = [render(template, tok, [{"role": "user", "content": m}], True, "--chat")
+             for m in messages]
+    return texts, {tok.eod_id, turn_end(template, tok)} - {None}
+
+
 def encode_prompts(tok, texts: list[str], vocab_size: int, context: int,
-                   new_tokens: int) -> list[np.ndarray]:
+                   new_tokens: int, rendered: bool = False) -> list[np.ndarray]:
     """Token ids of each prompt, encoded as `transformers` encodes a prompt (the special
-    tokens the tokenizer's post-processor adds, `Tokenizer.encode_prompt`), checked against
-    the model's vocabulary and against a `context` that must also hold `new_tokens`."""
-    prompts = [tok.encode_prompt(t).astype(np.int32) for t in texts]
+    tokens the tokenizer's post-processor adds, `Tokenizer.encode_prompt`; none to a chat
+    template's `rendered` text, which writes its own), checked against the model's
+    vocabulary and against a `context` that must also hold `new_tokens`."""
+    encode = tok.encode if rendered else tok.encode_prompt
+    prompts = [encode(t).astype(np.int32) for t in texts]
     for i, ids in enumerate(prompts):
         require(len(ids) > 0, f"prompt {i} is empty; give some text to continue")
         require(len(ids) + new_tokens <= context,
@@ -68,17 +96,17 @@ class TextStream:
         print(decode(self.tok, self.ids)[len(self.shown):], flush=True)
 
 
-def complete(steps, n_prompts: int, eod_id: int | None, on_token=None) -> list[list[int]]:
+def complete(steps, n_prompts: int, stops: Collection[int], on_token=None) -> list[list[int]]:
     """Collect each prompt's tokens from `steps` (jdist.generate.stream) until every prompt
-    has ended with `eod_id` or the steps run out; `on_token(token)` sees prompt 0's."""
+    has ended with one of `stops` or the steps run out; `on_token(token)` sees prompt 0's."""
     out: list[list[int]] = [[] for _ in range(n_prompts)]
     for tokens in steps:
         for row, token in enumerate(tokens.tolist()):
-            if out[row] and out[row][-1] == eod_id:
+            if out[row] and out[row][-1] in stops:
                 continue
             out[row].append(token)
-            if row == 0 and on_token is not None and token != eod_id:
+            if row == 0 and on_token is not None and token not in stops:
                 on_token(token)
-        if all(ids[-1] == eod_id for ids in out):
+        if all(ids[-1] in stops for ids in out):
             break
-    return [[t for t in ids if t != eod_id] for ids in out]
+    return [[t for t in ids if t not in stops] for ids in out]

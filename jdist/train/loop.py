@@ -16,7 +16,7 @@ from jdist.step.state import TrainState
 from jdist.train import fit, report, resume
 from jdist.train.goodput import Goodput
 from jdist.train.run import Run
-from jdist.train.setup import Setup, prepare
+from jdist.train.setup import Setup, prepare, with_model_tokenizer
 from jdist.train.tensorboard import TensorBoardLog
 
 
@@ -33,6 +33,7 @@ def train(config) -> list[dict]:
     run_dir = Path(config.checkpoint.run_dir or report.default_run_dir())
     config.validate()
     require_writable_dir(run_dir, f"--run-dir {run_dir}")
+    config = with_model_tokenizer(config)  # before the flags are compared with a saved run's
     done = resume.finished(config, run_dir, model_of)  # before data, plans or compiles
     if done is not None:
         if is_main_process():

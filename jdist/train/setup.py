@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -15,6 +16,7 @@ from jdist.data import mixture, packing, sft
 from jdist.data.tokenizer import load_tokenizer
 from jdist.errors import require
 from jdist.models import ModelConfig
+from jdist.runtime.distributed import is_main_process
 from jdist.step.from_flags import plan_for
 from jdist.step.state import Plan
 
@@ -52,6 +54,22 @@ class Setup:
     def token_counts(self) -> tuple[int, int]:
         """Train and validation tokens."""
         return self.mix.counts() if self.mix else (len(self.corpus.train), len(self.corpus.val))
+
+
+def with_model_tokenizer(config: TrainConfig) -> TrainConfig:
+    """`--init-from HF_DIR` reads text with the model's own tokenizer (HF_DIR/tokenizer.json),
+    recorded as the run's --tokenizer, so generation and export find it too; a --tokenizer
+    given instead must have the same vocabulary."""
+    hf, given = config.model.init_from, config.data.tokenizer
+    if not hf or not (Path(hf) / "tokenizer.json").is_file():
+        return config
+    if not given:
+        return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=hf))
+    own, other = load_tokenizer(hf), load_tokenizer(given)
+    require(own.vocab_size == other.vocab_size,
+            f"--tokenizer {given} has {other.vocab_size} tokens but the model's own tokenizer "
+            f"(--init-from {hf}) has {own.vocab_size}; drop --tokenizer to use the model's own")
+    return config
 
 
 def check_tensor_files(hf_dir: str) -> None:
@@ -104,10 +122,15 @@ def check_run_dir(config: TrainConfig, model: ModelConfig) -> None:
 def prepare(config: TrainConfig) -> Setup:
     """Every check a user's input can fail happens here (`plan_for` validates the flags
     first), before anything is compiled."""
+    config = with_model_tokenizer(config)
     model, plan, schedule = plan_for(config)
     check_run_dir(config, model)
     if config.model.init_from:
         check_tensor_files(config.model.init_from)
+        if not config.data.tokenizer and is_main_process():
+            print(f"note: --init-from {config.model.init_from} has no tokenizer.json: text is "
+                  "read as bytes; pass --tokenizer with the model's own", file=sys.stderr,
+                  flush=True)
     require(not (model.shape_only and jax.default_backend() == "cpu"),
             f"model preset {config.model.preset!r} is shape-only on CPU (too large to "
             "allocate); "
