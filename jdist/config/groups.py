@@ -353,8 +353,9 @@ class ObserveFlags:
     inject_corruption_at_step: int = flag(0, "test-only: after step N flip a bit of one "
                                           "replica's copy of a parameter (tests "
                                           "--check-replicas-every)")
-    inject_straggler: str = flag("", "test-only: PROCESS:SECONDS makes that process sleep "
-                                 "SECONDS per step (tests straggler detection)")
+    inject_straggler: str = flag("", "test-only: PROCESS:SECONDS[:FROM_STEP] makes that "
+                                 "process sleep SECONDS per step (from step FROM_STEP) (tests "
+                                 "straggler and slowdown detection)")
 
     def validate(self) -> None:
         require(self.eval_batches >= 1 or not self.eval_every,

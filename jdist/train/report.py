@@ -17,6 +17,7 @@ from jdist.spmd.mesh import describe
 from jdist.step.forward import attention_of
 from jdist.step.state import Plan
 from jdist.tools.throughput import flops_per_token, peak_tflops, utilisation
+from jdist.train import hardware, slowdown
 
 
 def _mb(n: int) -> str:
@@ -59,7 +60,8 @@ def _clock(seconds: float) -> str:
 class Progress:
     """Training progress on stdout, where `> train.log` keeps it with the layout and the
     summary (errors and warnings go to stderr). One style on a terminal and in a file: step,
-    loss, lr, step time, tokens/s, MFU when the peak is known, and the ETA. A terminal gets
+    loss, lr, step time, tokens/s, MFU when the peak is known, the busiest device's memory
+    in use/peak (n/a where the backend reports none) and the ETA. A terminal gets
     the line rewritten in place every step; anything else a line every `every` steps, at
     evaluations and at the end."""
 
@@ -83,6 +85,7 @@ class Progress:
         parts += [f"{m['step_time_s']:.3f} s/step", f"{m['tokens_per_sec']:,.0f} tok/s"]
         if "mfu" in m:
             parts.append(f"mfu {m['mfu']:.1%}")
+        parts.append(hardware.memory_text(m))
         if "val_loss" in m:
             parts.append(f"val {m['val_loss']:.4f}")
         parts.append(f"eta {_clock(step_s * (self.total - m['step']))}")
@@ -134,16 +137,6 @@ class MetricsLog:
             self.file = None
 
 
-def device_memory() -> dict:
-    """Bytes in use now and at peak on this process's busiest device, where the platform
-    reports them (accelerators; the CPU reports nothing)."""
-    stats = [d.memory_stats() for d in jax.local_devices()]
-    if not all(stats):
-        return {}
-    return {"memory_in_use_bytes": max(s.get("bytes_in_use", 0) for s in stats),
-            "memory_peak_bytes": max(s.get("peak_bytes_in_use", 0) for s in stats)}
-
-
 class StepRecords:
     """Every step's metrics record: timed from when the previous one was kept (so evaluation
     is not training time), kept in `history`, written to metrics.jsonl (and the other
@@ -159,6 +152,7 @@ class StepRecords:
         self.attention = attention_of(plan, config.data.seq_len) if plan else None
         self.progress = Progress(config.optim.steps, config.observe.log_every, show)
         self.log, self.sinks, self.history = log, list(sinks), []
+        self.health, self.show = slowdown.Monitor(config.observe.log_every), show
         self.last_done = time.perf_counter()
 
     def new(self, step: int, metrics: dict, data_wait: float = 0.0, waited: float = 0.0) -> dict:
@@ -174,13 +168,17 @@ class StepRecords:
         return {"step": step, **values, "step_time_s": elapsed, "tokens_per_sec": tokens_per_sec,
                 "host_time_s": max(0.0, elapsed - (now - blocked) - waited),
                 "data_wait_s": data_wait,
-                **device_memory(),
+                **hardware.device_memory(),
                 **({"attention": self.attention} if self.attention else {}),
                 **(utilisation(tokens_per_sec, self.flops, self.devices, self.peak)
                    if self.flops else {})}
 
     def keep(self, record: dict) -> None:
         self.last_done = time.perf_counter()
+        record.update(self.health.add(record, last=record["step"] == self.progress.total))
+        if self.show and record.get("health", "ok") != "ok":
+            print(f"jdist: health: step {record['step']}: {record['health']}", file=sys.stderr,
+                  flush=True)
         self.history.append(record)
         self.log.write(record)
         for sink in self.sinks:
@@ -191,6 +189,7 @@ class StepRecords:
         """Drop the records after `step` (a rollback is about to redo them)."""
         self.history[:] = [r for r in self.history if r["step"] <= step]
         self.log.truncate(step)
+        self.health.forget()
 
     def close(self) -> None:
         self.log.close()

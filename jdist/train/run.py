@@ -20,7 +20,7 @@ from jdist.config.fields import parse_steps
 from jdist.parallel.pipeline.layer_order import order_of
 from jdist.step.state import TrainState
 from jdist.tools import profile
-from jdist.train import faults, goodput, health, resume, straggler
+from jdist.train import faults, goodput, hardware, health, resume, straggler
 from jdist.train.goodput import Goodput
 from jdist.train.report import StepRecords
 from jdist.train.setup import Setup
@@ -68,6 +68,7 @@ class Run:
                 self.config.observe.straggler_windows, straggler.hostnames())
         delay = straggler.parse_injection(self.config.observe.inject_straggler)
         self.delay = delay[1] if delay and delay[0] == jax.process_index() else 0.0
+        self.delay_from = delay[2] if delay else 1  # the first step that sleeps
         self.waited = 0.0  # seconds blocked on other processes outside reading metrics
         self.tracer, self.held = None, []  # held: records of profiled steps, until read
         if self.config.observe.profile_steps:
@@ -139,7 +140,7 @@ class Run:
             batch = self.setup.batch(i)
             data_wait = time.perf_counter() - start
         with self.clock("train", step=done):
-            if self.delay:
+            if self.delay and done >= self.delay_from:
                 time.sleep(self.delay)  # --inject-straggler: this host is slow
             # Dispatch can wait for the previous step (and so for the slowest process), as
             # can agreeing on a stop: neither is this host's own time (`host_time_s`).
@@ -256,6 +257,10 @@ class Run:
         for record in held:
             record.update({k: v for k, v in read.get(record["step"], {}).items()
                            if k.endswith("_fraction")})
+        line = hardware.profile_line(held, str(self.tracer.directory))
+        if line and self.main:
+            print(line, flush=True)
+        for record in held:
             self.records.keep(record)
         held.clear()
 

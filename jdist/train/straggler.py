@@ -40,16 +40,19 @@ def hostnames() -> list[str]:
     return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows]
 
 
-def parse_injection(text: str) -> tuple[int, float] | None:
-    """`--inject-straggler PROCESS:SECONDS` -> (process, seconds); "" -> None."""
+def parse_injection(text: str) -> tuple[int, float, int] | None:
+    """`--inject-straggler PROCESS:SECONDS[:FROM_STEP]` -> (process, seconds, first slow
+    step, 1 by default); "" -> None."""
     if not text:
         return None
     try:
-        proc, seconds = text.split(":")
-        return int(proc), float(seconds)
+        proc, seconds, *start = text.split(":")
+        if len(start) > 1 or (start and int(start[0]) < 1):
+            raise ValueError
+        return int(proc), float(seconds), int(start[0]) if start else 1
     except ValueError:
-        raise ConfigError(f"--inject-straggler {text!r}: expected PROCESS:SECONDS, "
-                          "e.g. 1:0.5") from None
+        raise ConfigError(f"--inject-straggler {text!r}: expected PROCESS:SECONDS or "
+                          "PROCESS:SECONDS:FROM_STEP, e.g. 1:0.5 or 0:0.2:20") from None
 
 
 @dataclasses.dataclass
