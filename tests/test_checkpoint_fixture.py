@@ -1,7 +1,8 @@
 """Checkpoints written before issue 30 still resume: tests/fixtures/checkpoint_v1/ is a run
 directory saved by the old code (see tests/fixtures/make_checkpoint_fixture.py; never
 regenerate it to make this test pass), resumed here with the CLI onto other meshes; the
-resumed steps must log the losses the original run logged for them."""
+resumed steps must log the losses the original run logged for them (step 4: what the
+learning-rate schedule of issue 46 gives it; expected.json's losses_note)."""
 
 import json
 import shutil

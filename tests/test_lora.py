@@ -21,8 +21,8 @@ from jdist.tools.equivalence import assert_matches, config, plan_of, train_steps
 # 4 layers so that an interleaved pipeline has two chunks per stage.
 LORA_FLAGS = {"n_layers": 4, "lora_rank": 4, "lora_alpha": 8.0}
 LORA = model_of(TrainConfig.of(model="tiny", **LORA_FLAGS))
-# The lr is 0 at step 0 (warmup), so B leaves zero at step 1 and A's gradient is nonzero
-# from step 2: those are the gradients compared.
+# B starts at zero, so A's gradient is zero at step 1; step 1 moves B, so A's gradient is
+# nonzero from step 2: those are the gradients compared.
 SETTINGS = {"steps": 3, "lr": 1e-2}
 GRADS_STEP = 2
 

@@ -9,10 +9,14 @@ import optax
 
 
 def lr_schedule(lr: float, steps: int, warmup: int, min_lr_ratio: float = 0.1) -> optax.Schedule:
-    warmup = max(0, min(warmup, steps - 1))
+    """The learning rate at each count of updates (step k trains at count k - 1): linear over
+    the first `warmup` steps, from lr / warmup at step 1 to lr at step `warmup` (0 and 1: lr
+    from step 1), then a cosine to lr * min_lr_ratio one step past the last. A warmup that
+    started at 0 would spend step 1 on nothing. `warmup` is cut to steps - 1."""
+    warmup = max(1, min(warmup, steps - 1))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else lr, peak_value=lr, warmup_steps=warmup,
-        decay_steps=max(steps, warmup + 1), end_value=lr * min_lr_ratio)
+        init_value=lr / warmup, peak_value=lr, warmup_steps=warmup - 1,
+        decay_steps=max(steps, warmup), end_value=lr * min_lr_ratio)
 
 
 def make_optimizer(lr: float = 3e-3, steps: int = 1000, warmup: int = 100,
