@@ -5,6 +5,7 @@ the code that combines them (`jdist.train.setup`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from jdist.config.fields import flag, parse_steps
@@ -22,14 +23,17 @@ Packing = Literal[PACKINGS]
 Schedule = Literal[SCHEDULES]
 DataFormat = Literal[FORMATS]
 ON_NAN = ("skip", "rollback", "stop")  # --on-nan policies (jdist.train.faults)
+DEFAULT_WARMUP = 30
+DEFAULT_PRESET = "small"
 
 
 @dataclasses.dataclass
 class ModelFlags:
     """the model: a preset, its shape overrides, or a Hugging Face checkpoint"""
 
-    preset: str = flag("small", "model preset: tiny, small, qlora-tiny (head_dim 64: whole NF4 "
-                       "blocks for --quantize-base), moe-tiny, moe-small; shape-only "
+    preset: str = flag(DEFAULT_PRESET, "model preset (not with --init-from): tiny, small, "
+                       "qlora-tiny (head_dim 64: whole NF4 blocks for --quantize-base), "
+                       "moe-tiny, moe-small; shape-only "
                        "llama2-7b, llama3-8b, llama3.1-8b, llama3.1-70b, llama3.2-1b, "
                        "llama3.2-3b, qwen3-0.6b, qwen3-8b, qwen3-32b, mixtral-8x7b, "
                        "qwen3-30b-a3b, qwen3-235b-a22b (aliases 1b, 7b, 70b, 8x7b)",
@@ -75,6 +79,9 @@ class ModelFlags:
 
     def validate(self) -> None:
         given = [k for k, v in self.overrides().items() if v is not None]
+        require(not (self.init_from and self.preset != DEFAULT_PRESET),
+                f"--init-from takes the model from {self.init_from}/config.json, not from a "
+                f"preset; drop --model {self.preset}")
         require(not (self.init_from and given),
                 f"--init-from takes the model shape from {self.init_from}/config.json; drop "
                 f"--{given[0].replace('_', '-') if given else ''}")
@@ -241,12 +248,25 @@ class OptimFlags:
     steps: int = flag(300, "optimizer steps (the learning-rate schedule spans them)",
                       result=True)
     lr: float = flag(3e-3, "peak learning rate", result=True)
-    warmup: int = flag(30, "steps of linear learning-rate warmup", result=True)
+    warmup: int = flag(DEFAULT_WARMUP, "steps of linear learning-rate warmup, from lr/N at step "
+                       f"1 to lr at step N (0 or 1: none); below --steps (default: "
+                       f"{DEFAULT_WARMUP}, cut to --steps - 1 in shorter runs)", result=True)
     weight_decay: float = flag(0.1, "AdamW's decoupled weight decay", result=True)
     clip_norm: float = flag(1.0, "clip the gradients to this global norm", result=True)
 
     def validate(self) -> None:
         require(self.steps >= 1, f"--steps {self.steps} must be at least 1")
+        require(math.isfinite(self.lr) and self.lr > 0,
+                f"--lr {self.lr} must be a positive number (the peak learning rate, e.g. 3e-4)")
+        require(self.warmup >= 0, f"--warmup {self.warmup} must be 0 (none) or positive")
+        # The default is cut to fit a short run; a warmup asked for must fit as given.
+        require(self.warmup < self.steps or self.warmup == DEFAULT_WARMUP,
+                f"--warmup {self.warmup} is not below --steps {self.steps}: the learning rate "
+                f"would never reach --lr nor decay; pass --warmup below {self.steps} (0: none)")
+        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                f"--weight-decay {self.weight_decay} must be 0 (none) or positive")
+        require(math.isfinite(self.clip_norm) and self.clip_norm > 0,
+                f"--clip-norm {self.clip_norm} must be positive (0 would zero every update)")
 
 
 @dataclasses.dataclass

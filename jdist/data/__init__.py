@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jdist.data.text import read_text, text_files
 from jdist.errors import ConfigError, require
 
 if TYPE_CHECKING:
@@ -90,17 +92,6 @@ def builtin_tokens(tokenizer: Tokenizer | None, max_bytes: int = BUILTIN_MAX_BYT
                  "(python -m jdist.data clear-cache deletes it)")
 
 
-def _text_files(root: Path) -> list[Path]:
-    files = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        if any(part.startswith(".") for part in path.relative_to(root).parts):
-            continue
-        with path.open("rb") as f:
-            if b"\0" not in f.read(4096):  # skip binaries
-                files.append(path)
-    return files
-
-
 def sidecar_path(path: str | Path) -> Path:
     """`FILE.bin.json`: how `python -m jdist.data tokenize` wrote FILE.bin (dtype, eod id)."""
     return Path(str(path) + ".json")
@@ -119,6 +110,18 @@ def read_sidecar(path: str | Path) -> dict:
     require(isinstance(meta, dict), f"{str(side)!r} is not a JSON object; delete it or re-run "
                                     "python -m jdist.data tokenize")
     return meta
+
+
+def recorded_vocab(path: str | None) -> int | None:
+    """The vocabulary a `.bin`'s sidecar records (its tokenizer's), or None: not a `.bin`, or
+    no sidecar."""
+    if not (path and str(path).endswith(".bin")):
+        return None
+    vocab = read_sidecar(path).get("vocab_size")
+    require(vocab is None or (isinstance(vocab, int) and vocab > 0),
+            f"{str(sidecar_path(path))!r} records vocab_size {vocab!r}, not a positive "
+            "integer; delete it or re-run python -m jdist.data tokenize")
+    return vocab
 
 
 def _bin_dtype(path: Path, given: str | None) -> str:
@@ -198,10 +201,10 @@ def load_tokens(path: str | None, bin_dtype: str | None = None,
         return _encode_documents(docs, tokenizer), \
             f"{path} ({len(docs):,} rows of {text_column!r}){named}", ""
     if p.is_dir():
-        files = _text_files(p)
+        files = text_files(p)
         require(bool(files), f"data directory {path!r} has no text files; add .txt files or "
                              "point --data elsewhere")
-        return _encode_documents([f.read_bytes() for f in files], tokenizer), \
+        return _encode_documents([read_text(f) for f in files], tokenizer), \
             f"{len(files)} files in {path}{named}", ""
     if p.suffix == ".bin":
         bin_dtype = _bin_dtype(p, bin_dtype)
@@ -213,7 +216,7 @@ def load_tokens(path: str | None, bin_dtype: str | None = None,
                 "tokens; check --data-dtype or re-export the file")
         require(p.stat().st_size > 0, f"{path!r} is empty; point --data at a file of token ids")
         return np.memmap(p, dtype=bin_dtype, mode="r"), f"{path} ({bin_dtype} token ids)", ""
-    return _encode_documents([p.read_bytes()], tokenizer), f"{path}{named}", ""
+    return _encode_documents([read_text(p)], tokenizer), f"{path}{named}", ""
 
 
 def load_corpus(path: str | None, seq_len: int, bin_dtype: str | None = None,
@@ -221,15 +224,36 @@ def load_corpus(path: str | None, seq_len: int, bin_dtype: str | None = None,
                 text_column: str = "text") -> Corpus:
     """Split a source into train and held-out validation tokens (the last `val_fraction`)."""
     tokens, source, note = load_tokens(path, bin_dtype, tokenizer, text_column)
-    n_val = int(len(tokens) * val_fraction)
-    need = 2 * (seq_len + 1)
-    require(len(tokens) - n_val > need and n_val > seq_len + 1,
-            f"data {source!r} has {len(tokens)} tokens, too few for --seq-len {seq_len} with a "
-            f"{val_fraction:.0%} validation split; give more text (at least "
-            f"{int(need / val_fraction) + 1} tokens) or a shorter --seq-len")
+    n_train, n_val = split_sizes(len(tokens), val_fraction)
+    if min(n_train, n_val) < seq_len + 2:
+        longest = min(n_train, n_val) - 2
+        raise ConfigError(
+            f"data {source!r} has {len(tokens)} tokens, too few for --seq-len {seq_len}: the "
+            f"training split and the validation split (the last {val_fraction:.0%}) each need "
+            f"seq_len + 2 = {seq_len + 2} tokens, {tokens_needed(seq_len, val_fraction)} in "
+            "all; give more text" + (f" or pass --seq-len {longest} or less" if longest >= 2
+                                     else ""))
     vocab = BYTE_VOCAB if tokens.dtype == np.uint8 else int(tokens.max()) + 1
-    return Corpus(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], vocab, source,
-                  _eod_id(path, tokenizer), note=note)
+    return Corpus(tokens[:n_train], tokens[n_train:], vocab, source, _eod_id(path, tokenizer),
+                  note=note)
+
+
+def split_sizes(n_tokens: int, val_fraction: float = VAL_FRACTION) -> tuple[int, int]:
+    """(training, validation) tokens of a source: the last `val_fraction`, rounded down, is
+    held out."""
+    n_val = int(n_tokens * val_fraction)
+    return n_tokens - n_val, n_val
+
+
+def tokens_needed(seq_len: int, val_fraction: float = VAL_FRACTION) -> int:
+    """The fewest tokens `load_corpus` takes for `seq_len`: both splits need seq_len + 2,
+    since a window is seq_len + 1 tokens and `window_starts` draws its start below
+    n - seq_len - 1."""
+    window = seq_len + 2
+    n = max(2 * window, math.ceil(window / val_fraction))
+    while min(split_sizes(n, val_fraction)) < window:  # int() rounded the held-out part down
+        n += 1
+    return n
 
 
 def window_starts(n_tokens: int, seed: int, step: int, batch_size: int, seq_len: int,

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jdist.data import _text_files, hf_files, jsonl_records, sidecar_path
+from jdist.data import hf_files, jsonl_records, sidecar_path
+from jdist.data.text import read_text, text_files
 from jdist.data.tokenizer import Tokenizer, id_dtype, load_tokenizer
 from jdist.errors import require, require_writable_dir
 
@@ -38,7 +39,7 @@ def input_files(inputs: list[str]) -> list[Path]:
         p = Path(name)
         require(p.exists(), f"input {name!r} does not exist; pass text files, directories of "
                             "text files, or .jsonl files")
-        found = (hf_files.table_files(p) or _text_files(p)) if p.is_dir() else [p]
+        found = (hf_files.table_files(p) or text_files(p)) if p.is_dir() else [p]
         require(bool(found), f"input directory {name!r} has no text files; add some or drop it")
         files += found
     return files
@@ -63,8 +64,8 @@ def documents(files: list[Path], field: str) -> Iterator[tuple[str, int]]:
         elif hf_files.is_table(path):
             yield from hf_files.documents(path, field)
         else:
-            raw = path.read_bytes()
-            yield raw.decode("utf-8", errors="replace"), len(raw)
+            raw = read_text(path)
+            yield raw.decode("utf-8"), len(raw)
 
 
 def chunks(docs: Iterable[tuple[str, int]]) -> Iterator[tuple[list[str], int]]:

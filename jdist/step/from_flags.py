@@ -8,6 +8,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jdist import data
 from jdist.config import TrainConfig
 from jdist.config.fields import parse_steps
 from jdist.config.groups import compute_dtype_name
@@ -68,15 +69,35 @@ def check_profile_steps(config: TrainConfig) -> None:
 
 
 def model_of(config: TrainConfig) -> ModelConfig:
-    """The preset with its shape flags, or the model a Hugging Face `--init-from` describes;
-    with its LoRA adapters when `--lora-rank` is given."""
+    """The preset with its shape flags (the vocabulary a `.bin`'s sidecar records unless
+    `--vocab-size` is given), or the model a Hugging Face `--init-from` describes; with its
+    LoRA adapters when `--lora-rank` is given."""
+    path, recorded = config.data.path, data.recorded_vocab(config.data.path)
     if not config.model.init_from:
-        model = get_preset(config.model.preset, **config.model.overrides())
+        model = get_preset(config.model.preset, **{**config.model.overrides(),
+                                                   "vocab_size": vocab_of(config, recorded)})
     else:
         from jdist.hf.config import model_config  # reads config.json only
 
         model = model_config(config.model.init_from)
+        require(recorded is None or recorded <= model.vocab_size,
+                f"--data {path} was tokenized with a vocabulary of {recorded} "
+                f"({data.sidecar_path(path)}), more than the {model.vocab_size} of "
+                f"--init-from {config.model.init_from}; tokenize it with that model's "
+                "tokenizer")
     return with_lora(model, config)
+
+
+def vocab_of(config: TrainConfig, recorded: int | None) -> int | None:
+    """`--vocab-size`, else the vocabulary `recorded` in the data's sidecar (None: the
+    preset's). A size given may pad the recorded one (say, to a multiple of tp), never cut
+    it."""
+    given, path = config.model.vocab_size, config.data.path
+    require(given is None or recorded is None or given >= recorded,
+            f"--vocab-size {given} is smaller than the vocabulary of {recorded} that "
+            f"{data.sidecar_path(path)} records for --data {path}; drop --vocab-size (the "
+            f"model then takes {recorded}) or pass {recorded} or more")
+    return given if given is not None else recorded
 
 
 def with_lora(model: ModelConfig, config: TrainConfig) -> ModelConfig:
@@ -112,6 +133,10 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     check_divisible((config.data.batch_size, config.data.seq_len), (ax.BATCH, ax.LENGTH), mesh,
                     rules, "global batch")
     check_micro_batches(config, mesh, rules)
+    require(not config.parallel.sequence_parallel or mesh.shape[ax.TENSOR] > 1,
+            f"--sequence-parallel shards activations over the tensor axis between "
+            f"tensor-parallel regions, but --mesh {config.parallel.mesh} has no tp; add tp=T "
+            "to --mesh or drop --sequence-parallel")
     require(not (model.n_experts and config.parallel.sequence_parallel
                  and mesh.shape[ax.TENSOR] > 1),
             "--sequence-parallel with tensor parallelism is not supported for MoE models; "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jdist.errors import require
+from jdist.errors import ConfigError, require
 from jdist.parallel.pipeline import schedule as sched
 from jdist.spmd import axes as ax
 from jdist.spmd.rules import DEFAULT_RULES, Rules, batch_split
@@ -65,15 +65,26 @@ def pipeline_for(flags, model, mesh, rules: Rules = DEFAULT_RULES) -> PipelineCo
     config = PipelineConfig(parallel.pp_schedule, parallel.microbatches,
                             sched.virtual_stages(parallel.pp_schedule, parallel.pp_virtual_stages))
     if mesh.shape[ax.STAGE] == 1:
-        require(config.microbatches == 0 and parallel.pp_virtual_stages == 1
-                and not parallel.pp_show_schedule,
-                "--microbatches, --pp-virtual-stages and --pp-show-schedule pipeline the "
-                "model over stages; add pp=P to --mesh")
+        given = pipeline_flags_given(parallel)
+        if given:
+            raise ConfigError(f"{given[0]} pipelines the model over stages, but --mesh "
+                              f"{parallel.mesh} has no pp; add pp=P to --mesh or drop the flag")
         return None
     check_pipeline(config, model, mesh, flags.data.batch_size, flags.memory.grad_accum,
                    rules)
     check_remat(config, flags.memory.remat)
     return config
+
+
+def pipeline_flags_given(parallel) -> list[str]:
+    """The pipeline flags set away from their defaults, as written on the command line (a
+    --pp-schedule other than the default is one given; the default one is not told apart)."""
+    flags = [("--microbatches", parallel.microbatches, 0),
+             ("--pp-schedule", parallel.pp_schedule, PipelineConfig.schedule),
+             ("--pp-virtual-stages", parallel.pp_virtual_stages, 1),
+             ("--pp-show-schedule", parallel.pp_show_schedule, False)]
+    return [flag if isinstance(value, bool) else f"{flag} {value}"
+            for flag, value, default in flags if value != default]
 
 
 def check_remat(config: PipelineConfig, remat: str) -> None:
