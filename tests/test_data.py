@@ -67,6 +67,24 @@ def test_bad_data(tmp_path, setup, fragment):
         data.load_corpus(str(setup(tmp_path)), seq_len=16)
 
 
+def test_too_little_data_says_exactly_what_is_needed(tmp_path):
+    """Both splits need seq_len + 2 tokens (the validation split, the last 5%, binds): 360
+    bytes load for --seq-len 16, 359 do not, and the message says so (it once asked for
+    681)."""
+    assert data.tokens_needed(16) == 360
+    (tmp_path / "enough.txt").write_bytes(b"x" * 360)
+    corpus = data.load_corpus(str(tmp_path / "enough.txt"), seq_len=16)
+    assert (len(corpus.train), len(corpus.val)) == (342, 18)
+    (tmp_path / "short.txt").write_bytes(b"x" * 359)
+    with pytest.raises(ConfigError) as refused:
+        data.load_corpus(str(tmp_path / "short.txt"), seq_len=16)
+    assert str(refused.value).endswith(
+        "has 359 tokens, too few for --seq-len 16: the training split and the validation "
+        "split (the last 5%) each need seq_len + 2 = 18 tokens, 360 in all; give more text "
+        "or pass --seq-len 15 or less")
+    data.load_corpus(str(tmp_path / "short.txt"), seq_len=15)  # as the message says
+
+
 def test_each_process_reads_only_its_rows(corpus, monkeypatch):
     # make_array_from_callback asks only for addressable rows; count the rows materialised.
     seen = []

@@ -12,6 +12,7 @@ import pytest
 
 from jdist.config import parse_args
 from jdist.errors import ConfigError
+from jdist.step.from_flags import plan_for
 from jdist.train.setup import prepare
 
 HF = Path(__file__).parent / "fixtures" / "hf" / "llama-untied"
@@ -21,9 +22,8 @@ NOT_UTF8 = "is not UTF-8 text (byte 0xe9 at offset 3); convert it first, e.g. ic
 
 # (flags, what the one line says). LATIN1, BLOB, DOCS: files written by the test.
 REFUSED = [
-    (["--lr", "-1"], "--lr -1.0 must be a positive number"),
-    (["--lr", "0"], "--lr 0.0 must be a positive number"),
-    (["--lr", "nan"], "--lr nan must be a positive number"),
+    (["--lr", "-1"], "--lr -1.0 must be 0 (no update) or positive"),
+    (["--lr", "nan"], "--lr nan must be 0 (no update) or positive"),
     (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be 0 (none) or positive"),
     (["--clip-norm", "0"], "--clip-norm 0.0 must be positive"),
     (["--warmup", "-2"], "--warmup -2 must be 0 (none) or positive"),
@@ -55,7 +55,7 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("flags, message", REFUSED,
-                         ids=["lr-1", "lr0", "lr-nan", "wd", "clip", "warmup-neg",
+                         ids=["lr-1", "lr-nan", "wd", "clip", "warmup-neg",
                               "warmup-steps", "pp-schedule", "sequence-parallel",
                               "model-init-from", "latin1", "latin1-in-dir", "binary"])
 def test_what_trained_anyway_is_refused_in_one_line(tmp_path, flags, message):
@@ -73,12 +73,15 @@ def test_what_trained_anyway_is_refused_in_one_line(tmp_path, flags, message):
 
 def test_short_runs_cut_the_default_warmup_and_text_that_is_utf8_trains(tmp_path):
     """What stays accepted: the default warmup (30) in a 4-step run is cut to 3, as --warmup's
-    help says; UTF-8 text beyond ASCII reads as it is."""
+    help says; --lr 0 is a run that updates nothing; UTF-8 text beyond ASCII reads as it
+    is."""
     text = tmp_path / "utf8.txt"
     text.write_text("café — 東京 🚀\n" * 100, encoding="utf-8")
     setup = prepare(parse_args([*TINY, "--data", str(text)]))
     assert [float(setup.schedule(c)) / 3e-3 for c in range(3)] == \
         pytest.approx([1 / 3, 2 / 3, 1])
+    # --lr 0 keeps the weights as they start (tests/test_hf.py checks an export that way).
+    assert float(plan_for(parse_args([*TINY, "--lr", "0"]))[2](0)) == 0
     assert bytes(setup.corpus.train[:5]) == "café".encode()
 
 
@@ -89,6 +92,6 @@ def test_the_command_line_exits_2_with_one_line(tmp_path):
                             check=False, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [
-        "jdist: error: --lr -1.0 must be a positive number (the peak learning rate, e.g. "
-        "3e-4)"]
+        "jdist: error: --lr -1.0 must be 0 (no update) or positive (the peak learning "
+        "rate, e.g. 3e-4)"]
     assert "Traceback" not in result.stdout and not run_dir.exists()

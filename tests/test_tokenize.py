@@ -119,6 +119,8 @@ BAD = [
     (lambda p: [str(p / "empty.txt")], "hold no documents"),
     (lambda p: [str(p / "good.txt"), "--tokenizer", str(p / "nowhere")], "tokenizer"),
     (lambda p: [str(p / "good.txt"), "--tokenizer", str(p / "badtok.json")], "cannot be read"),
+    (lambda p: [str(p / "good.txt"), str(p / "latin1.txt")],
+     "latin1.txt is not UTF-8 text (byte 0xe9 at offset 3)"),
 ]
 
 
@@ -128,6 +130,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, tok_dir, arg
     (tmp_path / "badjson.jsonl").write_text('{"text": "a"}\n\n{"text": oops}\n')
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "good.txt").write_text("fine")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     (tmp_path / "badtok.json").write_text("{not json")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -162,6 +165,26 @@ def test_training_takes_the_dtype_from_the_sidecar(tmp_path):
     assert data.load_corpus(str(tmp_path / "ids.bin"), 8, "uint32").train.dtype == np.uint32
     with pytest.raises(ConfigError, match="--data-dtype uint16 but .* holds uint32"):
         data.load_corpus(str(tmp_path / "ids.bin"), seq_len=8, bin_dtype="uint16")
+
+
+def test_training_takes_the_vocabulary_from_the_sidecar(tmp_path, tok_dir):
+    """A .bin's model vocabulary is the one its sidecar records (no --vocab-size needed); a
+    larger --vocab-size pads it, a smaller one is refused in one line."""
+    from jdist.config import TrainConfig
+    from jdist.train.setup import prepare
+
+    (tmp_path / "in.txt").write_text("hello hello world " * 200)
+    out = tmp_path / "data.bin"
+    assert run_tokenize(str(tmp_path / "in.txt"), "--tokenizer", str(tok_dir), "--out",
+                        str(out)).returncode == 0
+    flags = dict(model="tiny", mesh="dp=1", data=str(out), seq_len=8)
+    assert prepare(TrainConfig.of(**flags)).model.vocab_size == 300
+    assert prepare(TrainConfig.of(**flags, vocab_size=320)).model.vocab_size == 320
+    with pytest.raises(ConfigError) as refused:
+        prepare(TrainConfig.of(**flags, vocab_size=256))
+    assert str(refused.value) == (
+        f"--vocab-size 256 is smaller than the vocabulary of 300 that {out}.json records for "
+        f"--data {out}; drop --vocab-size (the model then takes 300) or pass 300 or more")
 
 
 def test_prepare_refuses_a_tokenizer_larger_than_the_model(tok_dir):

@@ -73,6 +73,19 @@ def test_a_finished_run_says_so_at_once_and_is_extended_by_more_steps(tmp_path, 
     assert "is at step 4, past --steps 3; pass --steps 4 or more" in err, err
 
 
+def test_step_1_of_a_warmup_trains(tmp_path):
+    """The warmup starts at lr / warmup, not at 0 (issue 46: step 1 once trained at lr 0):
+    each step logs the learning rate its update applied (tests/test_checkpoint.py)."""
+    run_dir = tmp_path / "run"
+    assert train_main([*TINY, "--steps", "4", "--warmup", "2", "--no-final-checkpoint",
+                       "--run-dir", str(run_dir)]) == 0
+    lrs = [r["lr"] for r in metrics(run_dir)]
+    assert lrs[:2] == pytest.approx([5e-3, 1e-2], rel=1e-6) and lrs[2] < 1e-2, lrs
+    # --warmup 0 and 1 both start at the peak (float32: 1e-2 to rounding).
+    assert float(lr_schedule(1e-2, 4, 0)(0)) == float(lr_schedule(1e-2, 4, 1)(0)) == \
+        pytest.approx(1e-2)
+
+
 def test_the_user_path_end_to_end(tmp_path, capsys):
     """train with LoRA -> generate from the checkpoint -> export merged -> generate from the
     export (--init-from) the same greedy text -> extend the run by 10 steps -> export again.

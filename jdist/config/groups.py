@@ -79,9 +79,6 @@ class ModelFlags:
 
     def validate(self) -> None:
         given = [k for k, v in self.overrides().items() if v is not None]
-        require(not (self.init_from and self.preset != DEFAULT_PRESET),
-                f"--init-from takes the model from {self.init_from}/config.json, not from a "
-                f"preset; drop --model {self.preset}")
         require(not (self.init_from and given),
                 f"--init-from takes the model shape from {self.init_from}/config.json; drop "
                 f"--{given[0].replace('_', '-') if given else ''}")
@@ -247,7 +244,8 @@ class OptimFlags:
 
     steps: int = flag(300, "optimizer steps (the learning-rate schedule spans them)",
                       result=True)
-    lr: float = flag(3e-3, "peak learning rate", result=True)
+    lr: float = flag(3e-3, "peak learning rate (0: the weights stay as they start, e.g. to "
+                     "check a round trip)", result=True)
     warmup: int = flag(DEFAULT_WARMUP, "steps of linear learning-rate warmup, from lr/N at step "
                        f"1 to lr at step N (0 or 1: none); below --steps (default: "
                        f"{DEFAULT_WARMUP}, cut to --steps - 1 in shorter runs)", result=True)
@@ -256,8 +254,9 @@ class OptimFlags:
 
     def validate(self) -> None:
         require(self.steps >= 1, f"--steps {self.steps} must be at least 1")
-        require(math.isfinite(self.lr) and self.lr > 0,
-                f"--lr {self.lr} must be a positive number (the peak learning rate, e.g. 3e-4)")
+        require(math.isfinite(self.lr) and self.lr >= 0,
+                f"--lr {self.lr} must be 0 (no update) or positive (the peak learning rate, "
+                "e.g. 3e-4)")
         require(self.warmup >= 0, f"--warmup {self.warmup} must be 0 (none) or positive")
         # The default is cut to fit a short run; a warmup asked for must fit as given.
         require(self.warmup < self.steps or self.warmup == DEFAULT_WARMUP,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jdist import data
 from jdist.config import TrainConfig
 from jdist.config.fields import parse_steps
-from jdist.config.groups import compute_dtype_name
+from jdist.config.groups import DEFAULT_PRESET, compute_dtype_name
 from jdist.errors import require
 from jdist.models import ModelConfig, get_preset
 from jdist.models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
@@ -79,7 +79,10 @@ def model_of(config: TrainConfig) -> ModelConfig:
     else:
         from jdist.hf.config import model_config  # reads config.json only
 
-        model = model_config(config.model.init_from)
+        model = model_config(config.model.init_from)  # first: is it a Hugging Face model?
+        require(config.model.preset == DEFAULT_PRESET,
+                f"--init-from takes the model from {config.model.init_from}/config.json, not "
+                f"from a preset; drop --model {config.model.preset}")
         require(recorded is None or recorded <= model.vocab_size,
                 f"--data {path} was tokenized with a vocabulary of {recorded} "
                 f"({data.sidecar_path(path)}), more than the {model.vocab_size} of "
