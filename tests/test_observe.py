@@ -44,8 +44,9 @@ def test_progress_goes_to_stdout_with_lr_time_mfu_memory_and_eta(tmp_path, capfd
     style carrying lr, step time, tokens/s, MFU (the peak given), device memory (n/a: the CPU
     reports none) and the ETA; stderr has none. One device, step 2 profiled: next to no
     collective time, in the record and in the profile's line."""
-    train(TrainConfig.of(**{**TINY, "log_every": 1}, mesh="dp=1", steps=2, eval_every=0,
-                         peak_tflops=1.0, profile_steps="2", run_dir=str(tmp_path / "run")))
+    train(TrainConfig.of(**{**TINY, "log_every": 1, "warmup": 1}, mesh="dp=1", steps=2,
+                         eval_every=0, peak_tflops=1.0, profile_steps="2",
+                         run_dir=str(tmp_path / "run")))
     out, err = capfd.readouterr()
     assert "per-device bytes" in out
     found = [PROGRESS.fullmatch(x) for x in out.splitlines() if x.startswith("step ")]

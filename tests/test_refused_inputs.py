@@ -27,8 +27,8 @@ REFUSED = [
     (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be 0 (none) or positive"),
     (["--clip-norm", "0"], "--clip-norm 0.0 must be positive"),
     (["--warmup", "-2"], "--warmup -2 must be 0 (none) or positive"),
-    (["--warmup", "4"], "--warmup 4 is not below --steps 4: the learning rate would never "
-                        "reach --lr nor decay; pass --warmup below 4 (0: none)"),
+    (["--warmup", "4"], "--warmup 4 is not below --steps 4: no step would be left for the "
+                        "decay; pass --warmup below 4 (0: none)"),
     (["--mesh", "dp=2", "--pp-schedule", "gpipe"],
      "--pp-schedule gpipe pipelines the model over stages, but --mesh dp=2 has no pp; add "
      "pp=P to --mesh or drop the flag"),

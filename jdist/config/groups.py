@@ -258,10 +258,11 @@ class OptimFlags:
                 f"--lr {self.lr} must be 0 (no update) or positive (the peak learning rate, "
                 "e.g. 3e-4)")
         require(self.warmup >= 0, f"--warmup {self.warmup} must be 0 (none) or positive")
-        # The default is cut to fit a short run; a warmup asked for must fit as given.
-        require(self.warmup < self.steps or self.warmup == DEFAULT_WARMUP,
-                f"--warmup {self.warmup} is not below --steps {self.steps}: the learning rate "
-                f"would never reach --lr nor decay; pass --warmup below {self.steps} (0: none)")
+        # The default is cut to fit a short run; a warmup asked for must fit as given (0 and
+        # 1 are none: step 1 at lr).
+        require(self.warmup < self.steps or self.warmup <= 1 or self.warmup == DEFAULT_WARMUP,
+                f"--warmup {self.warmup} is not below --steps {self.steps}: no step would be "
+                f"left for the decay; pass --warmup below {self.steps} (0: none)")
         require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                 f"--weight-decay {self.weight_decay} must be 0 (none) or positive")
         require(math.isfinite(self.clip_norm) and self.clip_norm > 0,
