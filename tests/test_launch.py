@@ -5,6 +5,7 @@ processes (the assignment as a pure function: there is no GPU here)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,6 +130,31 @@ def test_one_process_checkpoint_restores_in_two(tmp_path, single):
     by = {k: [r for r, f in manifest["files"].items() if f["process"] == k] for k in (0, 1)}
     assert by[1] and all("process_1" in r for r in by[1])
     assert sorted(by[0] + by[1]) == sorted(ckpt._files(path))
+
+
+def test_two_processes_share_the_rehash_and_agree_to_fall_back(tmp_path, single):
+    """A flipped byte in the newest checkpoint, resumed by 2 processes: each re-hashes about
+    half the files, so only one finds it; they agree (one line says so), both restore step 4
+    and finish as the uninterrupted run did."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(single[0], run_dir)
+    newest = run_dir / "checkpoints" / "8"
+    files = json.loads((newest / ckpt.MANIFEST).read_text())["files"]
+    victim = max(files, key=lambda rel: files[rel]["size"])
+    assert [victim] in ckpt.deal(files, 2)  # alone in its share: the other hashes the rest
+    raw = bytearray((newest / victim).read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (newest / victim).write_bytes(bytes(raw))
+    done = subprocess.run([sys.executable, "-m", "jdist.launch", "--nproc", "2", "--", *ARGS,
+                           "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    said = [x for x in out.splitlines() if "falling back" in x]
+    assert len(said) == 1 and victim in said[0] and "sha256" in said[0], said
+    assert "restored step 4" in out
+    assert close({s: v for s, v in losses(run_dir).items() if s > 4},
+                 {s: single[1][s] for s in (5, 6, 7, 8)})
 
 
 SMI = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0c2d)

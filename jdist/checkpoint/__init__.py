@@ -34,6 +34,8 @@ Modules, by concern (everything callers use is re-exported here, so
                   (not restore.py: the package's restore() would hide that module, so
                   `import jdist.checkpoint.restore as m` and mock.patch would get the
                   function)
+    rehash.py     sha256 of a file; re-hashing a checkpoint before a restore, shared out
+                  between processes
     save.py       Checkpointer (async saves, manifest, prune, retry), SaveFailed
 """
 
@@ -64,14 +66,15 @@ from jdist.checkpoint.integrity import (
     write_manifest,
     write_partial,
 )
+from jdist.checkpoint.rehash import deal, first_mismatch
 from jdist.checkpoint.restoring import abstract_target, restore, restore_leaf, set_aside
 from jdist.checkpoint.save import BARRIER_TIMEOUT_S, Checkpointer, SaveFailed
 
 __all__ = [
     "BAD_DIR_SUFFIX", "BARRIER_TIMEOUT_S", "HASH_THREADS", "MANIFEST", "MANIFEST_FORMAT",
     "META", "PARTIAL", "READABLE_FORMATS", "STATE", "Checkpointer", "Found", "SaveFailed",
-    "abstract_target", "checkpoint_root", "file_records", "latest_good", "move_aside",
-    "owner", "read_meta",
+    "abstract_target", "checkpoint_root", "deal", "file_records", "first_mismatch",
+    "latest_good", "move_aside", "owner", "read_meta",
     "read_partials", "resolve_explicit", "restore", "restore_leaf", "set_aside",
     "step_dirs", "validate", "write_manifest", "write_partial",
     # Private, but used by jdist.train.resume (_say) and tests (_files).
