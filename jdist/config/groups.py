@@ -126,17 +126,17 @@ class ParallelFlags:
     rules: str = flag("", "TOML file overriding the logical-axis rules ([rules] name = [mesh "
                       "axes]) (default: jdist.spmd.rules.DEFAULT_RULES)")
     sequence_parallel: bool = flag(False, "shard activations' sequence dim over tensor "
-                                   "between TP regions")
+                                   "between TP regions (needs tp in --mesh)")
     cp_strategy: str = flag("ring", "attention when the mesh has sp>1: ring (K/V pass around, "
                             "load-balanced), all_gather (gather K/V), or ulysses (all-to-all "
                             "to heads)")
     microbatches: int = flag(0, "micro-batches per step that stream through the pipeline "
                              "stages (default: one per stage)")
-    pp_schedule: Schedule = flag("1f1b", "pipeline schedule: gpipe (all forwards, then all "
-                                 "backwards), 1f1b (activations of about pp micro-batches "
-                                 "alive), interleaved (virtual stages), zb-h1 (zero bubble: "
-                                 "weight gradients fill the drain), zbv (zero bubble, two "
-                                 "chunks per stage in a V)")
+    pp_schedule: Schedule = flag("1f1b", "pipeline schedule (needs pp in --mesh): gpipe (all "
+                                 "forwards, then all backwards), 1f1b (activations of about "
+                                 "pp micro-batches alive), interleaved (virtual stages), zb-h1 "
+                                 "(zero bubble: weight gradients fill the drain), zbv (zero "
+                                 "bubble, two chunks per stage in a V)")
     pp_virtual_stages: int = flag(1, "layer chunks per stage for --pp-schedule interleaved")
     pp_show_schedule: bool = flag(False, "print the pipeline schedule (stage x tick grid, "
                                   "bubble) and exit")
