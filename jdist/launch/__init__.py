@@ -41,9 +41,14 @@ from jdist.errors import (
     ArgumentParser,
     ConfigError,
     first_paragraph,
+    require,
 )
+from jdist.launch.elastic import Elastic, layout_of, newest_step
+from jdist.launch.flags import flag_value, with_flag
+from jdist.launch.hosts import HostTable
 
 NOT_RETRIED = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED)
+SAVED = "checkpoint: saved step "  # how process 0 reports each checkpoint written
 POLL_S = 0.05
 
 
@@ -131,32 +136,12 @@ def _say(message: str) -> None:
     print(f"[launch] {message}", flush=True)
 
 
-def _pump(stream, prefix: str, lock: threading.Lock) -> None:
+def _pump(stream, prefix: str, lock: threading.Lock, seen: Callable[[str], None]) -> None:
     for line in iter(stream.readline, ""):
         with lock:
             sys.stdout.write(f"{prefix} {line}" if line.endswith("\n") else f"{prefix} {line}\n")
             sys.stdout.flush()
-
-
-def _flag_value(args: list[str], flag: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def _without_flag(args: list[str], flag: str) -> list[str]:
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a == flag:
-            skip = True
-        elif not a.startswith(flag + "="):
-            out.append(a)
-    return out
+        seen(line)
 
 
 class Group:
@@ -170,16 +155,23 @@ class Group:
         # time the moment each one ends, so the first to fail is known even when a survivor
         # fails too before the launcher looks (one poll would see both).
         self.exits: queue.Queue[tuple[float, int, int]] = queue.Queue()
+        self.saves = 0  # checkpoints saved so far, by process 0's "checkpoint: saved" lines
+        self.failed = -1  # the index of the process that failed first
         for i, (cmd, env) in enumerate(zip(commands, envs)):
             # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it.
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, env=env, start_new_session=True)
             self.procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", self.lock), daemon=True)
+            t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", self.lock, self._seen),
+                                 daemon=True)
             t.start()
             self.pumps.append(t)
             threading.Thread(target=self._record_exit, args=(i, p), daemon=True).start()
             _say(f"started process {i} (pid {p.pid})")
+
+    def _seen(self, line: str) -> None:
+        if line.startswith(SAVED):
+            self.saves += 1
 
     def _record_exit(self, i: int, p: subprocess.Popen) -> None:
         code = p.wait()
@@ -193,18 +185,24 @@ class Group:
                 except ProcessLookupError:
                     pass
 
-    def wait(self) -> int:
+    def wait(self, stop: Callable[[], bool] = lambda: False) -> int:
         """Wait until all exit (0) or one fails: then kill the rest and return the status of
-        the process that failed first."""
+        the process that failed first. When `stop()` (asked every poll) says so, the group
+        is sent SIGTERM: every process saves and exits 75."""
         exited: list[tuple[float, int, int]] = []
+        stopping = False
         while len(exited) < len(self.procs):
             try:  # a timeout keeps the launcher's signal handlers running promptly
                 exited.append(self.exits.get(timeout=POLL_S))
             except queue.Empty:
+                if not stopping and stop():
+                    stopping = True
+                    self.signal_all(signal.SIGTERM)
                 continue
             failed = sorted(e for e in exited if e[2] != EXIT_OK)
             if failed:
                 _, i, code = failed[0]
+                self.failed = i
                 if code != EXIT_PREEMPTED:
                     _say(f"process {i} exited with status {code}; stopping the group")
                     self.signal_all(signal.SIGKILL)
@@ -249,7 +247,34 @@ def make_parser() -> ArgumentParser:
     parser.add_argument("--nproc", type=int, required=True, help="processes to start")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the group from its newest checkpoint up to K times")
+    parser.add_argument("--max-host-failures", type=int, default=0,
+                        help="elastic: exclude a host (process) once it has failed K times and "
+                             "re-plan the layout for the hosts left (0: never)")
+    parser.add_argument("--hosts-file", default="",
+                        help="elastic: a file listing the available host ids 0..N-1; a failed "
+                             "host not listed within --host-deadline is excluded, an excluded "
+                             "one listed again is taken back at the next checkpoint")
+    parser.add_argument("--host-deadline", type=float, default=60.0,
+                        help="seconds a failed host has to be listed in --hosts-file again")
     return parser
+
+
+def elastic_of(args, train_args: list[str], devices: list[dict[str, str]]):
+    """The elastic policy the flags ask for (None: a fixed group); ConfigError for flags
+    that cannot work."""
+    if not (args.max_host_failures or args.hosts_file):
+        return None
+    require(args.max_restarts > 0, "--max-host-failures and --hosts-file act when the group "
+            "restarts; give --max-restarts K too")
+    require(args.max_host_failures >= 0 and args.host_deadline >= 0,
+            "--max-host-failures and --host-deadline must be >= 0")
+    per_host_gpus = len(next(iter(devices[0].values()), "").split(",")) if devices[0] else 0
+    original = layout_of(train_args, args.nproc, per_host_gpus)
+    total = original.n_devices()
+    require(total % args.nproc == 0, f"the mesh's {total} devices do not split over --nproc "
+            f"{args.nproc} hosts; use an --nproc that divides {total}")
+    table = HostTable(args.nproc, args.max_host_failures, args.host_deadline, args.hosts_file)
+    return Elastic(table, original, total // args.nproc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_CONFIG
     for flag in ("--coordinator", "--num-processes", "--process-id"):
-        if _flag_value(train_args, flag) is not None:
+        if flag_value(train_args, flag) is not None:
             print(f"jdist.launch: error: {flag} is set by the launcher; remove it",
                   file=sys.stderr)
             return EXIT_CONFIG
@@ -281,9 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jdist.launch: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    if _flag_value(train_args, "--run-dir") is None:  # all processes (and restarts) share it
+    try:  # before anything is started or printed
+        elastic = elastic_of(args, train_args, devices)
+        start_line = elastic.start() if elastic is not None else None
+    except ConfigError as e:
+        print(f"jdist.launch: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if flag_value(train_args, "--run-dir") is None:  # all processes (and restarts) share it
         train_args += ["--run-dir", time.strftime("runs/%Y%m%d-%H%M%S")]
-    _say(f"run dir: {_flag_value(train_args, '--run-dir')}")
+    _say(f"run dir: {flag_value(train_args, '--run-dir')}")
 
     group: Group | None = None
 
@@ -295,20 +326,34 @@ def main(argv: list[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, forward)
 
-    attempt = 0
+    attempt, run_dir = 0, flag_value(train_args, "--run-dir")
+    if start_line:
+        _say(start_line)
     while True:
-        group = start_group(args.nproc, train_args, devices)
-        code = group.wait()
+        hosts = elastic.hosts() if elastic else list(range(args.nproc))
+        group = start_group(len(hosts), elastic.args(train_args) if elastic else train_args,
+                            [devices[h] for h in hosts])
+        code = group.wait(elastic.grow_check(group, _say) if elastic else lambda: False)
         if code == EXIT_OK:
             _say("all processes finished")
             return EXIT_OK
+        train_args = with_flag(train_args, "--resume", "auto")
+        if code == EXIT_PREEMPTED and elastic and elastic.growing:
+            _say(f"growing back: resuming from step {newest_step(run_dir)}")
+            continue
         if code in NOT_RETRIED or attempt >= args.max_restarts:
             _say(f"exiting with status {code}")
             return code if code > 0 else EXIT_CRASH
         attempt += 1
+        if elastic:
+            try:
+                line = elastic.failed(hosts[group.failed], _say)
+            except ConfigError as e:
+                print(f"jdist.launch: error: {e}", file=sys.stderr)
+                return EXIT_CONFIG
+            if line:
+                _say(f"{line}; resuming from step {newest_step(run_dir)}")
         _say(f"restart {attempt}/{args.max_restarts} from the newest checkpoint")
-        train_args = [*_without_flag(train_args, "--resume"), "--resume", "auto"]
-
 
 if __name__ == "__main__":
     sys.exit(main())

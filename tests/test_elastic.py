@@ -1,0 +1,175 @@
+"""Elastic `python -m jdist.launch`: local processes stand for hosts. A host lost for good is
+excluded, the layout re-planned for the hosts left (same model and global batch, gradient
+accumulation absorbing the smaller per-step batch) and the run resumes from its newest
+checkpoint with the losses of a run that switched meshes at that step; a host listed again
+is taken back at the next checkpoint; nothing left to run on is one line and exit 2."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jdist.config import TrainConfig
+from jdist.errors import ConfigError
+from jdist.launch.elastic import DEFAULT_MESH
+from jdist.launch.replan import original_layout, replan
+from jdist.train.loop import train
+
+SHAPE = dict(model="tiny", steps=8, batch_size=16, seq_len=32, warmup=2, eval_every=0,
+             checkpoint_every=2)
+ARGS = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()] + ["--log-every", "1"]
+
+
+def launch(hosts_file, *extra, nproc=2, deadline="1") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jdist.launch", "--nproc", str(nproc),
+                             "--max-restarts", "2", "--hosts-file", str(hosts_file),
+                             "--host-deadline", deadline, "--", *ARGS, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def read_until(proc, text: str, lines: list[str]) -> str:
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            return line
+    raise AssertionError(f"never saw {text!r}:\n" + "".join(lines))
+
+
+def pid_of(lines: list[str], i: int) -> int:
+    return int(next(x for x in lines if f"started process {i} (pid" in x).split("pid ")[1][:-2])
+
+
+def losses(run_dir) -> dict[int, float]:
+    """Each step's loss, the redone steps' from their last run."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").open())}
+
+
+def close(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-5 * abs(b[k]) for k in a)
+
+
+def test_replan_shrinks_the_data_axes_and_accumulates_what_they_lost():
+    full = original_layout({"data": 2, "fsdp": 4}, 1, hosts=2)
+    one = replan(full, hosts_left=1, per_host=4)
+    assert (one.mesh(), one.grad_accum, one.hosts) == ("fsdp=4", 2, 1)
+    assert replan(full, 2, 4) == full  # all hosts back: the original layout
+    # 4 hosts of 2 devices, 3 left: 6 devices cannot hold 8 micro-batches evenly; 2 hosts can.
+    three = replan(original_layout({"data": 2, "fsdp": 4}, 1, hosts=4), 3, 2)
+    assert (three.mesh(), three.grad_accum, three.hosts) == ("fsdp=4", 2, 2)
+    # Model axes stay whole.
+    tp = replan(original_layout({"data": 2, "fsdp": 2, "tensor": 2}, 2, hosts=2), 1, 4)
+    assert (tp.mesh(), tp.grad_accum) == ("fsdp=2,tensor=2", 4)
+    with pytest.raises(ConfigError, match="model axes tensor=8 need 8 devices but 4 are left"):
+        replan(original_layout({"tensor": 8}, 1, hosts=2), 1, 4)
+    assert DEFAULT_MESH == TrainConfig().parallel.mesh
+
+
+def run_launcher(tmp_path, listed: str, *extra, nproc: int, kill: int | None = None):
+    """The launcher on a hosts file listing `listed`; `kill`: SIGKILL that process as soon as
+    it starts (a host lost before it trained), the file then listing `listed` only."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(listed if kill is None else " ".join(map(str, range(nproc))))
+    proc = launch(hosts, "--run-dir", str(tmp_path / "run"), *extra, nproc=nproc, deadline="0")
+    lines: list[str] = []
+    try:
+        if kill is not None:
+            read_until(proc, f"started process {nproc - 1} (pid", lines)
+            hosts.write_text(listed)
+            os.kill(pid_of(lines, kill), signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, "".join(lines) + out, err
+
+
+def test_losing_the_only_host_is_one_line_and_exit_2(tmp_path):
+    code, out, err = run_launcher(tmp_path, "", "--mesh", "fsdp=4", nproc=1, kill=0)
+    assert code == 2, out + err
+    assert err.splitlines() == [
+        "jdist.launch: error: no devices left: all 1 hosts are excluded; bring a host back "
+        "(list it in --hosts-file) and rerun with --resume auto"], err
+    # Not listed from the start: refused before anything runs.
+    code, out, err = run_launcher(tmp_path, "# none yet\n", "--mesh", "fsdp=4", nproc=1)
+    assert (code, out, len(err.splitlines())) == (2, "", 1) and "no devices left" in err
+
+
+def test_a_plan_that_no_longer_fits_is_one_line_and_exit_2(tmp_path):
+    code, out, err = run_launcher(tmp_path, "0", "--mesh", "tp=8", nproc=2, kill=1)
+    assert code == 2, out + err
+    assert err.splitlines() == [
+        "jdist.launch: error: the plan no longer fits: its model axes tensor=8 need 8 devices "
+        "but 4 are left (1 host of 4); bring hosts back or restart with a smaller --mesh"], err
+    assert "host 1 failed and not back in" in out
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """One process, the full mesh (dp=2,fsdp=4), no failure: losses and a checkpoint every
+    2 steps to switch meshes from."""
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    train(TrainConfig.of(**SHAPE, mesh="dp=2,fsdp=4", run_dir=str(run_dir)))
+    return run_dir, losses(run_dir)
+
+
+@pytest.mark.slow
+def test_a_host_lost_for_good_is_excluded_and_the_run_finishes_on_the_rest(tmp_path, full):
+    hosts, run_dir = tmp_path / "hosts", tmp_path / "run"
+    hosts.write_text("0\n1\n")
+    proc = launch(hosts, "--mesh", "dp=2,fsdp=4", "--run-dir", str(run_dir))
+    lines: list[str] = []
+    try:
+        read_until(proc, "checkpoint: saved step 4", lines)
+        hosts.write_text("0\n")  # host 1 is gone: the operator (or a health check) says so
+        os.kill(pid_of(lines, 1), signal.SIGKILL)
+        killed, at = time.monotonic(), max(int(x.split("step ")[1].split("/")[0])
+                                           for x in lines if "] step " in x)
+        resumed = read_until(proc, "resuming from step", lines)
+        read_until(proc, "/8", lines)  # the first step trained on 4 devices
+        back = time.monotonic() - killed
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    out = "".join(lines) + out
+    assert proc.returncode == 0, out + err
+    assert ("[launch] host 1 failed and not back in" in resumed and "within 1 s: excluded; "
+            "re-planned dp=2,fsdp=4 (--grad-accum 1) -> fsdp=4 with --grad-accum 2 on 4 "
+            "devices (1 host)" in resumed), resumed
+    step = int(resumed.split("resuming from step ")[1])
+    assert f"restored step {step}" in out and "all processes finished" in out
+    print(f"\nelastic: killed at step {at}, training again {back:.1f} s later from step "
+          f"{step} ({at - step} steps redone)")
+    # The reference switched meshes at the same step, on one process: fsdp=4, grad-accum 2.
+    switched = tmp_path / "switched"
+    train(TrainConfig.of(**SHAPE, mesh="fsdp=4", grad_accum=2, run_dir=str(switched),
+                         resume=str(full[0] / "checkpoints" / str(step))))
+    expected = {**{s: full[1][s] for s in range(1, step + 1)}, **losses(switched)}
+    assert close(losses(run_dir), expected)
+
+
+@pytest.mark.slow
+def test_a_host_listed_again_is_taken_back_at_the_next_checkpoint(tmp_path, full):
+    hosts, run_dir = tmp_path / "hosts", tmp_path / "run"
+    hosts.write_text("0\n")  # host 1 is not there yet: start on host 0 alone
+    proc = launch(hosts, "--mesh", "dp=2,fsdp=4", "--run-dir", str(run_dir))
+    lines: list[str] = []
+    try:
+        first = read_until(proc, "excluded", lines)
+        read_until(proc, "checkpoint: saved step 2", lines)
+        hosts.write_text("0\n1\n")
+        grow = read_until(proc, "available again", lines)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    out = "".join(lines) + out
+    assert proc.returncode == 0, out + err
+    assert "host 1 not listed in" in first and "-> fsdp=4 with --grad-accum 2" in first
+    assert ("host 1 available again; re-planned fsdp=4 (--grad-accum 2) -> dp=2,fsdp=4 with "
+            "--grad-accum 1 on 8 devices (2 hosts) at the next checkpoint") in grow, grow
+    assert "growing back: resuming from step" in out and "started process 1" in out
+    # The layouts agree on every step's loss (a dense model's micro-batching changes only
+    # the order of a sum).
+    assert close(losses(run_dir), full[1])
