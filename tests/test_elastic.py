@@ -62,8 +62,8 @@ def test_replan_shrinks_the_data_axes_and_accumulates_what_they_lost():
     assert (three.mesh(), three.grad_accum, three.hosts) == ("fsdp=4", 2, 2)
     # Model axes stay whole.
     tp = replan(original_layout({"data": 2, "fsdp": 2, "tensor": 2}, 2, hosts=2), 1, 4)
-    assert (tp.mesh(), tp.grad_accum) == ("fsdp=2,tensor=2", 4)
-    with pytest.raises(ConfigError, match="model axes tensor=8 need 8 devices but 4 are left"):
+    assert (tp.mesh(), tp.grad_accum) == ("fsdp=2,tp=2", 4)
+    with pytest.raises(ConfigError, match="model axes tp=8 need 8 devices but 4 are left"):
         replan(original_layout({"tensor": 8}, 1, hosts=2), 1, 4)
     assert DEFAULT_MESH == TrainConfig().parallel.mesh
 
@@ -101,7 +101,7 @@ def test_a_plan_that_no_longer_fits_is_one_line_and_exit_2(tmp_path):
     code, out, err = run_launcher(tmp_path, "0", "--mesh", "tp=8", nproc=2, kill=1)
     assert code == 2, out + err
     assert err.splitlines() == [
-        "jdist.launch: error: the plan no longer fits: its model axes tensor=8 need 8 devices "
+        "jdist.launch: error: the plan no longer fits: its model axes tp=8 need 8 devices "
         "but 4 are left (1 host of 4); bring hosts back or restart with a smaller --mesh"], err
     assert "host 1 failed and not back in" in out
 

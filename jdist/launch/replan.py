@@ -14,7 +14,7 @@ import dataclasses
 import math
 
 from jdist.errors import ConfigError, require
-from jdist.spmd.axes import DATA, FSDP, MESH_AXES, REPLICA_AXES
+from jdist.spmd.axes import DATA, FSDP, MESH_AXES, REPLICA_AXES, SHORT
 from jdist.spmd.mesh import dcn_sizes
 
 
@@ -28,8 +28,8 @@ class Layout:
 
     def mesh(self) -> str:
         """The `--mesh` argument, its axes of size one left out."""
-        named = [f"{axis}={n}" for axis, n in self.sizes.items() if n > 1]
-        return ",".join(named) or f"{DATA}=1"
+        named = [f"{SHORT[axis]}={n}" for axis, n in self.sizes.items() if n > 1]
+        return ",".join(named) or f"{SHORT[DATA]}=1"
 
     def n_devices(self) -> int:
         return math.prod(self.sizes.values())
@@ -70,7 +70,7 @@ def replan(original: Layout, hosts_left: int, per_host: int) -> Layout:
             return layout
     model = {axis: n for axis, n in original.sizes.items() if axis not in REPLICA_AXES and n > 1}
     left, need = hosts_left * per_host, math.prod(model.values())
-    what = ",".join(f"{axis}={n}" for axis, n in model.items())
+    what = ",".join(f"{SHORT[axis]}={n}" for axis, n in model.items())
     require(need <= left, f"the plan no longer fits: its model axes {what} need {need} devices "
             f"but {left} are left ({hosts_left} host{'s' * (hosts_left > 1)} of {per_host}); "
             "bring hosts back or restart with a smaller --mesh")

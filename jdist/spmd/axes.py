@@ -26,6 +26,9 @@ MESH_AXIS_ALIASES = {
     "ep": EXPERT, "expert": EXPERT,
     "tp": TENSOR, "tensor": TENSOR,
 }
+# dp, pp, fsdp, sp, ep, tp: the short command-line spelling of each axis, for messages.
+SHORT = {axis: min((k for k, v in MESH_AXIS_ALIASES.items() if v == axis), key=len)
+         for axis in MESH_AXES}
 
 # Logical axes of activations.
 BATCH = "batch"

@@ -20,11 +20,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jdist.errors import ConfigError, require
-from jdist.spmd.axes import MESH_AXIS_ALIASES
+from jdist.spmd.axes import SHORT
 
-# dp, pp, fsdp, sp, ep, tp: the short command-line spelling of each axis, for messages.
-SHORT = {axis: min((k for k, v in MESH_AXIS_ALIASES.items() if v == axis), key=len)
-         for axis in set(MESH_AXIS_ALIASES.values())}
 STRIDE = (2 * 0x9E3779B1) % 2**32  # weights i*STRIDE + 1: odd, and unlike for neighbours
 
 
