@@ -122,13 +122,14 @@ def test_a_host_lost_for_good_is_excluded_and_the_run_finishes_on_the_rest(tmp_p
     proc = launch(hosts, "--mesh", "dp=2,fsdp=4", "--run-dir", str(run_dir))
     lines: list[str] = []
     try:
-        read_until(proc, "checkpoint: saved step 4", lines)
+        read_until(proc, "] step 5/8", lines)  # between checkpoints (every 2 steps)
         hosts.write_text("0\n")  # host 1 is gone: the operator (or a health check) says so
         os.kill(pid_of(lines, 1), signal.SIGKILL)
         killed, at = time.monotonic(), max(int(x.split("step ")[1].split("/")[0])
                                            for x in lines if "] step " in x)
         resumed = read_until(proc, "resuming from step", lines)
-        read_until(proc, "/8", lines)  # the first step trained on 4 devices
+        compiled = read_until(proc, "compiled train step in", lines)
+        read_until(proc, "] step ", lines)  # the first step trained on 4 devices
         back = time.monotonic() - killed
         out, err = proc.communicate(timeout=300)
     finally:
@@ -141,7 +142,7 @@ def test_a_host_lost_for_good_is_excluded_and_the_run_finishes_on_the_rest(tmp_p
     step = int(resumed.split("resuming from step ")[1])
     assert f"restored step {step}" in out and "all processes finished" in out
     print(f"\nelastic: killed at step {at}, training again {back:.1f} s later from step "
-          f"{step} ({at - step} steps redone)")
+          f"{step} ({at - step} steps redone); {compiled.split('] ')[1].strip()}")
     # The reference switched meshes at the same step, on one process: fsdp=4, grad-accum 2.
     switched = tmp_path / "switched"
     train(TrainConfig.of(**SHAPE, mesh="fsdp=4", grad_accum=2, run_dir=str(switched),
@@ -154,7 +155,10 @@ def test_a_host_lost_for_good_is_excluded_and_the_run_finishes_on_the_rest(tmp_p
 def test_a_host_listed_again_is_taken_back_at_the_next_checkpoint(tmp_path, full):
     hosts, run_dir = tmp_path / "hosts", tmp_path / "run"
     hosts.write_text("0\n")  # host 1 is not there yet: start on host 0 alone
-    proc = launch(hosts, "--mesh", "dp=2,fsdp=4", "--run-dir", str(run_dir))
+    # Half a second a step: the launcher (reading the file each second) sees host 1 return
+    # well before the run ends.
+    proc = launch(hosts, "--mesh", "dp=2,fsdp=4", "--run-dir", str(run_dir),
+                  "--inject-straggler", "0:0.5")
     lines: list[str] = []
     try:
         first = read_until(proc, "excluded", lines)
