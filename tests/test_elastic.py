@@ -24,10 +24,10 @@ SHAPE = dict(model="tiny", steps=8, batch_size=16, seq_len=32, warmup=2, eval_ev
 ARGS = [f"--{k.replace('_', '-')}={v}" for k, v in SHAPE.items()] + ["--log-every", "1"]
 
 
-def launch(hosts_file, *extra, nproc=2, deadline="1") -> subprocess.Popen:
+def launch(*launcher_flags, train_flags=(), nproc=2) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "jdist.launch", "--nproc", str(nproc),
-                             "--max-restarts", "2", "--hosts-file", str(hosts_file),
-                             "--host-deadline", deadline, "--", *ARGS, *extra],
+                             "--max-restarts", "2", *launcher_flags, "--", *ARGS,
+                             *train_flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -68,17 +68,23 @@ def test_replan_shrinks_the_data_axes_and_accumulates_what_they_lost():
     assert DEFAULT_MESH == TrainConfig().parallel.mesh
 
 
-def run_launcher(tmp_path, listed: str, *extra, nproc: int, kill: int | None = None):
-    """The launcher on a hosts file listing `listed`; `kill`: SIGKILL that process as soon as
-    it starts (a host lost before it trained), the file then listing `listed` only."""
+def run_launcher(tmp_path, listed: str | None, *train_flags, nproc: int,
+                 kill: int | None = None, launcher_flags=()):
+    """The launcher on a hosts file listing `listed` (None: no file); `kill`: SIGKILL that
+    process as soon as it starts (a host lost before it trained), the file then listing
+    `listed` only."""
     hosts = tmp_path / "hosts"
-    hosts.write_text(listed if kill is None else " ".join(map(str, range(nproc))))
-    proc = launch(hosts, "--run-dir", str(tmp_path / "run"), *extra, nproc=nproc, deadline="0")
+    if listed is not None:
+        hosts.write_text(listed if kill is None else " ".join(map(str, range(nproc))))
+        launcher_flags = (*launcher_flags, "--hosts-file", str(hosts), "--host-deadline", "0")
+    proc = launch(*launcher_flags, train_flags=(*train_flags, "--run-dir", tmp_path / "run"),
+                  nproc=nproc)
     lines: list[str] = []
     try:
         if kill is not None:
             read_until(proc, f"started process {nproc - 1} (pid", lines)
-            hosts.write_text(listed)
+            if listed is not None:
+                hosts.write_text(listed)
             os.kill(pid_of(lines, kill), signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -87,14 +93,23 @@ def run_launcher(tmp_path, listed: str, *extra, nproc: int, kill: int | None = N
 
 
 def test_losing_the_only_host_is_one_line_and_exit_2(tmp_path):
-    code, out, err = run_launcher(tmp_path, "", "--mesh", "fsdp=4", nproc=1, kill=0)
-    assert code == 2, out + err
-    assert err.splitlines() == [
-        "jdist.launch: error: no devices left: all 1 hosts are excluded; bring a host back "
-        "(list it in --hosts-file) and rerun with --resume auto"], err
+    no_devices = ("jdist.launch: error: no devices left: all 1 hosts are excluded; bring a "
+                  "host back (list it in --hosts-file) and rerun with --resume auto")
+    for listed, flags in (("", ()), (None, ("--max-host-failures", "1"))):
+        code, out, err = run_launcher(tmp_path, listed, "--mesh", "fsdp=4", nproc=1, kill=0,
+                                      launcher_flags=flags)
+        assert (code, err.splitlines()) == (2, [no_devices]), out + err
+        assert "host 0 failed" in out and ": excluded" in out
     # Not listed from the start: refused before anything runs.
     code, out, err = run_launcher(tmp_path, "# none yet\n", "--mesh", "fsdp=4", nproc=1)
-    assert (code, out, len(err.splitlines())) == (2, "", 1) and "no devices left" in err
+    assert (code, out, err.splitlines()) == (2, "", [no_devices])
+    # Elastic flags act on restarts: without any, one line says so.
+    done = subprocess.run([sys.executable, "-m", "jdist.launch", "--nproc", "1",
+                           "--max-host-failures", "1", "--", *ARGS], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [
+        "jdist.launch: error: --max-host-failures and --hosts-file act when the group "
+        "restarts; give --max-restarts K too"])
 
 
 def test_a_plan_that_no_longer_fits_is_one_line_and_exit_2(tmp_path):
@@ -119,7 +134,8 @@ def full(tmp_path_factory):
 def test_a_host_lost_for_good_is_excluded_and_the_run_finishes_on_the_rest(tmp_path, full):
     hosts, run_dir = tmp_path / "hosts", tmp_path / "run"
     hosts.write_text("0\n1\n")
-    proc = launch(hosts, "--mesh", "dp=2,fsdp=4", "--run-dir", str(run_dir))
+    proc = launch("--hosts-file", hosts, "--host-deadline", "1",
+                  train_flags=("--mesh", "dp=2,fsdp=4", "--run-dir", run_dir))
     lines: list[str] = []
     try:
         read_until(proc, "] step 5/8", lines)  # between checkpoints (every 2 steps)
@@ -157,8 +173,8 @@ def test_a_host_listed_again_is_taken_back_at_the_next_checkpoint(tmp_path, full
     hosts.write_text("0\n")  # host 1 is not there yet: start on host 0 alone
     # Half a second a step: the launcher (reading the file each second) sees host 1 return
     # well before the run ends.
-    proc = launch(hosts, "--mesh", "dp=2,fsdp=4", "--run-dir", str(run_dir),
-                  "--inject-straggler", "0:0.5")
+    proc = launch("--hosts-file", hosts, train_flags=(
+        "--mesh", "dp=2,fsdp=4", "--run-dir", run_dir, "--inject-straggler", "0:0.5"))
     lines: list[str] = []
     try:
         first = read_until(proc, "excluded", lines)

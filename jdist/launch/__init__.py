@@ -12,6 +12,11 @@ while restarts remain, the group starts again with `--resume auto` from the newe
 checkpoint in the (shared) `--run-dir`. SIGTERM/SIGINT to the launcher are forwarded as
 SIGTERM, so every process saves a checkpoint and exits with status 75 (preempted).
 
+Elastic (`--max-host-failures K`, `--hosts-file F`, `--host-deadline S`): each process
+stands for a host; a host that fails K times, or is not listed in F again within S seconds
+of failing, is excluded and the group resumes on a layout re-planned for the hosts left
+(`jdist.launch.elastic`); an excluded host listed again is taken back at the next checkpoint.
+
 Exit status: 0 when every process finished; 2 for a usage error or when a process reports
 one (not retried); 3 for a non-finite loss under --on-nan stop (not retried); 75 when
 preempted; otherwise the status of the process that failed first, by exit time (1 when it
