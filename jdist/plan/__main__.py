@@ -12,6 +12,7 @@ import sys
 import time
 
 from jdist.errors import ArgumentParser, ConfigError, require, run_cli
+from jdist.plan import emit
 from jdist.runtime.compiler_logs import quiet_compiler
 from jdist.tools import progress
 
@@ -53,6 +54,12 @@ def make_parser() -> argparse.ArgumentParser:
                         "(deviceless; needs the cuda12 extra) until K fit: compiled memory "
                         "against the budget, exposed communication instead of the assumed "
                         "overlap")
+    p.add_argument("--emit", choices=["slurm", "jobset"], default=None,
+                   help="also write the best layout as a multi-host launch: an sbatch script "
+                        "or a Kubernetes JobSet manifest (one process per host)")
+    p.add_argument("--out", default="",
+                   help="with --emit: the file to write (default: jdist-MODEL.sbatch or "
+                        ".yaml here)")
     return p
 
 
@@ -144,6 +151,9 @@ def plan_main(argv: list[str]) -> int:
     require(args.devices % hosts == 0,
             f"--devices {args.devices} do not split evenly over --hosts {hosts}; give a "
             "multiple of the host count")
+    require(not args.out or args.emit, "--out names the file --emit writes; add --emit "
+            "slurm or --emit jobset")
+    emit_to = emit.out_path(args.emit, args.out, args.model) if args.emit else None
     fixed = {}
     for text in args.fix:
         fixed.update(parse_axes(text))
@@ -213,6 +223,13 @@ def plan_main(argv: list[str]) -> int:
                 "out (table above); rerun with a larger --verify, or a --memory-gb below the "
                 "budget to leave room")
         best = fitting[0].verified
+    if emit_to:
+        summary = (f"{args.model} on {args.devices} x {args.profile.name}, {hosts} hosts: "
+                   f"{best.layout.label()}")
+        gpus = args.devices // hosts if args.profile.name in GPUS else 0
+        emit.write(emit_to, emit.render(args.emit, command(base, best.layout),
+                                        model=args.model, hosts=hosts, gpus_per_host=gpus,
+                                        summary=summary))
     devices = f"{args.target} compile-only devices" if args.target else \
         "simulated CPU devices (install the cuda12 extra to plan on the GPU's own)"
     if args.json:
@@ -225,6 +242,8 @@ def plan_main(argv: list[str]) -> int:
         if verified:
             from jdist.plan.verify import as_json as verified_json
             out["verified"] = [verified_json(v) for v in verified]
+        if emit_to:
+            out["emitted"] = str(emit_to)
         print(json.dumps(out))
         return 0
     print(f"{args.model} on {args.devices} x {args.profile.name} ({hosts} host"
@@ -242,6 +261,8 @@ def plan_main(argv: list[str]) -> int:
         print(verified_table(verified))
     print(f"\nbest: {command(base, best.layout)}")
     print(f"its memory, term by term (the same GiB/dev): {memory_command(base, best.layout)}")
+    if emit_to:
+        print(emit.how_to_run(args.emit, emit_to))
     return 0
 
 

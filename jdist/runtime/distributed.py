@@ -1,37 +1,34 @@
 """The devices a run has: the simulated CPU platform's size, multi-process start-up
-(`jax.distributed` from explicit flags, environment variables, or a Slurm allocation),
-which process speaks, and which devices a mesh is built on (jax's, or a deviceless GPU
-target's, `jdist.runtime.target`)."""
+(`jax.distributed` from explicit flags, environment variables, an indexed Job's pod or a
+Slurm job step: `jdist.runtime.schedulers`), which process speaks, and which devices a mesh
+is built on (jax's, or a deviceless GPU target's, `jdist.runtime.target`)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
-from jdist.errors import ConfigError, require
+from jdist.errors import require
+from jdist.runtime import schedulers
+from jdist.runtime.schedulers import env_int
 
 ENV_COORDINATOR = "JDIST_COORDINATOR"      # host:port of process 0
 ENV_NUM_PROCESSES = "JDIST_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDIST_PROCESS_ID"
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    try:
-        return int(value) if value.strip() else default
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not an integer; "
-                          "fix or unset it") from None
-
-
-def process_settings(coordinator: str = "", num_processes: int = 0,
-                     process_id: int = -1) -> tuple[str, int, int]:
-    """(coordinator, num_processes, process_id): flags first, then JDIST_* env, then Slurm."""
-    coordinator = coordinator or os.environ.get(ENV_COORDINATOR, "")
-    num_processes = num_processes or _env_int(ENV_NUM_PROCESSES, 0)
+def process_settings(coordinator: str = "", num_processes: int = 0, process_id: int = -1,
+                     env: Mapping[str, str] = os.environ) -> tuple[str, int, int]:
+    """(coordinator, num_processes, process_id): flags first, then JDIST_* env, then an
+    indexed Job's pod (a JobSet), then a Slurm job step ("slurm": jax detects the rest)."""
+    coordinator = coordinator or env.get(ENV_COORDINATOR, "")
+    num_processes = num_processes or env_int(env, ENV_NUM_PROCESSES, 0)
     if process_id < 0:
-        process_id = _env_int(ENV_PROCESS_ID, -1)
-    if not coordinator and _env_int("SLURM_NTASKS", 1) > 1:
-        return "slurm", _env_int("SLURM_NTASKS", 1), _env_int("SLURM_PROCID", 0)
+        process_id = env_int(env, ENV_PROCESS_ID, -1)
+    if process_id < 0 and (pod := schedulers.indexed_job(env)):
+        return pod if not coordinator else (coordinator, pod[1], pod[2])
+    if not coordinator and (tasks := schedulers.slurm_tasks(env)):
+        return "slurm", tasks, env_int(env, "SLURM_PROCID", 0)
     if not coordinator:
         return "", 1, 0
     require(num_processes >= 1 and 0 <= process_id < num_processes,
@@ -50,8 +47,9 @@ def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError):
         pass
-    if coordinator == "slurm":
-        jax.distributed.initialize()
+    if coordinator == "slurm":  # jax reads the job step's variables itself
+        jax.distributed.initialize(
+            local_device_ids=schedulers.slurm_local_devices(os.environ))
     else:
         jax.distributed.initialize(coordinator_address=coordinator,
                                    num_processes=num_processes, process_id=process_id)
