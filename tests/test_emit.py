@@ -61,7 +61,7 @@ def test_jobset_manifest_has_what_jobset_requires(tmp_path, capsys):
 
 
 def test_gpu_hosts_ask_for_their_gpus():
-    kw = dict(model="llama3.1-70b", hosts=8, gpus_per_host=8, summary="s")
+    kw = dict(model="llama3.1-70b", hosts=8, gpus_per_host=8, step_s=60.0, summary="s")
     doc = yaml.safe_load(emit.render("jobset", COMMAND, **kw))
     [rjob] = doc["spec"]["replicatedJobs"]
     container = rjob["template"]["spec"]["template"]["spec"]["containers"][0]
@@ -69,7 +69,8 @@ def test_gpu_hosts_ask_for_their_gpus():
     assert rjob["template"]["spec"]["completions"] == 8
     script = emit.render("slurm", COMMAND, **kw)
     for line in ["#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --gpus-per-task=8", "#SBATCH --requeue", "#SBATCH --signal=TERM@"]:
+                 "#SBATCH --gpus-per-task=8", "#SBATCH --requeue", "#SBATCH --signal=TERM@",
+                 "--checkpoint-every 30 "]:  # 30 minutes of 60 s steps
         assert line in script, line
     assert "srun python -m jdist.train --model tiny" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 
-from jdist.launch.slurm import CHECKPOINT_EVERY
 from jdist.runtime.schedulers import JOBSET_PORT
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -32,13 +31,13 @@ def from_label(env_name: str, label: str) -> dict:
 
 
 def manifest(train_args: list[str], *, name: str, hosts: int, gpus_per_host: int,
-             image: str = "jdist:latest") -> dict:
+             checkpoint_every: int, image: str = "jdist:latest") -> dict:
     run_dir = f"{RUNS_MOUNT}/{name}"
     container = {
         "name": "train",
         "image": image,
         "command": ["python", "-m", "jdist.train", *train_args, "--run-dir", run_dir,
-                    "--resume", "auto", "--checkpoint-every", str(CHECKPOINT_EVERY)],
+                    "--resume", "auto", "--checkpoint-every", str(checkpoint_every)],
         "env": [from_label("JOBSET_NAME", "jobset-name"),
                 from_label("REPLICATED_JOB_NAME", "replicatedjob-name"),
                 {"name": "JDIST_NUM_PROCESSES", "value": str(hosts)}],

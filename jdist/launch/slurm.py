@@ -9,8 +9,7 @@ import shlex
 
 from jdist.errors import EXIT_PREEMPTED
 
-CHECKPOINT_EVERY = 500  # steps; a flag passed to the script overrides it
-SIGNAL_LEAD_S = 120     # SIGTERM this long before the time limit: time to save
+SIGNAL_LEAD_S = 120  # SIGTERM this long before the time limit: time to save
 
 
 def directives(job_name: str, hosts: int, gpus_per_host: int) -> list[str]:
@@ -26,9 +25,9 @@ def directives(job_name: str, hosts: int, gpus_per_host: int) -> list[str]:
 
 
 def script(train_args: list[str], *, job_name: str, hosts: int, gpus_per_host: int,
-           summary: str) -> str:
+           checkpoint_every: int, summary: str) -> str:
     """The sbatch script. `train_args`: `python -m jdist.train`'s flags for the layout;
-    arguments given to sbatch after the script's name are appended to them."""
+    arguments given to sbatch after the script's name are appended to them (and win)."""
     train = " ".join(shlex.quote(a) for a in ["python", "-m", "jdist.train", *train_args])
     return "\n".join([
         "#!/bin/bash",
@@ -43,7 +42,7 @@ def script(train_args: list[str], *, job_name: str, hosts: int, gpus_per_host: i
         "# SLURM_* variables (coordinator: the first node). --resume auto continues from the",
         "# newest good checkpoint in the run directory, so a requeued job picks up there.",
         f'srun {train} --run-dir "$run_dir" --resume auto \\',
-        f'    --checkpoint-every {CHECKPOINT_EVERY} "$@"',
+        f'    --checkpoint-every {checkpoint_every} "$@"',
         "status=$?",
         f"# {EXIT_PREEMPTED}: stopped by SIGTERM (the time limit's --signal) after saving a",
         "# checkpoint of the current step: back in the queue, to resume.",

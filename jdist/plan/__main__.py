@@ -225,11 +225,11 @@ def plan_main(argv: list[str]) -> int:
         best = fitting[0].verified
     if emit_to:
         summary = (f"{args.model} on {args.devices} x {args.profile.name}, {hosts} hosts: "
-                   f"{best.layout.label()}")
+                   f"{best.layout.label()}, predicted {best.step_s:.3g} s/step")
         gpus = args.devices // hosts if args.profile.name in GPUS else 0
         emit.write(emit_to, emit.render(args.emit, command(base, best.layout),
                                         model=args.model, hosts=hosts, gpus_per_host=gpus,
-                                        summary=summary))
+                                        step_s=best.step_s, summary=summary))
     devices = f"{args.target} compile-only devices" if args.target else \
         "simulated CPU devices (install the cuda12 extra to plan on the GPU's own)"
     if args.json:

@@ -12,8 +12,8 @@ from pathlib import Path
 from jdist.errors import ConfigError, require
 from jdist.launch import jobset, slurm
 
-KINDS = ("slurm", "jobset")
 SUFFIX = {"slurm": ".sbatch", "jobset": ".yaml"}
+CHECKPOINT_MINUTES = 30  # of predicted steps between checkpoints: what a failure can cost
 
 
 def job_name(model: str) -> str:
@@ -42,15 +42,21 @@ def out_path(kind: str, out: str, model: str) -> Path:
     return path
 
 
+def checkpoint_every(step_s: float) -> int:
+    """Steps in CHECKPOINT_MINUTES of the plan's predicted step time."""
+    return max(1, round(CHECKPOINT_MINUTES * 60 / step_s))
+
+
 def render(kind: str, command: str, *, model: str, hosts: int, gpus_per_host: int,
-           summary: str) -> str:
+           step_s: float, summary: str) -> str:
     train_args = shlex.split(command)[3:]  # after `python -m jdist.train`
-    name = job_name(model)
+    name, every = job_name(model), checkpoint_every(step_s)
     if kind == "slurm":
-        return slurm.script(train_args, job_name=name, hosts=hosts,
+        return slurm.script(train_args, job_name=name, hosts=hosts, checkpoint_every=every,
                             gpus_per_host=gpus_per_host, summary=summary)
     return jobset.render(jobset.manifest(train_args, name=name, hosts=hosts,
-                                         gpus_per_host=gpus_per_host), summary)
+                                         gpus_per_host=gpus_per_host, checkpoint_every=every),
+                         summary)
 
 
 def write(path: Path, text: str) -> None:
