@@ -1,9 +1,11 @@
 """Slurm for real (`.ci/slurm-up.sh` starts a one-node Slurm; CI runs it before the tests):
 the sbatch script `python -m jdist.plan --emit slurm` writes, submitted as 2 tasks (standing
 for 2 hosts, 4 simulated CPU devices each, the plan's dp=2,fsdp=4 over all 8), trains through
-`jax.distributed`'s own Slurm detection; `scontrol requeue` mid-run stops it (SIGTERM: a
-checkpoint of the current step) and Slurm runs it again under the same job id, which
-resumes from that checkpoint and ends with the losses of one uninterrupted run."""
+`jax.distributed`'s own Slurm detection. It is stopped twice mid-run: by `scontrol requeue`
+(an operator's requeue), then by `scancel --signal=TERM` (what `--signal` sends before the
+time limit: the script requeues itself on exit 75). Each time every process saves the
+current step; Slurm runs the job again under the same id, which resumes there and ends with
+the losses of one uninterrupted run."""
 
 import json
 import os
@@ -23,10 +25,15 @@ from jdist.train.loop import train
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ["--model", "tiny", "--devices", "8", "--hosts", "2", "--accelerator", "cpu-sim",
         "--batch-size", "8", "--seq-len", "32", "--fix", "dp=2,fsdp=4"]
-EXTRA = ["--steps", "30", "--checkpoint-every", "5", "--log-every", "1", "--eval-every", "0"]
-REQUEUE_AFTER = 8  # steps: after the checkpoint of step 5, well before the end
+STEPS = 30
+EXTRA = ["--steps", str(STEPS), "--checkpoint-every", "5", "--log-every", "1",
+         "--eval-every", "0"]
+# (after this step, stop the job this way): well before the end, so the job is running.
+STOPS = [(8, ["scontrol", "requeue"]), (16, ["scancel", "--signal=TERM"])]
 TIMEOUT_S = 900
-PREEMPTED = "SIGTERM received: saved a checkpoint at step "  # jdist.train.faults.Preempted
+BANNER = "\nmesh: "  # process 0's first line of every run
+PREEMPTED = re.compile(r"SIGTERM received: saved a checkpoint at step (\d+)")
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 def slurm_state() -> str:
@@ -44,19 +51,37 @@ def scontrol_job(job: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S+)", out))
 
 
-def wait_for(condition, what: str, job: str, output: Path) -> float:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job], timeout=30)
-            pytest.fail(f"timed out waiting for {what}; job {job} "
-                        f"{scontrol_job(job).get('JobState')}:\n{output.read_text()[-3000:]}")
-        time.sleep(0.5)
-    return time.monotonic()
-
-
 def logged_steps(text: str) -> list[int]:
     return [int(s) for s in re.findall(r"^step (\d+)/", text, re.MULTILINE)]
+
+
+class Job:
+    """A submitted job and its output file (both runs append to it: --open-mode=append)."""
+
+    def __init__(self, job_id: str, output: Path):
+        self.id, self.output = job_id, output
+
+    def runs(self) -> list[str]:
+        """The output of each run so far (a run starts with process 0's mesh banner)."""
+        text = "\n" + (self.output.read_text() if self.output.exists() else "")
+        return text.split(BANNER)[1:]
+
+    def wait_for(self, condition, what: str) -> float:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not condition():
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out waiting for {what}; job {self.id} "
+                            f"{scontrol_job(self.id).get('JobState')}:\n"
+                            f"{self.output.read_text()[-3000:]}")
+            time.sleep(0.5)
+        return time.monotonic()
+
+    def wait_for_step(self, run: int, step: int) -> float:
+        """Until run `run` (from 1) has logged `step` or a later one: the time then."""
+        def reached() -> bool:
+            runs = self.runs()
+            return len(runs) >= run and max(logged_steps(runs[run - 1]), default=0) >= step
+        return self.wait_for(reached, f"step {step} of run {run}")
 
 
 @pytest.mark.slow
@@ -79,36 +104,39 @@ def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(tmp_path):
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     # One node here: its 2 tasks stand for the script's 2 nodes (command-line options
     # override the script's #SBATCH lines).
-    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2",
-                          f"--chdir={tmp_path}", str(script), *EXTRA], env=env,
-                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-    output = tmp_path / f"jdist-tiny-{job}.out"
-    text = lambda: output.read_text() if output.exists() else ""
-    wait_for(lambda: max(logged_steps(text()), default=0) >= REQUEUE_AFTER,
-             f"step {REQUEUE_AFTER}", job, output)
-    requeued_at = time.monotonic()
-    subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
-    second = lambda: text().partition(PREEMPTED)[2]  # the second run's output, after the
-    # line the first run's SIGTERM handler printed
-    wait_for(lambda: second(), "the preemption checkpoint", job, output)
-    resumed_at = wait_for(lambda: logged_steps(second()), "training to start again", job,
-                          output)
-    wait_for(lambda: scontrol_job(job).get("JobState") in ("COMPLETED", "FAILED",
-                                                           "CANCELLED", "TIMEOUT"),
-             "the end of the job", job, output)
-    info = scontrol_job(job)
-    before, _, after = text().partition(PREEMPTED)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, after[-3000:])
-    saved_step = int(after.split()[0])
-    assert logged_steps(after)[0] == saved_step + 1, after[-3000:]
-    print(f"requeue to training again: {resumed_at - requeued_at:.1f} s; steps lost: "
-          f"{max(logged_steps(before)) - saved_step}")
+    job_id = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2",
+                             f"--chdir={tmp_path}", str(script), *EXTRA], env=env,
+                            capture_output=True, text=True, timeout=60,
+                            check=True).stdout.strip()
+    job = Job(job_id, tmp_path / f"jdist-tiny-{job_id}.out")
+    try:
+        measured = []
+        for n, (after, stop) in enumerate(STOPS, 1):
+            job.wait_for_step(n, after)
+            stopped_at = time.monotonic()
+            subprocess.run([*stop, job.id], check=True, timeout=30)
+            again_at = job.wait_for_step(n + 1, 1)
+            measured.append(again_at - stopped_at)
+        job.wait_for(lambda: scontrol_job(job.id).get("JobState") in DONE, "the job's end")
+    finally:
+        if scontrol_job(job.id).get("JobState") not in DONE:
+            subprocess.run(["scancel", job.id], timeout=30)
+    info, runs = scontrol_job(job.id), job.runs()
+    assert (info["JobState"], info["Restarts"], len(runs)) == ("COMPLETED", "2", 3), \
+        (info, runs[-1][-3000:])
+    lost = []
+    for stopped, resumed in zip(runs, runs[1:]):
+        saved = int(PREEMPTED.search(stopped).group(1))
+        assert logged_steps(resumed)[0] == saved + 1, resumed[-3000:]
+        lost.append(max(logged_steps(stopped)) - saved)
+    print(f"stop to training again: {', '.join(f'{s:.1f}' for s in measured)} s; "
+          f"steps lost: {lost}")
 
     reference = tmp_path / "reference"
     train(parse_args([*planned, *EXTRA, "--run-dir", str(reference)]))
     losses = lambda d: {r["step"]: r["loss"] for r in
                         map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}
     got, want = losses(run_dir), losses(reference)
-    assert got.keys() == want.keys() == set(range(1, 31))
+    assert got.keys() == want.keys() == set(range(1, STEPS + 1))
     for step in want:
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), step
