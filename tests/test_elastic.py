@@ -15,8 +15,10 @@ import pytest
 
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
-from jdist.launch.elastic import DEFAULT_MESH
+from jdist.launch.elastic import DEFAULT_MESH, Elastic
+from jdist.launch.hosts import HostTable
 from jdist.launch.replan import original_layout, replan
+from jdist.launch.watch import Watch
 from jdist.train.loop import train
 
 SHAPE = dict(model="tiny", steps=8, batch_size=16, seq_len=32, warmup=2, eval_every=0,
@@ -108,8 +110,8 @@ def test_losing_the_only_host_is_one_line_and_exit_2(tmp_path):
                            "--max-host-failures", "1", "--", *ARGS], capture_output=True,
                           text=True, timeout=60, check=False)
     assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [
-        "jdist.launch: error: --max-host-failures and --hosts-file act when the group "
-        "restarts; give --max-restarts K too"])
+        "jdist.launch: error: --max-host-failures, --hosts-file and --exclude-stragglers act "
+        "when the group restarts; give --max-restarts K too"])
 
 
 def test_a_plan_that_no_longer_fits_is_one_line_and_exit_2(tmp_path):
@@ -192,4 +194,45 @@ def test_a_host_listed_again_is_taken_back_at_the_next_checkpoint(tmp_path, full
     assert "growing back: resuming from step" in out and "started process 1" in out
     # The layouts agree on every step's loss (a dense model's micro-batching changes only
     # the order of a sum).
+    assert close(losses(run_dir), full[1])
+
+
+def test_the_health_checks_lines_flag_their_process():
+    """The launcher reads the lines the training code prints: made here by that code."""
+    from jdist.train.health import Mismatch
+    from jdist.train.straggler import Detector
+
+    watch = Watch()
+    watch("[p0] checkpoint: saved step 2 to runs/x/checkpoints/2 (1.12 MiB) in 0.3s\n")
+    detector = Detector(every=2, threshold=1.5, windows=1, names=["a", "b", "c"])
+    watch("[p0] " + detector.message({"process": 2, "host": "c", "seconds": 0.5,
+                                      "median_s": 0.1, "ratio": 5.0}))
+    odd = Mismatch("params/embed", (5,), (1,), ("dp=3",), 4, majority=True)
+    tie = Mismatch("params/embed", (1, 5), (0, 1), ("dp=0", "dp=1"), 2, majority=False)
+    watch("[p0] jdist: error: step 3: " + tie.message())  # no majority: nobody is blamed
+    assert (watch.saves, watch.flag("straggling"), watch.flag("silent data corruption")) == (
+        1, 2, None)
+    watch("[p1] jdist: error: step 3: " + odd.message())
+    assert watch.flag("silent data corruption") == 1
+    # The group then exits 4 (every process); process 0 happened to exit first, but the
+    # host excluded is the one the replicas outvoted.
+    elastic = Elastic(HostTable(2), original_layout({"data": 2, "fsdp": 4}, 1, hosts=2), 4)
+    assert elastic.failed([0, 1], 0, watch, print) == (
+        "host 1 flagged for silent data corruption: excluded; re-planned dp=2,fsdp=4 "
+        "(--grad-accum 1) -> fsdp=4 with --grad-accum 2 on 4 devices (1 host)")
+    assert elastic.hosts() == [0]
+
+
+@pytest.mark.slow
+def test_a_straggler_is_excluded_at_the_next_checkpoint(tmp_path, full):
+    run_dir = tmp_path / "run"
+    proc = launch("--exclude-stragglers", train_flags=(
+        "--mesh", "dp=2,fsdp=4", "--run-dir", run_dir, "--inject-straggler", "1:0.5",
+        "--straggler-every", "2", "--straggler-windows", "1"))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert ("[launch] host 1 flagged as a straggler: excluded; re-planned dp=2,fsdp=4 "
+            "(--grad-accum 1) -> fsdp=4 with --grad-accum 2 on 4 devices (1 host) at the next "
+            "checkpoint") in out, out
+    assert "restarting on the new layout from step" in out
     assert close(losses(run_dir), full[1])

@@ -15,7 +15,9 @@ SIGTERM, so every process saves a checkpoint and exits with status 75 (preempted
 Elastic (`--max-host-failures K`, `--hosts-file F`, `--host-deadline S`): each process
 stands for a host; a host that fails K times, or is not listed in F again within S seconds
 of failing, is excluded and the group resumes on a layout re-planned for the hosts left
-(`jdist.launch.elastic`); an excluded host listed again is taken back at the next checkpoint.
+(`jdist.launch.elastic`); so is one the replica check outvotes for silent data corruption,
+and with `--exclude-stragglers` one the straggler check reports (at the next checkpoint).
+An excluded host listed again is taken back at the next checkpoint.
 
 Exit status: 0 when every process finished; 2 for a usage error or when a process reports
 one (not retried); 3 for a non-finite loss under --on-nan stop (not retried); 75 when
@@ -51,9 +53,9 @@ from jdist.errors import (
 from jdist.launch.elastic import Elastic, layout_of, newest_step
 from jdist.launch.flags import flag_value, with_flag
 from jdist.launch.hosts import HostTable
+from jdist.launch.watch import Watch
 
 NOT_RETRIED = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PREEMPTED)
-SAVED = "checkpoint: saved step "  # how process 0 reports each checkpoint written
 POLL_S = 0.05
 
 
@@ -152,7 +154,8 @@ def _pump(stream, prefix: str, lock: threading.Lock, seen: Callable[[str], None]
 class Group:
     """One attempt: N processes started together and stopped together."""
 
-    def __init__(self, commands: list[list[str]], envs: list[dict[str, str]]):
+    def __init__(self, commands: list[list[str]], envs: list[dict[str, str]],
+                 on_line: Callable[[str], None] = lambda line: None):
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
@@ -160,23 +163,18 @@ class Group:
         # time the moment each one ends, so the first to fail is known even when a survivor
         # fails too before the launcher looks (one poll would see both).
         self.exits: queue.Queue[tuple[float, int, int]] = queue.Queue()
-        self.saves = 0  # checkpoints saved so far, by process 0's "checkpoint: saved" lines
         self.failed = -1  # the index of the process that failed first
         for i, (cmd, env) in enumerate(zip(commands, envs)):
             # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it.
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, env=env, start_new_session=True)
             self.procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", self.lock, self._seen),
+            t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}]", self.lock, on_line),
                                  daemon=True)
             t.start()
             self.pumps.append(t)
             threading.Thread(target=self._record_exit, args=(i, p), daemon=True).start()
             _say(f"started process {i} (pid {p.pid})")
-
-    def _seen(self, line: str) -> None:
-        if line.startswith(SAVED):
-            self.saves += 1
 
     def _record_exit(self, i: int, p: subprocess.Popen) -> None:
         code = p.wait()
@@ -226,15 +224,16 @@ class Group:
             t.join(timeout=5)
 
 
-def start_group(nproc: int, train_args: list[str], devices: list[dict[str, str]]) -> Group:
+def start_group(nproc: int, train_args: list[str], devices: list[dict[str, str]],
+                on_line: Callable[[str], None] = lambda line: None) -> Group:
     """`nproc` training processes joined by a coordinator on a free local port, each with its
-    own devices."""
+    own devices; `on_line` reads their output."""
     port = free_port()
     commands = [[sys.executable, "-m", "jdist.train", *train_args,
                  "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(nproc),
                  "--process-id", str(i)] for i in range(nproc)]
     envs = [{**user_environment(), "PYTHONUNBUFFERED": "1", **devices[i]} for i in range(nproc)]
-    group = Group(commands, envs)
+    group = Group(commands, envs, on_line)
     for i, share in enumerate(devices):
         if share:
             _say(f"process {i} sees " + " ".join(f"{k}={v}" for k, v in share.items()))
@@ -261,16 +260,20 @@ def make_parser() -> ArgumentParser:
                              "one listed again is taken back at the next checkpoint")
     parser.add_argument("--host-deadline", type=float, default=60.0,
                         help="seconds a failed host has to be listed in --hosts-file again")
+    parser.add_argument("--exclude-stragglers", action="store_true",
+                        help="elastic: exclude a host the straggler check reports (at the next "
+                             "checkpoint); a host a majority of replicas outvotes for silent "
+                             "data corruption is always excluded")
     return parser
 
 
 def elastic_of(args, train_args: list[str], devices: list[dict[str, str]]):
     """The elastic policy the flags ask for (None: a fixed group); ConfigError for flags
     that cannot work."""
-    if not (args.max_host_failures or args.hosts_file):
+    if not (args.max_host_failures or args.hosts_file or args.exclude_stragglers):
         return None
-    require(args.max_restarts > 0, "--max-host-failures and --hosts-file act when the group "
-            "restarts; give --max-restarts K too")
+    require(args.max_restarts > 0, "--max-host-failures, --hosts-file and --exclude-stragglers "
+            "act when the group restarts; give --max-restarts K too")
     require(args.max_host_failures >= 0 and args.host_deadline >= 0,
             "--max-host-failures and --host-deadline must be >= 0")
     per_host_gpus = len(next(iter(devices[0].values()), "").split(",")) if devices[0] else 0
@@ -279,7 +282,7 @@ def elastic_of(args, train_args: list[str], devices: list[dict[str, str]]):
     require(total % args.nproc == 0, f"the mesh's {total} devices do not split over --nproc "
             f"{args.nproc} hosts; use an --nproc that divides {total}")
     table = HostTable(args.nproc, args.max_host_failures, args.host_deadline, args.hosts_file)
-    return Elastic(table, original, total // args.nproc)
+    return Elastic(table, original, total // args.nproc, args.exclude_stragglers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,15 +339,16 @@ def main(argv: list[str] | None = None) -> int:
         _say(start_line)
     while True:
         hosts = elastic.hosts() if elastic else list(range(args.nproc))
+        watch = Watch()
         group = start_group(len(hosts), elastic.args(train_args) if elastic else train_args,
-                            [devices[h] for h in hosts])
-        code = group.wait(elastic.grow_check(group, _say) if elastic else lambda: False)
+                            [devices[h] for h in hosts], watch)
+        code = group.wait(elastic.stop_check(hosts, watch, _say) if elastic else lambda: False)
         if code == EXIT_OK:
             _say("all processes finished")
             return EXIT_OK
         train_args = with_flag(train_args, "--resume", "auto")
-        if code == EXIT_PREEMPTED and elastic and elastic.growing:
-            _say(f"growing back: resuming from step {newest_step(run_dir)}")
+        if code == EXIT_PREEMPTED and elastic and elastic.stopping:
+            _say(f"restarting on the new layout from step {newest_step(run_dir)}")
             continue
         if code in NOT_RETRIED or attempt >= args.max_restarts:
             _say(f"exiting with status {code}")
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         attempt += 1
         if elastic:
             try:
-                line = elastic.failed(hosts[group.failed], _say)
+                line = elastic.failed(hosts, group.failed, watch, _say)
             except ConfigError as e:
                 print(f"jdist.launch: error: {e}", file=sys.stderr)
                 return EXIT_CONFIG

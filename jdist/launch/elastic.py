@@ -17,6 +17,7 @@ from jdist.errors import ConfigError
 from jdist.launch.flags import flag_value, with_flag
 from jdist.launch.hosts import HostTable
 from jdist.launch.replan import Layout, original_layout, replan
+from jdist.launch.watch import Watch
 from jdist.spmd.mesh import parse_mesh
 
 DEFAULT_MESH = "fsdp=-1"  # the training CLI's default --mesh (jdist.config: a layer above)
@@ -61,10 +62,12 @@ def describe(before: Layout, after: Layout) -> str:
 class Elastic:
     """The hosts of one launch and the layout they run."""
 
-    def __init__(self, table: HostTable, original: Layout, per_host: int):
+    def __init__(self, table: HostTable, original: Layout, per_host: int,
+                 exclude_stragglers: bool = False):
         self.table, self.original, self.per_host = table, original, per_host
+        self.exclude_stragglers = exclude_stragglers
         self.layout = original
-        self.growing = False  # a larger layout is decided; the group stops at a checkpoint
+        self.stopping = False  # a new layout is decided; the group stops at a checkpoint
         self._checked = 0.0
 
     def start(self) -> str | None:
@@ -78,12 +81,20 @@ class Elastic:
     def args(self, train_args: list[str]) -> list[str]:
         return args_for(train_args, self.original, self.layout)
 
-    def failed(self, host: int, say: Callable[[str], None]) -> str | None:
-        """After `host` failed first: the line saying it is excluded and the layout
-        re-planned, or None when it rejoins. When nothing fits any more: says that it is
-        excluded, then ConfigError."""
-        self.growing = False
-        why = self.table.failed(host)
+    def failed(self, hosts: list[int], first: int, watch: Watch,
+               say: Callable[[str], None]) -> str | None:
+        """After the group on `hosts` failed, process `first` first: the line saying which
+        host is excluded (one flagged for silent data corruption, else `first`'s once it
+        has failed too often or is gone) and the layout re-planned, or None when all may
+        rejoin. When nothing fits any more: says who is excluded, then ConfigError."""
+        self.stopping = False
+        corrupt = watch.flag("silent data corruption")
+        if corrupt is not None:
+            host, why = hosts[corrupt], "flagged for silent data corruption"
+            self.table.exclude(host, why)
+        else:
+            host = hosts[first]
+            why = self.table.failed(host)
         if not why:
             return None
         try:
@@ -92,25 +103,43 @@ class Elastic:
             say(f"host {host} {why}: excluded")
             raise
 
-    def grow_check(self, group, say: Callable[[str], None],
+    def stop_check(self, hosts: list[int], watch: Watch, say: Callable[[str], None],
                    every_s: float = 1.0) -> Callable[[], bool]:
-        """For `Group.wait`: True (stop the group) at the first checkpoint `group` saves
-        after a larger layout was decided; the file is read every `every_s` seconds."""
-        self.growing, decided_at = False, [0]
+        """For `Group.wait` of the group on `hosts`: True (stop it) at the first checkpoint
+        it saves after a new layout was decided: a larger one (hosts back; the file is read
+        every `every_s` seconds), or, with `exclude_stragglers`, one without a straggler."""
+        self.stopping, decided_at = False, [0]
 
         def check() -> bool:
-            if self.growing:
-                return group.saves > decided_at[0]
+            if self.stopping:
+                return watch.saves > decided_at[0]
             now = time.monotonic()
             if now - self._checked < every_s:
                 return False
             self._checked = now
-            line = self.grown()
+            line = self.without_straggler(hosts, watch, say) or self.grown()
             if line:
                 say(line)
-                self.growing, decided_at[0] = True, group.saves
+                self.stopping, decided_at[0] = True, watch.saves
             return False
         return check
+
+    def without_straggler(self, hosts: list[int], watch: Watch,
+                          say: Callable[[str], None]) -> str | None:
+        """With `exclude_stragglers`, a straggler reported: exclude it and re-plan (the
+        line saying so), or keep it when nothing fits without it (said once)."""
+        slow = watch.flag("straggling") if self.exclude_stragglers else None
+        if slow is None:
+            return None
+        why = f"host {hosts[slow]} flagged as a straggler"
+        self.table.exclude(hosts[slow], "flagged as a straggler")
+        try:
+            return f"{self.shrink(f'{why}: excluded')} at the next checkpoint"
+        except ConfigError as e:
+            del self.table.excluded[hosts[slow]]
+            self.exclude_stragglers = False
+            say(f"{why}: kept, since without it {e}")
+            return None
 
     def plan(self) -> Layout:
         """The layout for the hosts usable now (ConfigError when none fits)."""

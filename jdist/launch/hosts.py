@@ -86,6 +86,11 @@ class HostTable:
             self.excluded[host] = why
         return why
 
+    def exclude(self, host: int, why: str) -> None:
+        """Exclude `host` for what a health check found: back only once the file has
+        dropped it and lists it again (it was replaced or repaired)."""
+        self.excluded[host] = why
+
     def back_within(self, host: int, seconds: float) -> bool:
         end = time.monotonic() + seconds
         while True:
