@@ -191,7 +191,7 @@ def test_a_host_listed_again_is_taken_back_at_the_next_checkpoint(tmp_path, full
     assert "host 1 not listed in" in first and "-> fsdp=4 with --grad-accum 2" in first
     assert ("host 1 available again; re-planned fsdp=4 (--grad-accum 2) -> dp=2,fsdp=4 with "
             "--grad-accum 1 on 8 devices (2 hosts) at the next checkpoint") in grow, grow
-    assert "growing back: resuming from step" in out and "started process 1" in out
+    assert "restarting on the new layout from step" in out and "started process 1" in out
     # The layouts agree on every step's loss (a dense model's micro-batching changes only
     # the order of a sum).
     assert close(losses(run_dir), full[1])
@@ -226,13 +226,17 @@ def test_the_health_checks_lines_flag_their_process():
 @pytest.mark.slow
 def test_a_straggler_is_excluded_at_the_next_checkpoint(tmp_path, full):
     run_dir = tmp_path / "run"
+    # A window of 2 steps at 3x the other's host time: the first steps' noise on a loaded
+    # machine (process 0 writing the metrics) does not make process 0 look that slow. Found
+    # at step 4 at the latest; a checkpoint every step leaves steps to restart for.
     proc = launch("--exclude-stragglers", train_flags=(
-        "--mesh", "dp=2,fsdp=4", "--run-dir", run_dir, "--inject-straggler", "1:0.5",
-        "--straggler-every", "2", "--straggler-windows", "1"))
+        "--mesh", "dp=2,fsdp=4", "--run-dir", run_dir, "--inject-straggler", "1:1.0",
+        "--straggler-every", "2", "--straggler-windows", "1", "--straggler-threshold", "3",
+        "--checkpoint-every", "1"))
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
     assert ("[launch] host 1 flagged as a straggler: excluded; re-planned dp=2,fsdp=4 "
             "(--grad-accum 1) -> fsdp=4 with --grad-accum 2 on 4 devices (1 host) at the next "
             "checkpoint") in out, out
-    assert "restarting on the new layout from step" in out
+    assert "restarting on the new layout from step" in out, out
     assert close(losses(run_dir), full[1])

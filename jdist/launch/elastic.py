@@ -113,11 +113,10 @@ class Elastic:
         def check() -> bool:
             if self.stopping:
                 return watch.saves > decided_at[0]
-            now = time.monotonic()
-            if now - self._checked < every_s:
-                return False
-            self._checked = now
-            line = self.without_straggler(hosts, watch, say) or self.grown()
+            line = self.without_straggler(hosts, watch, say)
+            if not line and time.monotonic() - self._checked >= every_s:
+                self._checked = time.monotonic()
+                line = self.grown()
             if line:
                 say(line)
                 self.stopping, decided_at[0] = True, watch.saves
@@ -127,7 +126,8 @@ class Elastic:
     def without_straggler(self, hosts: list[int], watch: Watch,
                           say: Callable[[str], None]) -> str | None:
         """With `exclude_stragglers`, a straggler reported: exclude it and re-plan (the
-        line saying so), or keep it when nothing fits without it (said once)."""
+        line saying so), or keep it when nothing fits without it (said once). Cheap: it
+        reads what `watch` has already seen."""
         slow = watch.flag("straggling") if self.exclude_stragglers else None
         if slow is None:
             return None
