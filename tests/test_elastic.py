@@ -95,7 +95,7 @@ def run_launcher(tmp_path, listed: str | None, *train_flags, nproc: int,
 
 
 def test_losing_the_only_host_is_one_line_and_exit_2(tmp_path):
-    no_devices = ("jdist.launch: error: no devices left: all 1 hosts are excluded; bring a "
+    no_devices = ("jdist.launch: error: no devices left: the only host is excluded; bring a "
                   "host back (list it in --hosts-file) and rerun with --resume auto")
     for listed, flags in (("", ()), (None, ("--max-host-failures", "1"))):
         code, out, err = run_launcher(tmp_path, listed, "--mesh", "fsdp=4", nproc=1, kill=0,

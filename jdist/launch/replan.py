@@ -62,8 +62,9 @@ def replan(original: Layout, hosts_left: int, per_host: int) -> Layout:
     """The layout on the most of `hosts_left` hosts that can hold `original`'s model axes
     and split its batch into micro-batches of the same size (some hosts may stay idle).
     ConfigError, in one line, when no host is left or none of the counts fits."""
-    require(hosts_left >= 1, f"no devices left: all {original.hosts} hosts are excluded; "
-            "bring a host back (list it in --hosts-file) and rerun with --resume auto")
+    gone = "the only host is" if original.hosts == 1 else f"all {original.hosts} hosts are"
+    require(hosts_left >= 1, f"no devices left: {gone} excluded; bring a host back (list it "
+            "in --hosts-file) and rerun with --resume auto")
     for hosts in range(min(hosts_left, original.hosts), 0, -1):
         layout = shrink(original, hosts, per_host)
         if layout is not None:
