@@ -240,7 +240,8 @@ class MemoryFlags:
 
 @dataclasses.dataclass
 class OptimFlags:
-    """the optimizer: AdamW with linear warmup, cosine decay to a tenth, global-norm clipping"""
+    """the optimizer: AdamW or Muon, linear warmup, then cosine or warmup-stable-decay to a
+    tenth, global-norm clipping"""
 
     steps: int = flag(300, "optimizer steps (the learning-rate schedule spans them)",
                       result=True)
@@ -251,6 +252,15 @@ class OptimFlags:
                        f"{DEFAULT_WARMUP}, cut to --steps - 1 in shorter runs)", result=True)
     weight_decay: float = flag(0.1, "AdamW's decoupled weight decay", result=True)
     clip_norm: float = flag(1.0, "clip the gradients to this global norm", result=True)
+    optimizer: Literal["adamw", "muon"] = flag(
+        "adamw", "adamw, or muon: Newton-Schulz orthogonalised Nesterov momentum for the "
+        "blocks' projection matrices (each layer's and expert's separately), AdamW for the "
+        "embedding, head, norms, router and LoRA adapters", result=True)
+    schedule: Literal["cosine", "wsd"] = flag(
+        "cosine", "after the warmup: cosine decay to a tenth, or wsd: constant, then a "
+        "1-sqrt decay to a tenth over the last --decay-fraction of the steps", result=True)
+    decay_fraction: float = flag(0.2, "with --schedule wsd, the fraction of --steps spent "
+                                 "decaying", result=True)
 
     def validate(self) -> None:
         require(self.steps >= 1, f"--steps {self.steps} must be at least 1")
@@ -267,6 +277,9 @@ class OptimFlags:
                 f"--weight-decay {self.weight_decay} must be 0 (none) or positive")
         require(math.isfinite(self.clip_norm) and self.clip_norm > 0,
                 f"--clip-norm {self.clip_norm} must be positive (0 would zero every update)")
+        require(0 < self.decay_fraction <= 1,
+                f"--decay-fraction {self.decay_fraction} must be above 0 and at most 1 (the "
+                "fraction of --steps the wsd schedule decays over, e.g. 0.2)")
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jdist.errors import require
 from jdist.spmd import axes as ax
@@ -79,11 +79,23 @@ def param_shardings(abstract_params: dict, names: dict, mesh, rules: Rules) -> d
 
 def optimizer_shardings(tx: optax.GradientTransformation, abstract_params: dict,
                         shardings: dict, mesh) -> Any:
-    """Optimizer state leaves shaped like a parameter take that parameter's sharding."""
+    """Optimizer state leaves shaped like a parameter take that parameter's sharding: a
+    leaf whose path ends in a parameter's path, with its shape (a moment of it, also inside
+    the masked halves of a partitioned optimizer such as Muon's, which optax's
+    `tree_map_params` cannot follow); every other leaf (counts, constants) is replicated."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
-    return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, shardings,
-                                 transform_non_params=lambda _: replicated)
+    by_path = {jax.tree_util.keystr(p): (x.shape, s) for (p, x), s in
+               zip(jax.tree_util.tree_leaves_with_path(abstract_params),
+                   jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, Sharding)))}
+
+    def one(path, leaf):
+        for i in range(len(path)):
+            shape, sharding = by_path.get(jax.tree_util.keystr(path[i:]), (None, None))
+            if shape == leaf.shape:
+                return sharding
+        return replicated
+    return jax.tree_util.tree_map_with_path(one, abstract_opt)
 
 
 def replicated(mesh) -> NamedSharding:

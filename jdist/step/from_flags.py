@@ -29,10 +29,10 @@ from jdist.spmd.rules import (
     load_rules,
     with_sequence_parallel,
 )
-from jdist.spmd.sharding import check_divisible, check_model_fits
+from jdist.spmd.sharding import check_divisible, check_model_fits, logical_names
 from jdist.step.forward import attention_of
 from jdist.step.optim import make_optimizer, skip_nonfinite
-from jdist.step.state import Compute, Plan, make_plan, with_pipeline
+from jdist.step.state import Compute, Plan, abstract_model, make_plan, with_pipeline
 
 DTYPES = {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16}
 
@@ -144,13 +144,21 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
                  and mesh.shape[ax.TENSOR] > 1),
             "--sequence-parallel with tensor parallelism is not supported for MoE models; "
             "drop --sequence-parallel or tp")
-    optim = config.optim
-    tx, schedule = make_optimizer(optim.lr, optim.steps, optim.warmup, optim.weight_decay,
-                                  optim.clip_norm)
+    tx, schedule = optimizer_of(config, model)
     if config.checkpoint.on_nan == "skip":
         tx = skip_nonfinite(tx)
     plan = make_plan(model, mesh, rules, tx, config.memory, config.parallel, config.finetune)
     return model, with_compute(plan, config), schedule
+
+
+def optimizer_of(config: TrainConfig, model: ModelConfig):
+    """(transformation, schedule) from the optimizer flags; Muon reads the parameters'
+    logical names to tell matrices from the rest."""
+    optim = config.optim
+    names = logical_names(abstract_model(model)[1]) if optim.optimizer == "muon" else None
+    return make_optimizer(optim.lr, optim.steps, optim.warmup, optim.weight_decay,
+                          optim.clip_norm, optimizer=optim.optimizer, schedule=optim.schedule,
+                          decay_fraction=optim.decay_fraction, names=names)
 
 
 def with_compute(plan: Plan, config: TrainConfig) -> Plan:

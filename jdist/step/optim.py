@@ -1,5 +1,6 @@
-"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping; and the
-non-finite guard `--on-nan skip` wraps it in."""
+"""The optimizer: AdamW or Muon (`jdist.step.muon`) with linear warmup, then a cosine decay
+or warmup-stable-decay, and global-norm clipping; and the non-finite guard `--on-nan skip`
+wraps it in."""
 
 from __future__ import annotations
 
@@ -7,30 +8,58 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jdist.step import muon
 
-def lr_schedule(lr: float, steps: int, warmup: int, min_lr_ratio: float = 0.1) -> optax.Schedule:
+MIN_LR_RATIO = 0.1  # both schedules end at a tenth of the peak
+
+def lr_schedule(lr: float, steps: int, warmup: int, min_lr_ratio: float = MIN_LR_RATIO,
+                kind: str = "cosine", decay_fraction: float = 0.2) -> optax.Schedule:
     """The learning rate at each count of updates (step k trains at count k - 1): linear over
     the first `warmup` steps, from lr / warmup at step 1 to lr at step `warmup` (0 and 1: lr
     from step 1), then a cosine to lr * min_lr_ratio one step past the last. A warmup that
-    started at 0 would spend step 1 on nothing. `warmup` is cut to steps - 1."""
+    started at 0 would spend step 1 on nothing. `warmup` is cut to steps - 1. `kind` wsd:
+    see `wsd`."""
     warmup = max(1, min(warmup, steps - 1))
+    if kind == "wsd":
+        return wsd(lr, steps, warmup, lr * min_lr_ratio, decay_fraction)
     return optax.warmup_cosine_decay_schedule(
         init_value=lr / warmup, peak_value=lr, warmup_steps=warmup - 1,
         decay_steps=max(steps, warmup), end_value=lr * min_lr_ratio)
 
 
+def wsd(lr: float, steps: int, warmup: int, floor: float,
+        decay_fraction: float) -> optax.Schedule:
+    """Warmup-stable-decay: the same linear warmup (lr at step `warmup`), lr until the last
+    `decay_fraction` of the steps, then down to `floor` one step past the last (as the
+    cosine). The decay is 1 - sqrt of its progress, not linear: Hägele et al. 2024 ("Scaling
+    Laws and Compute-Optimal Training Beyond Fixed Training Durations", arXiv 2405.18392)
+    find it better than a linear cooldown, and it keeps lr high longer."""
+    start = max(warmup - 1, steps - max(1, round(decay_fraction * steps)))
+    rise = optax.linear_schedule(lr / warmup, lr, warmup - 1)
+
+    def schedule(count):
+        progress = jnp.clip((count - start) / max(steps - start, 1), 0.0, 1.0)
+        return jnp.where(count < warmup - 1, rise(count),
+                         floor + (lr - floor) * (1.0 - jnp.sqrt(progress)))
+    return schedule
+
+
 def make_optimizer(lr: float = 3e-3, steps: int = 1000, warmup: int = 100,
                    weight_decay: float = 0.1, clip_norm: float = 1.0,
-                   b1: float = 0.9, b2: float = 0.95) -> tuple[optax.GradientTransformation,
-                                                               optax.Schedule]:
-    """Returns (transformation, schedule); the schedule reports the lr of each step."""
-    schedule = lr_schedule(lr, steps, warmup)
-    tx = optax.chain(
-        optax.clip_by_global_norm(clip_norm),
-        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
-                    mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params)),
-    )
-    return tx, schedule
+                   b1: float = 0.9, b2: float = 0.95, optimizer: str = "adamw",
+                   schedule: str = "cosine", decay_fraction: float = 0.2,
+                   names: dict | None = None) -> tuple[optax.GradientTransformation,
+                                                       optax.Schedule]:
+    """Returns (transformation, schedule); the schedule reports the lr of each step. Muon
+    needs the parameters' logical `names` (the model's tree) to tell matrices from the
+    rest."""
+    lr_at = lr_schedule(lr, steps, warmup, kind=schedule, decay_fraction=decay_fraction)
+    adamw = optax.adamw(lr_at, b1=b1, b2=b2, weight_decay=weight_decay,
+                        mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params))
+    if optimizer == "muon":
+        assert names is not None, "Muon needs the parameters' logical names"
+        adamw = muon.muon(lr_at, weight_decay, names, adamw)
+    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw), lr_at
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -53,8 +82,9 @@ def updates_applied(opt_state):
     """The optimizer's own count of updates, at which the schedule gives the learning rate
     of the next update. A skipped update (`--on-nan skip`, or a batch passed over after a
     rollback) does not advance it, so it lags the global step by the steps skipped. Works
-    on any tree shaped like the optimizer state (e.g. its shardings)."""
-    return optax.tree_utils.tree_get(opt_state, "ScaleByScheduleState").count
+    on any tree shaped like the optimizer state (e.g. its shardings). Muon's two halves
+    count alike; the first is read."""
+    return optax.tree_utils.tree_get_all_with_path(opt_state, "ScaleByScheduleState")[0][1].count
 
 
 def _decays(path, p) -> bool:

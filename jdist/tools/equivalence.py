@@ -23,8 +23,7 @@ from jdist.parallel.pipeline.layer_order import to_model_order
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES, Rules
 from jdist.step.build import make_train_step
-from jdist.step.from_flags import plan_for
-from jdist.step.optim import make_optimizer
+from jdist.step.from_flags import optimizer_of, plan_for
 from jdist.step.state import (
     Plan,
     init_adapters,
@@ -80,8 +79,8 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, flags: TrainConfig
                 eod_id: int | None = None, batch_fn=None, grads_step: int = 0) -> RunResult:
     """Train `flags.optim.steps` steps (`flags`: a `config(...)`, default `config()`) of
     `model` on `mesh` (a Mesh or a mesh string; `flags.parallel.mesh` is not read, nor
-    `--rules`: `rules` is the Rules themselves). The optimizer is AdamW at `--lr` with 2
-    warmup steps over a schedule of at least 10. `pipeline` (schedule, micro-batches)
+    `--rules`: `rules` is the Rules themselves). The optimizer is `--optimizer` at `--lr`
+    with 2 warmup steps over a `--schedule` of at least 10. `pipeline` (schedule, micro-batches)
     applies when the mesh has stages; `eod_id` packs documents (`jdist.data.packing`).
     `batch_fn(step)` -> host batch {"inputs", "targets"} replaces the token windows (tests
     of loss masks). `--init-from`: start from that Hugging Face directory's weights (`model`
@@ -93,7 +92,8 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, flags: TrainConfig
         flags.model.init_from
     if isinstance(mesh, str):
         mesh = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
-    tx, schedule = make_optimizer(flags.optim.lr, max(steps, 10), warmup=2)
+    schedule_flags = dataclasses.replace(flags.optim, steps=max(steps, 10), warmup=2)
+    tx, schedule = optimizer_of(dataclasses.replace(flags, optim=schedule_flags), model)
     plan = make_plan(model, mesh, rules, tx, flags.memory, flags.parallel, flags.finetune,
                      eod_id)
     plan = with_pipeline(plan, pipeline)
