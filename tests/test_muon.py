@@ -95,6 +95,7 @@ def test_muon_resumes_onto_another_mesh(tmp_path):
     partitioned optax state) saves and restores onto another layout: the steps after go on
     as the uninterrupted run's, bitwise on the same mesh."""
     from jdist.config import TrainConfig
+    from jdist.errors import ConfigError
     from jdist.train.loop import train
 
     run = {"model": "tiny", "optimizer": "muon", "schedule": "wsd", "batch_size": 8,
@@ -106,7 +107,23 @@ def test_muon_resumes_onto_another_mesh(tmp_path):
                                        resume=start)))
     other = losses(train(TrainConfig.of(**run, mesh="dp=2,tp=2", run_dir=str(tmp_path / "c"),
                                         resume=start)))
+    with pytest.raises(ConfigError, match="--optimizer muon"):  # AdamW's state is not Muon's
+        train(TrainConfig.of(**{**run, "optimizer": "adamw"}, mesh="fsdp=4",
+                             run_dir=str(tmp_path / "d"), resume=start))
     assert same == {s: full[s] for s in (3, 4)}
     assert sorted(other) == [3, 4]
     for step, loss in other.items():
         assert loss == pytest.approx(full[step], rel=1e-5)
+
+
+def test_muon_keeps_one_moment_per_matrix(plan_of):
+    """The memory model reads the optimizer state's shapes: Muon's is AdamW's less one
+    float32 moment of every projection matrix (a few scalars aside)."""
+    from jdist.memory import state_bytes
+
+    adamw, muon = plan_of("fsdp=2"), plan_of("fsdp=2", optimizer="muon")
+    projections = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    matrices = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(adamw.abstract.params)
+                   if path[-1].key in projections)
+    saved = state_bytes(adamw)[2] - state_bytes(muon)[2]
+    assert 0 <= 4 * matrices // 2 - saved < 64, (saved, 4 * matrices // 2)  # fsdp=2 halves

@@ -4,8 +4,8 @@ The plan makes mixed-precision Adam's accounting explicit, per device:
   parameters   float32 master weights, sharded as the ZeRO stage says (+ a bf16 compute copy
                when --compute-dtype bfloat16)
   gradients    float32, replicated over data until ZeRO-2 shards them
-  optimizer    two float32 Adam moments, sharded over data from ZeRO-1 (on the host with
-               --offload optimizer)
+  optimizer    two float32 Adam moments (Muon: one momentum for the blocks' matrices),
+               sharded over data from ZeRO-1 (on the host with --offload optimizer)
   activations  the larger of the backward's and the update's temporaries. The backward:
                every layer's residuals by --remat policy for one micro-batch, one layer's
                backward working set (or the loss's), one layer's gathered parameters and a

@@ -48,6 +48,7 @@ from jdist.parallel.pipeline import stashes
 from jdist.plan.layouts import Layout
 from jdist.plan.traffic import group_size
 from jdist.spmd import axes as ax
+from jdist.step.muon import newton_schulz_per_device
 from jdist.tools.comm import Row, transfer_time
 from jdist.tools.throughput import attention_params, flops_per_token
 
@@ -219,7 +220,9 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     experts = expert_factor(plan.model, tokens_per_stage_group / plan.compute.grad_accum,
                             shape.get(ax.EXPERT, 1))
     flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
-                           plan.compute.remat, stages > 1, plan.compute.loss, stages, experts)
+                           plan.compute.remat, stages > 1, plan.compute.loss, stages, experts) \
+        + newton_schulz_per_device(plan.abstract.opt_state, plan.opt_device_shardings,
+                                   plan.names)
     # `--fp8`: the projections' share at the profile's FP8 rate.
     fast = fp8_flops(plan.model, tokens_per_stage_group, plan.compute.remat, stages > 1, stages,
                      experts) if plan.compute.fp8 != "off" else 0.0

@@ -72,6 +72,25 @@ def newton_schulz_flops(rows: int, cols: int) -> int:
     return NS_STEPS * (4 * m * m * n + 2 * m ** 3)
 
 
+def newton_schulz_per_device(opt_state, opt_shardings, names: dict) -> float:
+    """FLOPs one device spends per step orthogonalising (0 without Muon): each matrix's
+    `newton_schulz_flops`, split over the devices its momentum is sharded over (XLA
+    partitions the products rather than repeating them: measured on the CPU compiler within
+    30% of this, `docs/muon.md`). `opt_state` abstract, `opt_shardings` its shardings."""
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "MuonState")
+    if not found:
+        return 0.0
+    mu = found[0][1].mu
+    shardings = optax.tree_utils.tree_get_all_with_path(opt_shardings, "MuonState")[0][1].mu
+    by_path, total = _by_path(names), 0.0
+    for (path, x), sharding in zip(jax.tree_util.tree_leaves_with_path(mu),
+                                   jax.tree.leaves(shardings)):
+        matrices, rows, cols = matrix_shape(x.shape, dimension_numbers(by_path[_key(path)]))
+        shards = math.prod(x.shape) / math.prod(sharding.shard_shape(x.shape))
+        total += matrices * newton_schulz_flops(rows, cols) / shards
+    return total
+
+
 def matrix_shape(shape: tuple, dims: MuonDimensionNumbers) -> tuple[int, int, int]:
     """(matrices, rows, cols) of a leaf of `shape` as Muon sees it."""
     rows = math.prod(shape[i] for i in dims.reduction_axis)
