@@ -42,13 +42,15 @@ OLD_CONFIG_JSON = {
     "straggler_every": 10, "straggler_threshold": 1.5, "straggler_windows": 3,
     "check_replicas_every": 100, "recompute_check_every": 1000,
     "inject_corruption_at_step": 0, "inject_straggler": "",
+    "optimizer": "adamw", "schedule": "cosine", "decay_fraction": 0.2,  # newer: Muon, WSD
 }
 # The flags that resume.RESULT_FLAGS listed by hand before the "result" metadata.
 OLD_RESULT_FLAGS = {"seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",
                     "clip_norm", "data", "data_dtype", "init_from", "tokenizer", "packing",
                     "data_format", "lora_rank", "lora_alpha", "lora_targets", "quantize_base",
                     "double_quant",
-                    "text_column"}  # newer: the column of .parquet/.arrow data
+                    "text_column",  # newer: the column of .parquet/.arrow data
+                    "optimizer", "schedule", "decay_fraction"}  # newer: Muon and WSD
 
 
 def a_value(field: dataclasses.Field, hint):

@@ -127,3 +127,15 @@ def test_muon_keeps_one_moment_per_matrix(plan_of):
                    if path[-1].key in projections)
     saved = state_bytes(adamw)[2] - state_bytes(muon)[2]
     assert 0 <= 4 * matrices // 2 - saved < 64, (saved, 4 * matrices // 2)  # fsdp=2 halves
+
+
+@pytest.mark.parametrize("fraction", ["0", "1.5", "nan"])
+def test_a_decay_fraction_outside_0_1_is_refused_in_one_line(fraction):
+    from jdist.config import parse_args
+    from jdist.errors import ConfigError
+    from jdist.step.from_flags import plan_for
+
+    with pytest.raises(ConfigError, match=f"--decay-fraction {float(fraction)} must be above "
+                                          "0 and at most 1"):
+        plan_for(parse_args(["--model", "tiny", "--schedule", "wsd",
+                             "--decay-fraction", fraction]))
