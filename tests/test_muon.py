@@ -64,10 +64,13 @@ def reference(single_device):
     return single_device(TINY, optimizer="muon")
 
 
-@pytest.mark.parametrize("mesh, zero", [("dp=2,fsdp=2,tp=2", 0), ("dp=2,fsdp=2,tp=2", 3)])
-def test_muon_matches_single_device(corpus, reference, mesh, zero):
-    assert_matches(train_steps(TINY, mesh, corpus.train, config(optimizer="muon", zero=zero)),
-                   reference)
+@pytest.mark.parametrize("mesh, zero, offload", [
+    ("dp=2,fsdp=2,tp=2", 0, "none"), ("dp=2,fsdp=2,tp=2", 3, "none"),
+    ("dp=2,fsdp=2,tp=2", 1, "optimizer"), ("dp=4,tp=2", 2, "none")])
+def test_muon_matches_single_device(corpus, reference, mesh, zero, offload):
+    run = train_steps(TINY, mesh, corpus.train,
+                      config(optimizer="muon", zero=zero, offload=offload))
+    assert_matches(run, reference)
 
 
 def test_muon_moves_the_weights_differently_from_adamw(corpus, reference, single_device):
