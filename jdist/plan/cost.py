@@ -222,7 +222,7 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
                            plan.compute.remat, stages > 1, plan.compute.loss, stages, experts) \
         + newton_schulz_per_device(plan.abstract.opt_state, plan.opt_device_shardings,
-                                   plan.names)
+                                   dict(plan.mesh.shape), plan.names)
     # `--fp8`: the projections' share at the profile's FP8 rate.
     fast = fp8_flops(plan.model, tokens_per_stage_group, plan.compute.remat, stages > 1, stages,
                      experts) if plan.compute.fp8 != "off" else 0.0

@@ -144,21 +144,21 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
                  and mesh.shape[ax.TENSOR] > 1),
             "--sequence-parallel with tensor parallelism is not supported for MoE models; "
             "drop --sequence-parallel or tp")
-    tx, schedule = optimizer_of(config, model)
+    tx, schedule = optimizer_of(config, model, mesh)
     if config.checkpoint.on_nan == "skip":
         tx = skip_nonfinite(tx)
     plan = make_plan(model, mesh, rules, tx, config.memory, config.parallel, config.finetune)
     return model, with_compute(plan, config), schedule
 
 
-def optimizer_of(config: TrainConfig, model: ModelConfig):
+def optimizer_of(config: TrainConfig, model: ModelConfig, mesh=None):
     """(transformation, schedule) from the optimizer flags; Muon reads the parameters'
-    logical names to tell matrices from the rest."""
+    logical names to tell matrices from the rest, and lays them out on `mesh`."""
     optim = config.optim
     names = logical_names(abstract_model(model)[1]) if optim.optimizer == "muon" else None
     return make_optimizer(optim.lr, optim.steps, optim.warmup, optim.weight_decay,
                           optim.clip_norm, optimizer=optim.optimizer, schedule=optim.schedule,
-                          decay_fraction=optim.decay_fraction, names=names)
+                          decay_fraction=optim.decay_fraction, names=names, mesh=mesh)
 
 
 def with_compute(plan: Plan, config: TrainConfig) -> Plan:

@@ -5,12 +5,14 @@ adapters). optax's `scale_by_muon` does the momentum and the iteration (the quin
 practice is bfloat16); which leaves are matrices, and which of their axes are the matrix,
 comes from the parameters' logical names.
 
-Sharding: each leaf's iteration runs under the step's jit on the leaf as it is sharded
-(fsdp, tensor, expert); XLA inserts the collectives the products need, so the result is
-the one-device result by construction. Layers and experts are batch axes (vmapped), so a
-matrix sharded only over them is orthogonalised where it lives; a matrix sharded over
-fsdp or tensor is gathered by XLA. We do not constrain the momentum to a replicated layout
-first: it would gather the same bytes and keep a whole copy on every device.
+Sharding: layers and experts are batch axes (vmapped), each matrix orthogonalised whole.
+Before the momentum, the gradient of a matrix is laid out over its layers (and experts):
+their axes take the mesh's devices (`owner_spec`), so each device holds whole matrices of
+a few layers and orthogonalises those alone; the jit's output shardings then move state
+and update back to the plan's layout. One all-to-all each way, instead of what XLA does
+with a matrix sharded over fsdp or tensor (gather it in every product of every iteration:
+about 10x the momentum's bytes per step, and all layers' gathered temporaries at once:
+docs/muon.md). Sharding constraints change no value: the result is one device's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 
 import jax
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from optax.transforms import MaskedNode
 
@@ -55,11 +58,13 @@ def labels(names: dict):
 
 
 def muon(schedule: optax.Schedule, weight_decay: float, names: dict,
-         adamw: optax.GradientTransformation) -> optax.GradientTransformation:
-    """Muon on the matrices (decoupled weight decay, as AdamW's), `adamw` on the rest."""
+         adamw: optax.GradientTransformation, mesh=None) -> optax.GradientTransformation:
+    """Muon on the matrices (decoupled weight decay, as AdamW's), `adamw` on the rest; with
+    a `mesh`, each matrix orthogonalised on the devices that own its layer."""
     dims = _dims(_by_path(names))
     matrices = optax.chain(
-        scale_by_muon(NS_COEFFS, NS_STEPS, BETA, nesterov=True, weight_dimension_numbers=dims),
+        _owned(scale_by_muon(NS_COEFFS, NS_STEPS, BETA, nesterov=True,
+                             weight_dimension_numbers=dims), mesh, dims),
         _scale_by_shape(dims), optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(schedule))
     return optax.partition({"muon": matrices, "adamw": adamw}, labels(names))
@@ -72,22 +77,26 @@ def newton_schulz_flops(rows: int, cols: int) -> int:
     return NS_STEPS * (4 * m * m * n + 2 * m ** 3)
 
 
-def newton_schulz_per_device(opt_state, opt_shardings, names: dict) -> float:
+def newton_schulz_per_device(opt_state, opt_shardings, mesh_shape: dict,
+                             names: dict) -> float:
     """FLOPs one device spends per step orthogonalising (0 without Muon): each matrix's
-    `newton_schulz_flops`, split over the devices its momentum is sharded over (XLA
-    partitions the products rather than repeating them: measured on the CPU compiler within
-    30% of this, `docs/muon.md`). `opt_state` abstract, `opt_shardings` its shardings."""
+    `newton_schulz_flops`, over the devices `owner_axes` spreads its matrices over (when
+    none divides its layers, over those its momentum is sharded over: XLA partitions the
+    products, measured within 30%, docs/muon.md). `opt_state` abstract, `opt_shardings`
+    its shardings."""
     found = optax.tree_utils.tree_get_all_with_path(opt_state, "MuonState")
     if not found:
         return 0.0
-    mu = found[0][1].mu
     shardings = optax.tree_utils.tree_get_all_with_path(opt_shardings, "MuonState")[0][1].mu
     by_path, total = _by_path(names), 0.0
-    for (path, x), sharding in zip(jax.tree_util.tree_leaves_with_path(mu),
+    for (path, x), sharding in zip(jax.tree_util.tree_leaves_with_path(found[0][1].mu),
                                    jax.tree.leaves(shardings)):
-        matrices, rows, cols = matrix_shape(x.shape, dimension_numbers(by_path[_key(path)]))
-        shards = math.prod(x.shape) / math.prod(sharding.shard_shape(x.shape))
-        total += matrices * newton_schulz_flops(rows, cols) / shards
+        dims = dimension_numbers(by_path[_key(path)])
+        matrices, rows, cols = matrix_shape(x.shape, dims)
+        spec = owner_axes(x.shape, dims, mesh_shape)
+        owners = math.prod(mesh_shape[a] for axes in spec if axes for a in axes) if any(spec) \
+            else math.prod(x.shape) / math.prod(sharding.shard_shape(x.shape))
+        total += matrices * newton_schulz_flops(rows, cols) / owners
     return total
 
 
@@ -96,6 +105,46 @@ def matrix_shape(shape: tuple, dims: MuonDimensionNumbers) -> tuple[int, int, in
     rows = math.prod(shape[i] for i in dims.reduction_axis)
     cols = math.prod(shape[i] for i in dims.output_axis)
     return math.prod(shape) // (rows * cols), rows, cols
+
+
+def owner_axes(shape: tuple, dims: MuonDimensionNumbers, mesh_shape: dict) -> list:
+    """The layout that gives each device whole matrices: the mesh's axes (in order, those
+    of more than one device) over the batch axes (layers, then experts) while they divide
+    them; the matrix axes unsplit. Axes left over replicate (a device repeats a matrix).
+    Per array axis, a tuple of mesh axes or None."""
+    free = [a for a in mesh_shape if mesh_shape[a] > 1]
+    spec: list = [None] * len(shape)
+    matrix = set(dims.reduction_axis) | set(dims.output_axis)
+    for i in (i for i in range(len(shape)) if i not in matrix):
+        taken, size = [], 1
+        while free and shape[i] % (size * mesh_shape[free[0]]) == 0:
+            size *= mesh_shape[free[0]]
+            taken.append(free.pop(0))
+        spec[i] = tuple(taken) or None
+    return spec
+
+
+def _owned(inner: optax.GradientTransformation, mesh, dims) -> optax.GradientTransformation:
+    """`inner` (optax's Muon) on gradients, momentum and update laid out by `owner_axes`:
+    all three, or XLA keeps the momentum's sum in the state's layout and partitions the
+    iteration again (nothing without a mesh)."""
+    def update(updates, state, params=None):
+        if mesh is None:
+            return inner.update(updates, state, params)
+        own = lambda tree: jax.tree.map(lambda u, d: _own(u, d, mesh), tree, dims(tree),
+                                        is_leaf=lambda x: isinstance(x, MuonDimensionNumbers))
+        updates, state = inner.update(own(updates), state._replace(mu=own(state.mu)), params)
+        return own(updates), state._replace(mu=own(state.mu))
+    return optax.GradientTransformation(inner.init, update)
+
+
+def _own(u, dims, mesh):
+    """`u` laid out by `owner_axes`; as it is when no device count divides its layers (XLA
+    then partitions each product, see the module's docstring)."""
+    spec = owner_axes(u.shape, dims, dict(mesh.shape))
+    if not any(spec):
+        return u
+    return jax.lax.with_sharding_constraint(u, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
 def _scale_by_shape(dims) -> optax.GradientTransformation:

@@ -48,17 +48,17 @@ def make_optimizer(lr: float = 3e-3, steps: int = 1000, warmup: int = 100,
                    weight_decay: float = 0.1, clip_norm: float = 1.0,
                    b1: float = 0.9, b2: float = 0.95, optimizer: str = "adamw",
                    schedule: str = "cosine", decay_fraction: float = 0.2,
-                   names: dict | None = None) -> tuple[optax.GradientTransformation,
-                                                       optax.Schedule]:
+                   names: dict | None = None,
+                   mesh=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns (transformation, schedule); the schedule reports the lr of each step. Muon
     needs the parameters' logical `names` (the model's tree) to tell matrices from the
-    rest."""
+    rest, and lays each matrix out on the `mesh`'s devices that orthogonalise it."""
     lr_at = lr_schedule(lr, steps, warmup, kind=schedule, decay_fraction=decay_fraction)
     adamw = optax.adamw(lr_at, b1=b1, b2=b2, weight_decay=weight_decay,
                         mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params))
     if optimizer == "muon":
         assert names is not None, "Muon needs the parameters' logical names"
-        adamw = muon.muon(lr_at, weight_decay, names, adamw)
+        adamw = muon.muon(lr_at, weight_decay, names, adamw, mesh)
     return optax.chain(optax.clip_by_global_norm(clip_norm), adamw), lr_at
 
 

@@ -93,7 +93,7 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, flags: TrainConfig
     if isinstance(mesh, str):
         mesh = build_mesh(mesh, jax.devices()[: parse_mesh(mesh).n_devices()])
     schedule_flags = dataclasses.replace(flags.optim, steps=max(steps, 10), warmup=2)
-    tx, schedule = optimizer_of(dataclasses.replace(flags, optim=schedule_flags), model)
+    tx, schedule = optimizer_of(dataclasses.replace(flags, optim=schedule_flags), model, mesh)
     plan = make_plan(model, mesh, rules, tx, flags.memory, flags.parallel, flags.finetune,
                      eod_id)
     plan = with_pipeline(plan, pipeline)
