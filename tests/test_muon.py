@@ -123,6 +123,7 @@ def test_muon_keeps_one_moment_per_matrix(plan_of):
     """The memory model reads the optimizer state's shapes: Muon's is AdamW's less one
     float32 moment of every projection matrix (a few scalars aside)."""
     from jdist.memory import state_bytes
+    from jdist.step.muon import update_bytes
 
     adamw, muon = plan_of("fsdp=2"), plan_of("fsdp=2", optimizer="muon")
     projections = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
@@ -130,6 +131,10 @@ def test_muon_keeps_one_moment_per_matrix(plan_of):
                    if path[-1].key in projections)
     saved = state_bytes(adamw)[2] - state_bytes(muon)[2]
     assert 0 <= 4 * matrices // 2 - saved < 64, (saved, 4 * matrices // 2)  # fsdp=2 halves
+    # The update's temporaries: gradient, momentum and update of each device's layer, whole.
+    update = [update_bytes(p.abstract.opt_state, p.opt_device_shardings, dict(p.mesh.shape),
+                           p.names) for p in (adamw, muon)]
+    assert update == [0, 3 * 4 * matrices // 2]
 
 
 @pytest.mark.parametrize("fraction", ["0", "1.5", "nan"])

@@ -4,8 +4,9 @@ The plan makes mixed-precision Adam's accounting explicit, per device:
   parameters   float32 master weights, sharded as the ZeRO stage says (+ a bf16 compute copy
                when --compute-dtype bfloat16)
   gradients    float32, replicated over data until ZeRO-2 shards them
-  optimizer    two float32 Adam moments (Muon: one momentum for the blocks' matrices),
-               sharded over data from ZeRO-1 (on the host with --offload optimizer)
+  optimizer    two float32 Adam moments (Muon: one momentum for the blocks' matrices, and
+               its update's temporaries in the activations term), sharded over data from
+               ZeRO-1 (on the host with --offload optimizer)
   activations  the larger of the backward's and the update's temporaries. The backward:
                every layer's residuals by --remat policy for one micro-batch, one layer's
                backward working set (or the loss's), one layer's gathered parameters and a
@@ -28,7 +29,7 @@ from jdist.parallel.attention.blockwise import KEY_TILE, Q_TILE
 from jdist.parallel.moe import expert_factor
 from jdist.parallel.vocab import chunk_size
 from jdist.spmd.sharding import per_device_bytes
-from jdist.step import trainable
+from jdist.step import muon, trainable
 
 COMPONENTS = ("params", "grads", "optimizer", "activations")
 
@@ -280,7 +281,9 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
     # (AdamW's moments and the parameters are then updated in place, the state being
     # donated). XLA's GPU compiler fuses that scaling into the update: no such tree (full
     # fine-tuning of 1B/8B/70B on one H100 target, jax 0.10.2).
-    update = 0 if on_gpu(plan) else grads
+    # Muon's update also holds its owned matrices whole (`jdist.step.muon.update_bytes`).
+    update = (0 if on_gpu(plan) else grads) + muon.update_bytes(
+        plan.abstract.opt_state, plan.opt_device_shardings, dict(plan.mesh.shape), plan.names)
     return Breakdown(params, grads, optimizer, max(backward, update))
 
 
