@@ -96,6 +96,24 @@ def update_bytes(opt_state, opt_shardings, mesh_shape: dict, names: dict) -> int
                    in _owned_matrices(opt_state, opt_shardings, mesh_shape, names)))
 
 
+def owner_moves(opt_state, opt_shardings, mesh_shape: dict, names: dict):
+    """(elements, owners, stored) per matrix leaf: the owned elements per device, the owner
+    axes, and those of them that also shard its momentum in the plan's layout."""
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "MuonState")
+    if not found:
+        return
+    shardings = optax.tree_utils.tree_get_all_with_path(opt_shardings, "MuonState")[0][1].mu
+    by_path = _by_path(names)
+    for (path, x), sharding in zip(jax.tree_util.tree_leaves_with_path(found[0][1].mu),
+                                   jax.tree.leaves(shardings)):
+        spec = owner_axes(x.shape, dimension_numbers(by_path[_key(path)]), mesh_shape)
+        owners = [a for axes in spec if axes for a in axes]
+        stored = {a for axes in sharding.spec if axes
+                  for a in ((axes,) if isinstance(axes, str) else axes)}
+        yield math.prod(x.shape) // math.prod(mesh_shape[a] for a in owners), tuple(owners), \
+            tuple(a for a in mesh_shape if a in owners and a in stored)
+
+
 def _owned_matrices(opt_state, opt_shardings, mesh_shape: dict, names: dict):
     """(matrices, rows, cols, owners) of each leaf Muon orthogonalises: owners, the devices
     `owner_axes` spreads its matrices over, or when none divides its layers, those its

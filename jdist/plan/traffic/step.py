@@ -113,7 +113,8 @@ def plain_step(st: Step) -> list[Collective]:
     out = [c.times(st.micro) for c in per_micro] + once + extras.per_step
     if defer:
         out += exact.finish_all(st, layers)
-    return out + partitioner.zero_update(st) + exact.loss_scalars(st, MANUAL) \
+    return out + partitioner.zero_update(st) + partitioner.muon_owners(st) \
+        + exact.loss_scalars(st, MANUAL) \
         + partitioner.grad_norm(st)
 
 
@@ -167,5 +168,6 @@ def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     out += [c.times(end_runs) for c in first + first_back + last + last_back]
     out += extras.per_step + exact.stage_permutes(st, table.ticks) + exact.stage_sums(st)
     out += exact.finish_all(st, st.model.n_layers // table.stages)
-    return out + partitioner.zero_update(st) + exact.loss_scalars(st, PIPE_MANUAL) \
+    return out + partitioner.zero_update(st) + partitioner.muon_owners(st) \
+        + exact.loss_scalars(st, PIPE_MANUAL) \
         + partitioner.grad_norm(st)
