@@ -33,6 +33,9 @@ The model (every term is a function below, each checked by `benchmarks/planner.p
                communication by 1 / (1 - bubble) (`pipeline_bubble`) — on dedicated
                devices: where devices share cores (`cpu-sim`) an idle stage's core runs
                another stage's work, and only the total work counts.
+  muon         `--optimizer muon` adds its Newton-Schulz FLOPs to the compute
+               (`jdist.step.muon.newton_schulz_per_device`); its all-to-alls are traffic
+               rows (`jdist.plan.traffic.partitioner.muon_owners`; docs/muon.md).
 """
 
 from __future__ import annotations
