@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Compiling dominates the suite (a tiny step compiles in ~4-7 s and runs in ~50 ms), and
 # LLVM's optimisation of the CPU kernels is most of a compile: skip it (the HLO passes,
@@ -35,7 +36,26 @@ from jdist.runtime import target
 REQUIRE_CUDA_PLUGIN = os.environ.get("JDIST_REQUIRE_CUDA_PLUGIN") == "1"
 
 
+# The fast tier (`python -m pytest -m "not slow"`) leaves out what tests/slow.txt lists: a
+# file, a test function with all its parameters, or one parameter set (`f.py::test[id]`), as
+# `--durations=0` measured them
+# (tests/test_tiers.py keeps every entry naming a real test). One list rather than markers
+# spread over 60 files: the tiers are re-cut from one measurement.
+SLOW_LIST = Path(__file__).with_name("slow.txt")
+
+
+def slow_entries(text: str) -> set[str]:
+    return {line.split("#")[0].strip() for line in text.splitlines()} - {""}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    slow = slow_entries(SLOW_LIST.read_text())
+    for item in items:
+        name = item.path.name
+        function = f"{name}::{getattr(item, 'originalname', item.name)}"
+        if slow & {name, function, f"{name}::{item.name}"}:
+            item.add_marker(pytest.mark.slow)
     if target.plugin_installed() or REQUIRE_CUDA_PLUGIN:
         return
     skip = pytest.mark.skip(reason="compiles for a GPU target, which needs jax's CUDA plugin: "
