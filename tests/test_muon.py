@@ -52,9 +52,10 @@ def test_wsd_schedule_follows_its_definition():
     at = lambda count: float(wsd(count))
     assert at(0) == pytest.approx(lr / warmup)          # step 1
     assert at(warmup - 1) == pytest.approx(lr)           # step `warmup`: the peak
-    assert {at(c) for c in range(warmup - 1, 81)} == {lr}  # stable until the last 20 steps
-    assert at(90) == pytest.approx(0.1 + 0.9 * (1 - np.sqrt(0.5)))  # 1-sqrt, halfway
-    assert at(steps) == pytest.approx(0.1)              # the floor, one step past the last
+    assert {at(c) for c in range(warmup - 1, 80)} == {lr}  # stable to step 80
+    assert at(80) < lr                                   # steps 81-100 decay
+    assert at(89) == pytest.approx(0.1 + 0.9 * (1 - np.sqrt(0.5)))  # 1-sqrt, halfway
+    assert at(steps - 1) == pytest.approx(0.1)          # the last step at the floor
     cosine = lr_schedule(lr, steps, warmup)
     assert [at(c) for c in range(warmup)] == [float(cosine(c)) for c in range(warmup)]
 

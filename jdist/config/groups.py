@@ -258,7 +258,8 @@ class OptimFlags:
         "embedding, head, norms, router and LoRA adapters", result=True)
     schedule: Literal["cosine", "wsd"] = flag(
         "cosine", "after the warmup: cosine decay to a tenth, or wsd: constant, then a "
-        "1-sqrt decay to a tenth over the last --decay-fraction of the steps", result=True)
+        "1-sqrt decay over the last --decay-fraction of the steps, to a tenth at the last "
+        "step", result=True)
     decay_fraction: float = flag(0.2, "with --schedule wsd, the fraction of --steps spent "
                                  "decaying", result=True)
 

@@ -30,15 +30,16 @@ def lr_schedule(lr: float, steps: int, warmup: int, min_lr_ratio: float = MIN_LR
 def wsd(lr: float, steps: int, warmup: int, floor: float,
         decay_fraction: float) -> optax.Schedule:
     """Warmup-stable-decay: the same linear warmup (lr at step `warmup`), lr until the last
-    `decay_fraction` of the steps, then down to `floor` one step past the last (as the
-    cosine). The decay is 1 - sqrt of its progress, not linear: Hägele et al. 2024 ("Scaling
-    Laws and Compute-Optimal Training Beyond Fixed Training Durations", arXiv 2405.18392)
-    find it better than a linear cooldown, and it keeps lr high longer."""
-    start = max(warmup - 1, steps - max(1, round(decay_fraction * steps)))
+    `decay_fraction` of the steps (at least one), which decay to `floor` at the last step:
+    unlike the cosine's, a WSD run's last weights are the decayed ones. The decay is 1 -
+    sqrt of its progress, not linear: Hägele et al. 2024 ("Scaling Laws and Compute-Optimal
+    Training Beyond Fixed Training Durations", arXiv 2405.18392) find it better than a
+    linear cooldown, and it keeps lr high longer."""
+    start = max(warmup - 1, steps - 1 - max(1, round(decay_fraction * steps)))
     rise = optax.linear_schedule(lr / warmup, lr, warmup - 1)
 
     def schedule(count):
-        progress = jnp.clip((count - start) / max(steps - start, 1), 0.0, 1.0)
+        progress = jnp.clip((count - start) / max(steps - 1 - start, 1), 0.0, 1.0)
         return jnp.where(count < warmup - 1, rise(count),
                          floor + (lr - floor) * (1.0 - jnp.sqrt(progress)))
     return schedule
