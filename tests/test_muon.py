@@ -124,7 +124,7 @@ def test_muon_keeps_one_moment_per_matrix(plan_of):
     """The memory model reads the optimizer state's shapes: Muon's is AdamW's less one
     float32 moment of every projection matrix (a few scalars aside)."""
     from jdist.memory import state_bytes
-    from jdist.step.muon import update_bytes
+    from jdist.step.muon_cost import update_bytes
 
     adamw, muon = plan_of("fsdp=2"), plan_of("fsdp=2", optimizer="muon")
     projections = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}

@@ -29,7 +29,7 @@ from jdist.parallel.attention.blockwise import KEY_TILE, Q_TILE
 from jdist.parallel.moe import expert_factor
 from jdist.parallel.vocab import chunk_size
 from jdist.spmd.sharding import per_device_bytes
-from jdist.step import muon, trainable
+from jdist.step import muon_cost, trainable
 
 COMPONENTS = ("params", "grads", "optimizer", "activations")
 
@@ -281,8 +281,8 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
     # (AdamW's moments and the parameters are then updated in place, the state being
     # donated). XLA's GPU compiler fuses that scaling into the update: no such tree (full
     # fine-tuning of 1B/8B/70B on one H100 target, jax 0.10.2).
-    # Muon's update also holds its owned matrices whole (`jdist.step.muon.update_bytes`).
-    update = (0 if on_gpu(plan) else grads) + muon.update_bytes(
+    # Muon's update also holds its owned matrices whole (`jdist.step.muon_cost.update_bytes`).
+    update = (0 if on_gpu(plan) else grads) + muon_cost.update_bytes(
         plan.abstract.opt_state, plan.opt_device_shardings, dict(plan.mesh.shape), plan.names)
     return Breakdown(params, grads, optimizer, max(backward, update))
 

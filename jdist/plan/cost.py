@@ -34,7 +34,7 @@ The model (every term is a function below, each checked by `benchmarks/planner.p
                devices: where devices share cores (`cpu-sim`) an idle stage's core runs
                another stage's work, and only the total work counts.
   muon         `--optimizer muon` adds its Newton-Schulz FLOPs to the compute
-               (`jdist.step.muon.newton_schulz_per_device`); its all-to-alls are traffic
+               (`jdist.step.muon_cost.newton_schulz_per_device`); its all-to-alls are traffic
                rows (`jdist.plan.traffic.partitioner.muon_owners`; docs/muon.md).
 """
 
@@ -51,7 +51,7 @@ from jdist.parallel.pipeline import stashes
 from jdist.plan.layouts import Layout
 from jdist.plan.traffic import group_size
 from jdist.spmd import axes as ax
-from jdist.step.muon import newton_schulz_per_device
+from jdist.step.muon_cost import newton_schulz_per_device
 from jdist.tools.comm import Row, transfer_time
 from jdist.tools.throughput import attention_params, flops_per_token
 

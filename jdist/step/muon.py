@@ -52,84 +52,22 @@ def dimension_numbers(names: tuple) -> MuonDimensionNumbers | None:
 def labels(names: dict):
     """`params -> tree of 'muon' | 'adamw'` (`names`: logical names per parameter, the model's
     tree; a trained subset of it is looked up by path)."""
-    by_path = _by_path(names)
+    by_path = names_by_path(names)
     return lambda params: jax.tree_util.tree_map_with_path(
-        lambda p, _: "muon" if dimension_numbers(by_path[_key(p)]) else "adamw", params)
+        lambda p, _: "muon" if dimension_numbers(by_path[path_key(p)]) else "adamw", params)
 
 
 def muon(schedule: optax.Schedule, weight_decay: float, names: dict,
          adamw: optax.GradientTransformation, mesh=None) -> optax.GradientTransformation:
     """Muon on the matrices (decoupled weight decay, as AdamW's), `adamw` on the rest; with
     a `mesh`, each matrix orthogonalised on the devices that own its layer."""
-    dims = _dims(_by_path(names))
+    dims = _dims(names_by_path(names))
     matrices = optax.chain(
         _owned(scale_by_muon(NS_COEFFS, NS_STEPS, BETA, nesterov=True,
                              weight_dimension_numbers=dims), mesh, dims),
         _scale_by_shape(dims), optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(schedule))
     return optax.partition({"muon": matrices, "adamw": adamw}, labels(names))
-
-
-def newton_schulz_flops(rows: int, cols: int) -> int:
-    """FLOPs of orthogonalising one rows x cols matrix: per step, with m = min and n = max,
-    A = X Xᵀ (2 m² n), A·A (2 m³) and (bA + cA²) X (2 m² n)."""
-    m, n = min(rows, cols), max(rows, cols)
-    return NS_STEPS * (4 * m * m * n + 2 * m ** 3)
-
-
-def newton_schulz_per_device(opt_state, opt_shardings, mesh_shape: dict,
-                             names: dict) -> float:
-    """FLOPs one device spends per step orthogonalising (0 without Muon): each matrix's
-    `newton_schulz_flops` over its owners. `opt_state` abstract, `opt_shardings` its
-    shardings. Measured on the H100 compiler: 83.2 TFLOP on llama3-8b fsdp=8 (83.24
-    here), 5.72 on llama3.2-1b (5.72; docs/muon.md)."""
-    return sum(matrices * newton_schulz_flops(rows, cols) / owners for matrices, rows, cols,
-               owners in _owned_matrices(opt_state, opt_shardings, mesh_shape, names))
-
-
-def update_bytes(opt_state, opt_shardings, mesh_shape: dict, names: dict) -> int:
-    """Temporaries of Muon's update per device: three float32 trees of the owned matrices
-    whole (gradient, momentum, orthogonalised update). On the H100 compiler the step's
-    temporaries measured 2.73x (llama3-8b fsdp=8: 8.87 GiB) and 2.85x (llama3.2-1b: 1.29
-    GiB) the owned bytes; 0 without Muon."""
-    return int(sum(3 * 4 * matrices * rows * cols / owners for matrices, rows, cols, owners
-                   in _owned_matrices(opt_state, opt_shardings, mesh_shape, names)))
-
-
-def owner_moves(opt_state, opt_shardings, mesh_shape: dict, names: dict):
-    """(elements, owners, stored) per matrix leaf: the owned elements per device, the owner
-    axes, and those of them that also shard its momentum in the plan's layout."""
-    found = optax.tree_utils.tree_get_all_with_path(opt_state, "MuonState")
-    if not found:
-        return
-    shardings = optax.tree_utils.tree_get_all_with_path(opt_shardings, "MuonState")[0][1].mu
-    by_path = _by_path(names)
-    for (path, x), sharding in zip(jax.tree_util.tree_leaves_with_path(found[0][1].mu),
-                                   jax.tree.leaves(shardings)):
-        spec = owner_axes(x.shape, dimension_numbers(by_path[_key(path)]), mesh_shape)
-        owners = [a for axes in spec if axes for a in axes]
-        stored = {a for axes in sharding.spec if axes
-                  for a in ((axes,) if isinstance(axes, str) else axes)}
-        yield math.prod(x.shape) // math.prod(mesh_shape[a] for a in owners), tuple(owners), \
-            tuple(a for a in mesh_shape if a in owners and a in stored)
-
-
-def _owned_matrices(opt_state, opt_shardings, mesh_shape: dict, names: dict):
-    """(matrices, rows, cols, owners) of each leaf Muon orthogonalises: owners, the devices
-    `owner_axes` spreads its matrices over, or when none divides its layers, those its
-    momentum is sharded over (XLA partitions the products: measured within 30%)."""
-    found = optax.tree_utils.tree_get_all_with_path(opt_state, "MuonState")
-    if not found:
-        return
-    shardings = optax.tree_utils.tree_get_all_with_path(opt_shardings, "MuonState")[0][1].mu
-    by_path = _by_path(names)
-    for (path, x), sharding in zip(jax.tree_util.tree_leaves_with_path(found[0][1].mu),
-                                   jax.tree.leaves(shardings)):
-        dims = dimension_numbers(by_path[_key(path)])
-        spec = owner_axes(x.shape, dims, mesh_shape)
-        owners = math.prod(mesh_shape[a] for axes in spec if axes for a in axes) if any(spec) \
-            else math.prod(x.shape) / math.prod(sharding.shard_shape(x.shape))
-        yield (*matrix_shape(x.shape, dims), owners)
 
 
 def matrix_shape(shape: tuple, dims: MuonDimensionNumbers) -> tuple[int, int, int]:
@@ -190,16 +128,16 @@ def _scale_by_shape(dims) -> optax.GradientTransformation:
 def _dims(by_path: dict):
     """The optax callable: the masked tree (MaskedNode where AdamW) -> dimension numbers."""
     def one(path, x):
-        return x if isinstance(x, MaskedNode) else dimension_numbers(by_path[_key(path)])
+        return x if isinstance(x, MaskedNode) else dimension_numbers(by_path[path_key(path)])
     return lambda tree: jax.tree_util.tree_map_with_path(
         one, tree, is_leaf=lambda x: isinstance(x, MaskedNode))
 
 
-def _by_path(names: dict) -> dict:
+def names_by_path(names: dict) -> dict:
     leaves = jax.tree_util.tree_leaves_with_path(names, is_leaf=lambda x: isinstance(x, tuple))
-    return {_key(p): n for p, n in leaves}
+    return {path_key(p): n for p, n in leaves}
 
 
-def _key(path) -> str:
+def path_key(path) -> str:
     return jax.tree_util.keystr(path)
 

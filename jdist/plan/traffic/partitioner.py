@@ -31,7 +31,7 @@ from jdist.plan.traffic.layout import (
     vocab_axes,
 )
 from jdist.spmd import axes as ax
-from jdist.step import muon
+from jdist.step import muon_cost
 
 # ---------------------------------------------------------------------------------------
 # GSPMD inside the layers
@@ -228,7 +228,7 @@ def muon_owners(st: Step) -> list[Collective]:
     owns its layers. Not modelled: moves over several axes (GSPMD, jax 0.10.2, replicates
     and re-partitions them: all-gathers, "involuntary full rematerialization")."""
     plan = st.plan
-    moves = muon.owner_moves(plan.abstract.opt_state, plan.opt_device_shardings,
+    moves = muon_cost.owner_moves(plan.abstract.opt_state, plan.opt_device_shardings,
                              dict(plan.mesh.shape), plan.names)
     return [Collective(A2A, stored, 6, elements, F32, "Muon: owner layout")
             for elements, owners, stored in moves if len(owners) == 1 and owners == stored]
