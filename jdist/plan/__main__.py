@@ -140,8 +140,11 @@ def simulate_devices(n: int) -> None:
         configure_devices(n)
 
 
-def plan_main(argv: list[str]) -> int:
+def checked_args(argv: list[str]):
+    """The flags, checked before anything is searched: (args, the --fix axes, the file
+    --emit writes or None)."""
     from jdist.plan.profiles import load_profile
+    from jdist.runtime.target import GPUS, check_plugin
     from jdist.spmd.mesh import parse_axes
 
     args = make_parser().parse_args(argv)
@@ -161,17 +164,21 @@ def plan_main(argv: list[str]) -> int:
     require(args.devices % math.prod(fixed.values()) == 0,
             f"--fix {','.join(args.fix)} uses {math.prod(fixed.values())} devices, which does not "
             f"divide --devices {args.devices}")
-    from jdist.plan.search import GROWTH, HEADROOM, describe_counts, search, smallest_change
-    from jdist.runtime.target import GPUS, check_plugin, plugin_installed, prepare_target
-
     require(args.verify >= 0, f"--verify {args.verify} must be at least 0")
     require(not args.verify or args.profile.name in GPUS,
             f"--verify compiles for a GPU target; {args.profile.name} has none (use one of "
             f"{', '.join(GPUS)})")
     if args.verify:
         check_plugin()
-    # The trainer plans on the target GPU's compile-only devices where the CUDA plugin is
-    # installed (attention `auto` resolves as on that GPU: cuDNN), else on simulated CPUs.
+    return args, fixed, emit_to
+
+
+def prepare_devices(args) -> None:
+    """The trainer plans on the target GPU's compile-only devices where the CUDA plugin is
+    installed (attention `auto` resolves as on that GPU: cuDNN), else on simulated CPUs."""
+    from jdist.plan.search import GROWTH
+    from jdist.runtime.target import GPUS, plugin_installed, prepare_target
+
     args.target = args.profile.name if args.profile.name in GPUS and plugin_installed() \
         else ""
     if args.target:
@@ -179,73 +186,79 @@ def plan_main(argv: list[str]) -> int:
     else:
         simulate_devices(args.devices * GROWTH)  # before jax starts its backends
 
-    base = base_config(args)
-    budget = args.memory_gb * 2**30 * HEADROOM if args.memory_gb else None
-    start = time.perf_counter()
-    with progress.Counter(f"searching the layouts of {args.model} on {args.devices} "
-                          "devices, by mesh shape") as counter:
-        result = search(base, args.devices, hosts, args.profile, fixed, budget,
-                        lambda n, m, r: counter.at(n, m, f"{r.considered} planned, "
-                                                         f"{len(r.ranked)} fit"))
-    took = time.perf_counter() - start
-    if not result.ranked:
-        need = ""
-        if result.smallest:
-            need = (f" (the most frugal, {result.smallest[1].label()}, needs "
-                    f"{result.smallest[0] / 2**30:.1f} GiB)")
-        changes = []
-        if not fixed:
-            with progress.phase("nothing fits: searching again with more devices, a shorter "
-                                "sequence and QLoRA", "searched for a change that fits"):
-                changes = smallest_change(base, args.devices, hosts, args.profile)
-        fix = ("it fits with " + ", or ".join(changes)) if changes else \
-            "use more devices, a shorter --seq-len, a smaller --batch-size or QLoRA"
-        budget_gib = (budget or args.profile.usable_memory_bytes * HEADROOM) / 2**30
-        raise ConfigError(f"no layout of {args.model} on {args.devices} {args.profile.name} "
-                          f"devices fits in {budget_gib:.1f} GiB per device{need}; {fix}")
-    best = result.ranked[0]
-    verified = []
-    if args.verify:
-        from jdist.plan import verify
 
-        with progress.Counter(f"compiling the best layouts for {args.devices} x {args.target} "
-                              f"until {args.verify} fit", every=0) as counter:
-            verified = verify.verify(
-                result.ranked, args.verify, base, hosts, args.profile,
-                budget or args.profile.usable_memory_bytes * HEADROOM,
-                lambda n, m, label: counter.at(n, m, f"compiling {label}"))
-        fitting = [v for v in verified if v.fits]
-        if not fitting:
-            from jdist.plan.verify import table as verified_table
-            print(verified_table(verified), file=sys.stderr)
-            raise ConfigError(
-                f"none of the {len(verified)} best layouts fits once the GPU compiler lays it "
-                "out (table above); rerun with a larger --verify, or a --memory-gb below the "
-                "budget to leave room")
-        best = fitting[0].verified
+def nothing_fits(args, base, result, fixed, budget) -> ConfigError:
+    """The error when no layout fits: the most frugal one's need, and the smallest change
+    that fits (searched again) when no axis was fixed."""
+    from jdist.plan.search import HEADROOM, smallest_change
+
+    need = ""
+    if result.smallest:
+        need = (f" (the most frugal, {result.smallest[1].label()}, needs "
+                f"{result.smallest[0] / 2**30:.1f} GiB)")
+    changes = []
+    if not fixed:
+        with progress.phase("nothing fits: searching again with more devices, a shorter "
+                            "sequence and QLoRA", "searched for a change that fits"):
+            changes = smallest_change(base, args.devices, args.hosts, args.profile)
+    fix = ("it fits with " + ", or ".join(changes)) if changes else \
+        "use more devices, a shorter --seq-len, a smaller --batch-size or QLoRA"
+    budget_gib = (budget or args.profile.usable_memory_bytes * HEADROOM) / 2**30
+    return ConfigError(f"no layout of {args.model} on {args.devices} {args.profile.name} "
+                       f"devices fits in {budget_gib:.1f} GiB per device{need}; {fix}")
+
+
+def verified_best(args, base, result, budget):
+    """(the best layout that fits once the GPU compiler lays it out, every verified row)."""
+    from jdist.plan import verify
+    from jdist.plan.search import HEADROOM
+
+    with progress.Counter(f"compiling the best layouts for {args.devices} x {args.target} "
+                          f"until {args.verify} fit", every=0) as counter:
+        verified = verify.verify(
+            result.ranked, args.verify, base, args.hosts, args.profile,
+            budget or args.profile.usable_memory_bytes * HEADROOM,
+            lambda n, m, label: counter.at(n, m, f"compiling {label}"))
+    fitting = [v for v in verified if v.fits]
+    if not fitting:
+        print(verify.table(verified), file=sys.stderr)
+        raise ConfigError(
+            f"none of the {len(verified)} best layouts fits once the GPU compiler lays it "
+            "out (table above); rerun with a larger --verify, or a --memory-gb below the "
+            "budget to leave room")
+    return fitting[0].verified, verified
+
+
+def write_emitted(args, base, best, emit_to) -> None:
+    from jdist.runtime.target import GPUS
+
+    summary = (f"{args.model} on {args.devices} x {args.profile.name}, {args.hosts} hosts: "
+               f"{best.layout.label()}, predicted {best.step_s:.3g} s/step")
+    gpus = args.devices // args.hosts if args.profile.name in GPUS else 0
+    emit.write(emit_to, emit.render(args.emit, command(base, best.layout),
+                                    model=args.model, hosts=args.hosts, gpus_per_host=gpus,
+                                    step_s=best.step_s, summary=summary))
+
+
+def print_json(args, base, result, best, verified, emit_to, took, devices) -> None:
+    out = {"model": args.model, "devices": args.devices, "hosts": args.hosts,
+           "accelerator": args.profile.name, "planned_on": devices,
+           "batch_size": args.batch_size, "seq_len": args.seq_len, "search_s": took,
+           "layouts": [as_json(e, base) for e in result.ranked[:args.top]],
+           "command": command(base, best.layout),
+           "memory_command": memory_command(base, best.layout)}
+    if verified:
+        from jdist.plan.verify import as_json as verified_json
+        out["verified"] = [verified_json(v) for v in verified]
     if emit_to:
-        summary = (f"{args.model} on {args.devices} x {args.profile.name}, {hosts} hosts: "
-                   f"{best.layout.label()}, predicted {best.step_s:.3g} s/step")
-        gpus = args.devices // hosts if args.profile.name in GPUS else 0
-        emit.write(emit_to, emit.render(args.emit, command(base, best.layout),
-                                        model=args.model, hosts=hosts, gpus_per_host=gpus,
-                                        step_s=best.step_s, summary=summary))
-    devices = f"{args.target} compile-only devices" if args.target else \
-        "simulated CPU devices (install the cuda12 extra to plan on the GPU's own)"
-    if args.json:
-        out = {"model": args.model, "devices": args.devices, "hosts": hosts,
-               "accelerator": args.profile.name, "planned_on": devices,
-               "batch_size": args.batch_size, "seq_len": args.seq_len, "search_s": took,
-               "layouts": [as_json(e, base) for e in result.ranked[:args.top]],
-               "command": command(base, best.layout),
-               "memory_command": memory_command(base, best.layout)}
-        if verified:
-            from jdist.plan.verify import as_json as verified_json
-            out["verified"] = [verified_json(v) for v in verified]
-        if emit_to:
-            out["emitted"] = str(emit_to)
-        print(json.dumps(out))
-        return 0
+        out["emitted"] = str(emit_to)
+    print(json.dumps(out))
+
+
+def print_text(args, base, result, best, verified, emit_to, took, devices, budget) -> None:
+    from jdist.plan.search import HEADROOM, describe_counts
+
+    hosts = args.hosts
     print(f"{args.model} on {args.devices} x {args.profile.name} ({hosts} host"
           f"{'s' if hosts > 1 else ''}), batch "
           f"{args.batch_size} x {args.seq_len}, {base.memory.compute_dtype}: "
@@ -263,6 +276,35 @@ def plan_main(argv: list[str]) -> int:
     print(f"its memory, term by term (the same GiB/dev): {memory_command(base, best.layout)}")
     if emit_to:
         print(emit.how_to_run(args.emit, emit_to))
+
+
+def plan_main(argv: list[str]) -> int:
+    args, fixed, emit_to = checked_args(argv)
+    prepare_devices(args)
+    from jdist.plan.search import HEADROOM, search
+
+    base = base_config(args)
+    budget = args.memory_gb * 2**30 * HEADROOM if args.memory_gb else None
+    start = time.perf_counter()
+    with progress.Counter(f"searching the layouts of {args.model} on {args.devices} "
+                          "devices, by mesh shape") as counter:
+        result = search(base, args.devices, args.hosts, args.profile, fixed, budget,
+                        lambda n, m, r: counter.at(n, m, f"{r.considered} planned, "
+                                                         f"{len(r.ranked)} fit"))
+    took = time.perf_counter() - start
+    if not result.ranked:
+        raise nothing_fits(args, base, result, fixed, budget)
+    best, verified = result.ranked[0], []
+    if args.verify:
+        best, verified = verified_best(args, base, result, budget)
+    if emit_to:
+        write_emitted(args, base, best, emit_to)
+    devices = f"{args.target} compile-only devices" if args.target else \
+        "simulated CPU devices (install the cuda12 extra to plan on the GPU's own)"
+    if args.json:
+        print_json(args, base, result, best, verified, emit_to, took, devices)
+    else:
+        print_text(args, base, result, best, verified, emit_to, took, devices, budget)
     return 0
 
 
