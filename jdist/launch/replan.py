@@ -15,7 +15,7 @@ import math
 
 from jdist.errors import ConfigError, require
 from jdist.spmd.axes import DATA, FSDP, MESH_AXES, REPLICA_AXES, SHORT
-from jdist.spmd.mesh import dcn_sizes
+from jdist.spmd.mesh import dcn_sizes, mesh_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +28,7 @@ class Layout:
 
     def mesh(self) -> str:
         """The `--mesh` argument, its axes of size one left out."""
-        named = [f"{SHORT[axis]}={n}" for axis, n in self.sizes.items() if n > 1]
-        return ",".join(named) or f"{SHORT[DATA]}=1"
+        return mesh_text(self.sizes)
 
     def n_devices(self) -> int:
         return math.prod(self.sizes.values())

@@ -18,10 +18,9 @@ from collections.abc import Iterator
 
 from jdist.parallel.pipeline import schedule as sched
 from jdist.spmd import axes as ax
+from jdist.spmd.mesh import mesh_text
 from jdist.spmd.rules import batch_split
 
-ALIASES = {ax.DATA: "dp", ax.STAGE: "pp", ax.FSDP: "fsdp", ax.SEQUENCE: "sp", ax.EXPERT: "ep",
-           ax.TENSOR: "tp"}
 CP_STRATEGIES = ("ring", "all_gather", "ulysses")
 REMATS = ("none", "selective", "full")
 
@@ -47,8 +46,7 @@ class Layout:
         return dict(self.sizes)
 
     def mesh_text(self) -> str:
-        named = [f"{ALIASES[a]}={n}" for a, n in self.sizes if n > 1]
-        return ",".join(named) or "dp=1"
+        return mesh_text(dict(self.sizes))
 
     def flags(self) -> list[str]:
         """The `python -m jdist.train` flags of this layout (defaults left out)."""

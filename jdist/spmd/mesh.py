@@ -14,7 +14,7 @@ import tomllib
 from importlib import resources
 
 from jdist.errors import ConfigError, require
-from jdist.spmd.axes import DATA, MESH_AXES, MESH_AXIS_ALIASES
+from jdist.spmd.axes import DATA, MESH_AXES, MESH_AXIS_ALIASES, SHORT
 
 FILL = -1  # "whatever is left over" on the command line
 
@@ -144,6 +144,13 @@ def parse_mesh(text: str) -> MeshSpec:
     if "=" in text or not text:
         return MeshSpec(parse_axes(text))
     return load_preset(text)
+
+
+def mesh_text(sizes: dict[str, int]) -> str:
+    """The `--mesh` argument for these axis sizes (canonical names), in their order, axes of
+    size one left out: what `parse_axes` reads back."""
+    return ",".join(f"{SHORT[axis]}={n}" for axis, n in sizes.items() if n > 1) or \
+        f"{SHORT[DATA]}=1"
 
 
 def dcn_sizes(sizes: dict[str, int], dcn: dict[str, int], n_granules: int) -> dict[str, int]:
