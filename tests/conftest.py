@@ -77,15 +77,6 @@ def corpus() -> data.Corpus:
 
 
 @pytest.fixture(scope="session")
-def plan_of():
-    """`plan_of(mesh, **flags)`: the Plan the command line makes for those flags
-    (`jdist.tools.equivalence.plan_of`), shared by every test that plans."""
-    from jdist.tools.equivalence import plan_of
-
-    return plan_of
-
-
-@pytest.fixture(scope="session")
 def single_device(corpus):
     """`single_device(model, **settings)`: the one-device run of the equivalence harness
     (jdist.tools.equivalence.train_steps on dp=1), computed once per test session and shared by

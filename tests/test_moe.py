@@ -20,7 +20,7 @@ from jdist.parallel.moe import moe_ffn
 from jdist.spmd.mesh import build_mesh
 from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step import make_train_step
-from jdist.tools.equivalence import assert_matches, train_steps
+from jdist.tools.equivalence import assert_matches, plan_of, train_steps
 from jdist.tools.gpu_report import report
 from jdist.tools.hlo import collective_counts, loop_bodies
 from jdist.train.loop import train
@@ -233,7 +233,7 @@ def test_matches_single_device(corpus, single_device, mesh):
     assert_matches(train_steps(MOE, mesh, corpus.train), single_device(MOE))
 
 
-def test_expert_parallelism_uses_all_to_all(plan_of):
+def test_expert_parallelism_uses_all_to_all():
     plan = plan_of("dp=2,ep=4", model="moe-tiny")
     tokens = jax.ShapeDtypeStruct((16, 32), jnp.int32)
     text = make_train_step(plan).lower(plan.abstract, {"inputs": tokens, "targets": tokens}) \

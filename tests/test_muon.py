@@ -11,7 +11,7 @@ from jdist.models import get_preset
 from jdist.parallel.pipeline import PipelineConfig
 from jdist.step.muon import NS_COEFFS, NS_STEPS, dimension_numbers
 from jdist.step.optim import lr_schedule
-from jdist.tools.equivalence import assert_matches, config, train_steps
+from jdist.tools.equivalence import assert_matches, config, plan_of, train_steps
 
 TINY, MOE = get_preset("tiny"), get_preset("moe-tiny")
 TINY4 = get_preset("tiny", n_layers=4)  # two layers per stage at pp=2
@@ -120,7 +120,7 @@ def test_muon_resumes_onto_another_mesh(tmp_path):
         assert loss == pytest.approx(full[step], rel=1e-5)
 
 
-def test_muon_keeps_one_moment_per_matrix(plan_of):
+def test_muon_keeps_one_moment_per_matrix():
     """The memory model reads the optimizer state's shapes: Muon's is AdamW's less one
     float32 moment of every projection matrix (a few scalars aside)."""
     from jdist.memory import state_bytes
@@ -162,7 +162,7 @@ def test_owners_take_the_mesh_axes_that_divide_layers_then_experts():
     assert owner_axes((2, 64, 8, 8), wq, {"fsdp": 8}) == [None] * 4  # XLA's way then
 
 
-def test_owned_matrices_cost_all_to_alls_not_gathers(plan_of):
+def test_owned_matrices_cost_all_to_alls_not_gathers():
     """What the owner layout is for: on fsdp=2 Muon adds no all-gather or all-reduce to
     AdamW's step (XLA's own partitioning of the iteration adds ~10x the momentum's bytes
     of all-gathers, docs/muon.md), only all-to-alls."""

@@ -6,9 +6,10 @@ from jax.sharding import PartitionSpec as P
 
 from jdist.spmd.sharding import per_device_bytes
 from jdist.step import init_state
+from jdist.tools.equivalence import plan_of
 
 
-def test_no_device_holds_a_full_copy_of_a_sharded_parameter(plan_of):
+def test_no_device_holds_a_full_copy_of_a_sharded_parameter():
     plan = plan_of("dp=2,fsdp=2,tp=2")
     state = init_state(plan, seed=0)
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
@@ -26,7 +27,7 @@ def test_no_device_holds_a_full_copy_of_a_sharded_parameter(plan_of):
     assert embed.addressable_shards[0].data.shape == (128, 32)
 
 
-def test_optimizer_state_is_sharded_like_its_parameter(plan_of):
+def test_optimizer_state_is_sharded_like_its_parameter():
     plan = plan_of("fsdp=8")
     state = init_state(plan, seed=0)
     moments = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "mu"))
@@ -40,7 +41,7 @@ def test_optimizer_state_is_sharded_like_its_parameter(plan_of):
     assert total < full / 4  # mostly 1/8, plus replicated norm scales and counters
 
 
-def test_initialisation_does_not_depend_on_the_mesh(plan_of):
+def test_initialisation_does_not_depend_on_the_mesh():
     one, many = plan_of("dp=1"), plan_of("fsdp=2,tp=4")
     a = jax.tree.map(np.asarray, init_state(one, 3).params)
     b = jax.tree.map(np.asarray, init_state(many, 3).params)
