@@ -54,8 +54,11 @@ def test_progress_goes_to_stdout_with_lr_time_mfu_memory_and_eta(tmp_path, capfd
     assert found[-1][2] == "0:00:00"  # nothing left at the last step
     assert "loss" not in err and "tok/s" not in err, err
     # ~0, not 0: the step's psums over a one-device axis still run (5 us of 18 ms measured)
-    assert metrics(tmp_path / "run")[1]["comm_fraction"] < 1e-3
-    assert "profile of step 2: collectives 0.0% of device time" in out, out
+    # (0.06% printed as 0.1% on CI's busy cores), and the line prints the record's value
+    share = metrics(tmp_path / "run")[1]["comm_fraction"]
+    assert share < 1e-3
+    printed = re.search(r"profile of step 2: collectives (\d+\.\d)% of device time", out)
+    assert printed and float(printed[1]) == round(100 * share, 1), out
 
 
 def test_tensorboard_holds_the_metrics(observed):
