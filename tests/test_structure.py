@@ -17,7 +17,7 @@ PACKAGES = {"jdist": "jdist"}  # directory of the project's code -> the package 
 # matching entry. `jdist` is the package's own __init__ (it picks the JAX platform, with the
 # runtime's help).
 LAYERS: list[tuple[str, set[str]]] = [
-    ("errors", {"jdist.errors"}),
+    ("errors and files", {"jdist.errors", "jdist.files"}),
     ("devices and named axes", {"jdist", "jdist.spmd", "jdist.runtime", "jdist.launch"}),
     ("models", {"jdist.models", "jdist.meshes"}),
     ("quantized numbers", {"jdist.quant"}),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ import jax
 from jdist.checkpoint.rehash import HASH_THREADS, first_mismatch
 from jdist.checkpoint.rehash import sha256 as _sha256
 from jdist.errors import ConfigError
+from jdist.files import write_atomically
 
 MANIFEST = "jdist_manifest.json"
 MANIFEST_FORMAT = "jdist-checkpoint-manifest/2"  # /2 added "process" to each file
@@ -87,9 +87,7 @@ def file_records(path: Path, process: int = 0, process_count: int = 1) -> dict[s
 
 
 def _write_json(path: Path, body: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(body, indent=1))
-    os.replace(tmp, path)  # atomic: either absent or whole
+    write_atomically(path, json.dumps(body, indent=1))
 
 
 def write_manifest(path: Path, step: int, records: dict[str, dict] | None = None,

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from jdist.errors import require, run_cli
+from jdist.files import write_atomically
 from jdist.tools.comm import RING
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -438,10 +439,7 @@ def write_calibration(result: dict, path) -> Path:
     """Write `result` (a `calibrate` dict) as TOML at `path`, creating its directory."""
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(HEADER + "\n" + to_toml(result))
-    tmp.replace(path)  # never a half-written file where load_profile looks
-    return path
+    return write_atomically(path, HEADER + "\n" + to_toml(result))
 
 
 # --- the command ---------------------------------------------------------------------------

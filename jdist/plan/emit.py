@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from jdist.errors import ConfigError, require
+from jdist.files import write_atomically
 from jdist.launch import jobset, slurm
 
 SUFFIX = {"slurm": ".sbatch", "jobset": ".yaml"}
@@ -60,18 +61,10 @@ def render(kind: str, command: str, *, model: str, hosts: int, gpus_per_host: in
 
 
 def write(path: Path, text: str) -> None:
-    """Atomically: a file that exists is the whole script, old or new."""
-    tmp = None
+    """A file that exists is the whole script, old or new."""
     try:
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.",
-                                         delete=False) as f:
-            tmp = f.name
-            f.write(text)
-        os.chmod(tmp, 0o755 if text.startswith("#!") else 0o644)
-        os.replace(tmp, path)
+        write_atomically(path, text, 0o755 if text.startswith("#!") else 0o644)
     except OSError as e:
-        if tmp:
-            Path(tmp).unlink(missing_ok=True)
         raise ConfigError(f"--out {path}: {e.strerror}; name a file in a writable "
                           "directory") from None
 

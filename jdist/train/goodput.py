@@ -24,6 +24,8 @@ import json
 import time
 from pathlib import Path
 
+from jdist.files import write_atomically
+
 CATEGORIES = ("setup", "init", "compile", "train", "data", "checkpoint", "eval", "checks",
               "profile", "lost")
 FILE = "goodput.json"
@@ -90,6 +92,4 @@ def write(run_dir: Path, summary: dict) -> None:
     path = Path(run_dir) / FILE
     runs = json.loads(path.read_text()).get("runs", []) if path.exists() else []
     body = {**summary, "runs": [*runs, summary]}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(body, indent=1))
-    tmp.replace(path)
+    write_atomically(path, json.dumps(body, indent=1))

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import jax
 
+from jdist.files import write_atomically
 from jdist.spmd import sharding as sh
 from jdist.spmd.mesh import describe
 from jdist.step.forward import attention_of
@@ -205,12 +205,10 @@ def open_run_dir(run_dir: Path, setup, resume_step: int) -> MetricsLog:
     config, plan, corpus = setup.config, setup.plan, setup.corpus
     # Whole or not at all (through a rename): a Ctrl-C or a full disk never leaves a
     # truncated config.json, which the next run in RUN_DIR would refuse as not a jdist run's.
-    partial = run_dir / "config.json.tmp"
-    partial.write_text(json.dumps({
+    write_atomically(run_dir / "config.json", json.dumps({
         "train": config.flat(), "model": dataclasses.asdict(setup.model),
         "mesh": dict(plan.mesh.shape), "data": corpus.source,
         "processes": jax.process_count(), "jax": jax.__version__}, indent=2))
-    os.replace(partial, run_dir / "config.json")
     print(layout_table(plan), flush=True)
     print(compute_line(plan, config), flush=True)
     train, val = setup.token_counts()
