@@ -33,7 +33,7 @@ class ModelFlags:
 
     preset: str = flag(DEFAULT_PRESET, "model preset (not with --init-from): tiny, small, "
                        "qlora-tiny (head_dim 64: whole NF4 blocks for --quantize-base), "
-                       "moe-tiny, moe-small; shape-only "
+                       "moe-tiny, moe-small, dense-moe-tiny; shape-only "
                        "llama2-7b, llama3-8b, llama3.1-8b, llama3.1-70b, llama3.2-1b, "
                        "llama3.2-3b, qwen3-0.6b, qwen3-8b, qwen3-32b, mixtral-8x7b, "
                        "qwen3-30b-a3b, qwen3-235b-a22b (aliases 1b, 7b, 70b, 8x7b)",
@@ -71,6 +71,10 @@ class ModelFlags:
                                           "after each step every expert's routing bias "
                                           "moves by this much toward an even load (0: off; "
                                           "0.001 typical)")
+    first_dense_layers: int | None = flag(None, "with --n-experts: the first blocks keep a "
+                                          "dense MLP (DeepSeek's first_k_dense_replace); "
+                                          "a stack of two runs")
+    dense_d_ff: int | None = flag(None, "hidden width of those dense blocks' MLP (0: --d-ff)")
 
     def overrides(self) -> dict:
         """The shape overrides by field name (None: the preset's value)."""

@@ -2,7 +2,8 @@
 
 Presets: `tiny`, `small`, `qlora-tiny` (byte vocabulary, runnable on a CPU; `qlora-tiny` has
 head_dim 64, so its projections hold whole NF4 blocks for `--quantize-base nf4`); `moe-tiny`,
-`moe-small`, `8x7b` (mixture of experts); and shape-only ones with the public Llama shapes
+`moe-small`, `8x7b` (mixture of experts); `dense-moe-tiny` (dense blocks, then experts);
+and shape-only ones with the public Llama shapes
 (HF config.json): `llama2-7b`, `llama3-8b`, `llama3.1-8b`, `llama3.1-70b`, `llama3.2-1b`,
 `llama3.2-3b`.
 Aliases: `1b` = `llama3.2-1b`, `7b` = `llama2-7b`, `70b` = `llama3.1-70b`.
@@ -65,6 +66,16 @@ class ModelConfig:
     router_bias_rate: float = 0.0
     # LoRA adapters on the projections (models.lora); None: none.
     lora: LoraConfig | None = None
+    # A heterogeneous stack (DeepSeek's first_k_dense_replace): the first blocks of a mixture
+    # of experts keep a dense SwiGLU MLP, `dense_d_ff` wide (0: d_ff). The stack becomes
+    # runs of equal blocks, each its own scanned stack (`models.runs`).
+    first_dense_layers: int = 0
+    dense_d_ff: int = 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many blocks route to experts (the rows of the per-layer balance tables)."""
+        return self.n_layers - self.first_dense_layers if self.n_experts else 0
 
     @property
     def dim_per_head(self) -> int:
@@ -79,8 +90,11 @@ class ModelConfig:
         shared = 3 * self.d_model * self.shared_d_ff + self.d_model * self.shared_gate
         router = (self.d_model + (self.router_bias_rate > 0)) * self.n_experts
         block = attn + mlp + router + shared + norms
+        dense = attn + 3 * self.d_model * (self.dense_d_ff or self.d_ff) + norms
+        blocks = self.moe_layers * block + (self.n_layers - self.moe_layers) * \
+            (block if not self.n_experts else dense)
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
-        return self.n_layers * block + self.vocab_size * self.d_model + head + self.d_model
+        return blocks + self.vocab_size * self.d_model + head + self.d_model
 
     def validate(self) -> None:
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
@@ -105,7 +119,13 @@ class ModelConfig:
                     f"--router-bias-rate {self.router_bias_rate} must be 0 (off) or positive")
             require(self.shared_d_ff >= 0, f"--shared-d-ff {self.shared_d_ff} must be 0 (no "
                     "shared expert) or positive")
+            require(0 <= self.first_dense_layers < self.n_layers,
+                    f"--first-dense-layers {self.first_dense_layers} must leave at least one "
+                    f"of the {self.n_layers} layers to the experts")
         else:
+            require(not self.first_dense_layers and not self.dense_d_ff,
+                    "--first-dense-layers and --dense-d-ff keep the first blocks of a mixture "
+                    "of experts dense; add --n-experts E")
             require(not self.router_bias_rate,
                     "--router-bias-rate balances a mixture of experts; add --n-experts E")
             require(not self.shared_d_ff and not self.shared_gate,
@@ -116,6 +136,8 @@ class ModelConfig:
         require(self.lora is None or not self.router_bias_rate,
                 "LoRA freezes the router, so there is no routing to rebalance; drop "
                 "--router-bias-rate")
+        require(self.dense_d_ff >= 0, f"--dense-d-ff {self.dense_d_ff} must be 0 (--d-ff) or "
+                "positive")
         if self.lora is not None:  # with experts, MLP adapters go on the shared expert only
             mlp = self.shared_d_ff if self.n_experts else self.d_ff
             dims = (self.d_model, self.dim_per_head * self.n_kv_heads) + ((mlp,) if mlp else ())
@@ -154,6 +176,11 @@ PRESETS: dict[str, ModelConfig] = {
     # Mixtral-style: every block's MLP is a top-2 mixture of experts.
     "moe-tiny": ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, n_layers=2, n_heads=8,
                             n_kv_heads=4, d_ff=64, n_experts=8, top_k=2),
+    # DeepSeek-style heterogeneous stack: a dense first block, then a mixture of experts
+    # (two runs, `models.runs`).
+    "dense-moe-tiny": ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, n_layers=4, n_heads=8,
+                                  n_kv_heads=4, d_ff=64, n_experts=8, top_k=2,
+                                  first_dense_layers=2, dense_d_ff=128),
     "moe-small": ModelConfig(vocab_size=BYTE_VOCAB, d_model=256, n_layers=4, n_heads=8,
                              n_kv_heads=4, d_ff=384, n_experts=8, top_k=2),
     # Public MoE shapes (HF config.json), for planning only: Mixtral (8 experts, top-2) and

@@ -30,7 +30,7 @@ def einsum(h, w, eq, h_names):
     return project(eq, h, w)
 
 
-def scan_layers(layer, x, layers, rows):
+def scan_layers(layer, x, layers, rows, run=None):
     return jax.lax.scan(lambda x, state: layer(x, state, rows), x, layers)
 
 
@@ -51,9 +51,10 @@ class ModelContext:
     # the residual stream (attention output, down), h's logical axes `h_names`; the step may
     # scatter their partial sums likewise.
     narrow: Callable = einsum
-    # layer_loop(layer, x, layers, rows) -> (x, stats [layers, ...]): runs `layer(x, state,
-    # rows) -> (x, stats)` over the stacked `layers` state; `rows` is a dict of per-row
-    # inputs (leading dim batch, as x's) the loop may split with x. The step's gathers each
+    # layer_loop(layer, x, layers, rows, run) -> (x, stats [layers, ...]): runs `layer(x,
+    # state, rows) -> (x, stats)` over the stacked `layers` state of the run stored under
+    # the key `run` (`models.runs`); `rows` is a dict of per-row inputs (leading dim batch,
+    # as x's) the loop may split with x. The step's gathers each
     # layer's parameters (ahead of time) and checkpoints activations; the default is a plain
     # scan.
     layer_loop: Callable = scan_layers

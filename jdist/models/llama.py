@@ -27,6 +27,7 @@ from jdist.models.layers import (
 )
 from jdist.models.lora import adapted, adapter
 from jdist.models.moe import MoE
+from jdist.models.runs import Run, runs
 from jdist.spmd.axes import (
     ACT_EMBED,
     BATCH,
@@ -134,13 +135,14 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, run: Run | None = None):
+        run = run or runs(cfg)[0]
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MoE(cfg, rngs) if cfg.n_experts else SwiGLU(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if run.moe else SwiGLU(cfg, rngs, run.d_ff)
         # A shared expert beside the routed ones, for every token.
-        shared = cfg.n_experts and cfg.shared_d_ff
+        shared = run.moe and cfg.shared_d_ff
         self.shared_mlp = SwiGLU(cfg, rngs, cfg.shared_d_ff) if shared else None
         self.shared_gate = param(rngs, (cfg.d_model, 1), (EMBED, None)) \
             if shared and cfg.shared_gate else None
@@ -175,22 +177,33 @@ class Block(nnx.Module):
         return ctx.constrain(x + out, RESIDUAL), kv
 
 
-def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """`n_layers` blocks as one Block whose parameters have a leading `layers` dimension."""
+def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, run: Run | None = None) -> Block:
+    """A run's blocks (default: the first run, all `n_layers` of a homogeneous model) as
+    one Block whose parameters have a leading `layers` dimension."""
+    run = run or runs(cfg)[0]
 
-    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.split_rngs(splits=run.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs)
+        return Block(cfg, rngs, run)
 
     return make(rngs)
+
+
+def _concatenated(stats: list[dict]) -> dict:
+    """The runs' per-layer statistics as one stack: runs without experts have none."""
+    stats = [s for s in stats if s]
+    if len(stats) < 2:
+        return stats[0] if stats else {}
+    return jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
 
 
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
-        self.blocks = stacked_blocks(cfg, rngs)
+        for run in runs(cfg):  # `blocks`, then `blocks_1`, ... (models.runs)
+            setattr(self, run.key, stacked_blocks(cfg, rngs, run))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
@@ -230,25 +243,29 @@ class Llama(nnx.Module):
 
     def run_blocks(self, x: jax.Array, ctx: ModelContext = LOCAL,
                    positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
-        """The stacked blocks (however many `self.blocks` holds) -> (x, stats per layer).
-        The loop is the context's (`ctx.layer_loop`): the step's gathers each layer's
-        parameters and checkpoints its activations."""
+        """The stacked blocks (however many each run's stack holds) -> (x, stats per layer
+        with experts). Each run is one loop, the context's (`ctx.layer_loop`): the step's
+        gathers each layer's parameters and checkpoints its activations."""
         cfg = self.config
         # Concrete positions: rotary tables computed on the host in float64 (models.layers).
         positions = np.arange(x.shape[1]) if positions is None else positions
         cos, sin = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
-        graphdef, layers = nnx.split(self.blocks)
         # What differs per row of the batch goes to the loop beside x, which may run the
         # layer on groups of rows (`ModelContext.layer_loop`).
         rows = {"segment_ids": segment_ids}
         if cos.ndim == 3:  # per-row positions (packed documents)
             rows |= {"cos": cos, "sin": sin}
+        stats = []
+        for run in runs(cfg):
+            graphdef, layers = nnx.split(getattr(self, run.key))
 
-        def layer(x, state, rows):
-            return nnx.merge(graphdef, state)(x, rows.get("cos", cos), rows.get("sin", sin),
-                                              ctx, rows["segment_ids"])
+            def layer(x, state, rows, graphdef=graphdef):
+                return nnx.merge(graphdef, state)(x, rows.get("cos", cos),
+                                                  rows.get("sin", sin), ctx, rows["segment_ids"])
 
-        return ctx.layer_loop(layer, x, layers, rows)
+            x, run_stats = ctx.layer_loop(layer, x, layers, rows, run.key)
+            stats.append(run_stats)
+        return x, _concatenated(stats)
 
     def decode(self, tokens: jax.Array, kv: tuple[jax.Array, jax.Array], index: jax.Array,
                positions: jax.Array, visible: jax.Array, ctx: ModelContext = LOCAL):
@@ -264,17 +281,20 @@ class Llama(nnx.Module):
         cos, sin = rotary_tables(np.arange(kv[0].shape[2]), cfg.dim_per_head, cfg.rope_theta,
                                  cfg.rope_scaling)
         cos, sin = jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
-        graphdef, layers = nnx.split(self.blocks)
+        carry = (self.embed_tokens(tokens, ctx), *kv, jnp.int32(0))
+        for run in runs(cfg):  # one cache of every layer; i counts the model's layers
+            graphdef, layers = nnx.split(getattr(self, run.key))
 
-        def layer(carry, layer_state):
-            x, keys, values, i = carry  # the whole stack is carried: written in place
-            block = nnx.merge(graphdef, layer_state)
-            x, (keys, values) = block.decode(x, cos, sin, ctx, (keys, values, i, index, visible))
-            return (ctx.constrain(x, RESIDUAL), ctx.constrain(keys, KV_CACHE),
-                    ctx.constrain(values, KV_CACHE), i + 1), None
+            def layer(carry, layer_state, graphdef=graphdef):
+                x, keys, values, i = carry  # the whole stack is carried: written in place
+                block = nnx.merge(graphdef, layer_state)
+                x, (keys, values) = block.decode(x, cos, sin, ctx,
+                                                 (keys, values, i, index, visible))
+                return (ctx.constrain(x, RESIDUAL), ctx.constrain(keys, KV_CACHE),
+                        ctx.constrain(values, KV_CACHE), i + 1), None
 
-        x = self.embed_tokens(tokens, ctx)
-        (x, keys, values, _), _ = jax.lax.scan(layer, (x, *kv, jnp.int32(0)), layers)
+            carry, _ = jax.lax.scan(layer, carry, layers)
+        x, keys, values, _ = carry
         return self.logits(x, ctx), (keys, values)
 
     def output_head(self, x: jax.Array) -> tuple[jax.Array, nnx.Param, int]:

@@ -77,7 +77,7 @@ def term_names(model) -> tuple[str, ...]:
 def term_count(model) -> int:
     """The length of `loss_terms`: its named terms, then for MoE models the assignments per
     expert of every layer [layers, E] (`report`'s load imbalance; `layer_loads`)."""
-    return len(term_names(model)) + model.n_layers * model.n_experts
+    return len(term_names(model)) + model.moe_layers * model.n_experts
 
 
 def layer_loads(model, mean_terms: jax.Array, micro: int) -> jax.Array | None:
@@ -91,7 +91,7 @@ def layer_loads(model, mean_terms: jax.Array, micro: int) -> jax.Array | None:
 
 
 def _loads(model, terms: jax.Array) -> jax.Array:
-    return terms[len(term_names(model)):].reshape(model.n_layers, model.n_experts)
+    return terms[len(term_names(model)):].reshape(model.moe_layers, model.n_experts)
 
 
 def balance_losses(local: dict, total: dict, model) -> tuple[jax.Array, jax.Array]:
@@ -123,7 +123,7 @@ def loss_terms(model, ce: jax.Array, stats: dict | None = None, replica_axes=(),
     objective = ce + share * (model.aux_loss_weight * aux + model.z_loss_weight * z)
     terms = jnp.stack((objective, ce, share * aux_total, share * z_total,
                        total["dropped"].sum(), total["tokens"].sum() * model.top_k))
-    loads = jnp.zeros((model.n_layers, model.n_experts), terms.dtype)
+    loads = jnp.zeros((model.moe_layers, model.n_experts), terms.dtype)
     loads = jax.lax.dynamic_update_slice(loads, total["counts"].astype(terms.dtype),
                                          (first_layer, 0))
     return jnp.concatenate((terms, loads.reshape(-1)))

@@ -5,3 +5,15 @@ EMBED = "embed"            # the token embedding table [vocab, embed]
 BLOCKS = "blocks"          # the stacked decoder layers, leading `layers` dimension
 FINAL_NORM = "final_norm"  # the RMSNorm scale after the last block
 HEAD = "head"              # the untied output head [embed, vocab]; absent when tied
+
+
+def run_key(i: int) -> str:
+    """Run i's stack (`models.runs`): the first run is `BLOCKS`, so a model of one run
+    keeps today's names; later runs are `blocks_1`, `blocks_2`, ..."""
+    return BLOCKS if i == 0 else f"{BLOCKS}_{i}"
+
+
+def is_blocks(key) -> bool:
+    """Whether a top-level key (a str, or a jax path entry) names a stack of blocks."""
+    key = getattr(key, "key", key)
+    return isinstance(key, str) and (key == BLOCKS or key.startswith(BLOCKS + "_"))

@@ -37,7 +37,7 @@ from jdist.models import loss as objective
 from jdist.models import remat
 from jdist.models.context import ModelContext
 from jdist.models.layers import weight
-from jdist.models.names import BLOCKS, EMBED, HEAD
+from jdist.models.names import BLOCKS, EMBED, HEAD, is_blocks
 from jdist.models.precision import accumulator
 from jdist.parallel import attention as attn
 from jdist.parallel import collective_matmul, embedding, halves, prefetch
@@ -72,14 +72,19 @@ class Params(NamedTuple):
 
     def shared(self) -> Params:
         """Everything but the stacked blocks: embedding, final norm, head."""
-        return Params(*({k: v for k, v in t.items() if k != BLOCKS} for t in self))
+        return Params(*({k: v for k, v in t.items() if not is_blocks(k)} for t in self))
+
+    def blocks(self) -> Params:
+        """The stacked blocks only, by run (`models.runs`): {key: stack}."""
+        return Params(*({k: v for k, v in t.items() if is_blocks(k)} for t in self))
 
 
 @dataclasses.dataclass(frozen=True)
 class Forward:
     """What the forward needs to know about the step: the plan, the manual axes of the
     shard_map it runs in, whether per-layer all-reduces are deferred (micro-batches
-    accumulate), the sequence length, and the per-layer `Sync` of the blocks."""
+    accumulate), the sequence length, and the per-layer `Sync` of the blocks, by run
+    ({run key: Sync tree}, `Params.blocks`)."""
 
     plan: object
     manual: tuple[str, ...]
@@ -136,11 +141,13 @@ class Forward:
         return model_context(self.plan, self.manual, self.seq_len,
                              partial(self.layer_loop, blocks_primal), self.lookup(shared))
 
-    def layer_loop(self, primal: dict, layer, x, layers, rows: dict):
+    def layer_loop(self, primal: dict, layer, x, layers, rows: dict, run: str = BLOCKS):
         """`ModelContext.layer_loop`: prefetching (`prefetch.applies`), layer i+1's are
         gathered while layer i computes (`jdist.parallel.prefetch`); else each is gathered
         when its iteration starts. Both checkpoint the layer under `plan.compute.remat`, which
-        `--tp-halves` runs on two halves of the rows (`jdist.parallel.halves`)."""
+        `--tp-halves` runs on two halves of the rows (`jdist.parallel.halves`). `primal`
+        holds every run's blocks; the loop runs the one stored under `run`."""
+        primal, sync = primal[run], self.block_sync[run]
         stored, checkpointed = nnx.to_pure_dict(layers), remat.wrapper(self.plan.compute.remat)
         if self.plan.compute.tp_halves:
             # x's rows are this replica's (the step is manual over the batch's axes).
@@ -150,14 +157,14 @@ class Forward:
             layer = partial(layer, rows=rows)
         n = jax.tree.leaves(stored)[0].shape[0]
         if prefetch.applies(self.plan.compute.prefetch, self.plan.mesh,
-                            jax.tree.leaves(self.block_sync), n):
-            return prefetch.run(layer, x, stored, primal, self.block_sync,
+                            jax.tree.leaves(sync), n):
+            return prefetch.run(layer, x, stored, primal, sync,
                                 dtype=self.plan.compute.dtype, defer=self.defer,
                                 remat=checkpointed)
 
         def one(x, scanned):
             layer_stored, layer_primal = scanned
-            return layer(x, self.materialized(layer_primal, layer_stored, self.block_sync))
+            return layer(x, self.materialized(layer_primal, layer_stored, sync))
         return jax.lax.scan(checkpointed(one), x, (stored, primal))
 
     def cross_entropy(self, model, shared: Params, y, targets, ctx, scale):
@@ -175,7 +182,7 @@ class Forward:
         # A pipeline's `stage` is manual too, but not a replica axis.
         replicas = tuple(a for a in self.manual
                          if a in ax.REPLICA_AXES and self.plan.mesh.shape[a] > 1)
-        share = stats["tokens"].shape[0] / cfg.n_layers
+        share = stats["tokens"].shape[0] / cfg.moe_layers
         return objective.loss_terms(cfg, ce, stats, replicas, share, first_layer)
 
 
@@ -187,7 +194,7 @@ def chunk(fw: Forward, shared: Params, blocks: Params, x_in, tokens, targets, po
     `lax.cond`, so only the stages that embed or score gather the shared parameters.
     `first_layer`: the chunk's first layer in the stored stack (its loads' rows)."""
     ctx = fw.context(shared, blocks.primal)
-    model = lambda shared_now: nnx.merge(fw.plan.graphdef, {**shared_now, BLOCKS: blocks.stored})
+    model = lambda shared_now: nnx.merge(fw.plan.graphdef, {**shared_now, **blocks.stored})
     static = isinstance(first, bool) and isinstance(last, bool)
     # In one trace the embedding and the loss share one gather (and one reduction) of the
     # shared parameters; each lax.cond branch is its own trace and gathers its own.

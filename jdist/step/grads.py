@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jdist.models import loss as objective
-from jdist.models.names import BLOCKS, EMBED
+from jdist.models.names import EMBED, is_blocks
 from jdist.models.precision import accumulator
 from jdist.parallel import embedding
 from jdist.parallel import grad_sync as gs
@@ -44,7 +44,7 @@ def syncs(plan, manual: tuple[str, ...] = MANUAL) -> dict:
     (its leading `layers` dimension is sliced off by the layer loop)."""
     def one(path, leaf, stored, grad, names):
         what = f"parameter {jax.tree_util.keystr(path)}"
-        block = path[0].key == BLOCKS
+        block = is_blocks(path[0])
         drop = 1 if block else 0
         if block:
             assert not gs.manual_part(stored.spec, leaf.ndim, manual)[0], "layers on replicas"
@@ -66,7 +66,12 @@ def syncs(plan, manual: tuple[str, ...] = MANUAL) -> dict:
 
 def stacked(sync: dict) -> dict:
     """`syncs` for whole parameters: the block leaves' with their `layers` dimension."""
-    return {**sync, BLOCKS: jax.tree.map(gs.stacked, sync[BLOCKS])}
+    return {k: jax.tree.map(gs.stacked, v) if is_blocks(k) else v for k, v in sync.items()}
+
+
+def block_syncs(sync: dict) -> dict:
+    """The blocks' `Sync`s by run: `jdist.step.forward.Forward.block_sync`."""
+    return {k: v for k, v in sync.items() if is_blocks(k)}
 
 
 def manual_specs(abstract, shardings, manual: tuple[str, ...] = MANUAL):
@@ -98,8 +103,7 @@ def replica_terms(fw: Forward, params: Params, tokens, targets, scale) -> jax.Ar
     counted targets times `scale`, `jdist.models.loss.piece_cross_entropy`): the whole model as
     one chunk (`jdist.step.forward.chunk`)."""
     tokens, targets, segments, positions = fw.in_kernel_order(tokens, targets)
-    blocks = Params(*(t[BLOCKS] for t in params))
-    return chunk(fw, params.shared(), blocks, None, tokens, targets, positions, segments,
+    return chunk(fw, params.shared(), params.blocks(), None, tokens, targets, positions, segments,
                  scale)[1]
 
 
@@ -120,7 +124,7 @@ def step_grads(plan, params: dict, batch: dict) -> tuple[jax.Array, dict, int]:
         stored = jax.lax.stop_gradient(stored)
         scale = goal.scale(micro * n_replicas, targets, MANUAL)
 
-        fw = Forward(plan, MANUAL, defer, tokens.shape[1], sync[BLOCKS])
+        fw = Forward(plan, MANUAL, defer, tokens.shape[1], block_syncs(sync))
 
         def micro_loss(primal, tok, tgt):
             terms = replica_terms(fw, Params(primal, stored, sync), tok, tgt, scale)
@@ -155,7 +159,7 @@ def step_eval(plan, params: dict, batch: dict) -> jax.Array:
 
     def local(stored, tokens, targets):
         scale = goal.scale(replica_count(plan.mesh), targets, MANUAL)
-        fw = Forward(plan, MANUAL, False, tokens.shape[1], sync[BLOCKS])
+        fw = Forward(plan, MANUAL, False, tokens.shape[1], block_syncs(sync))
         terms = replica_terms(fw, Params(stored, stored, sync), tokens, targets, scale)
         ce = goal.cross_entropy(terms)
         return jax.lax.psum(ce, MANUAL) / replica_count(plan.mesh)

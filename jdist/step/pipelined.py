@@ -29,6 +29,7 @@ from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk
 from jdist.step.grads import (
     MANUAL,
+    block_syncs,
     manual_specs,
     micro_batches,
     replica_count,
@@ -51,7 +52,7 @@ def _run(plan, params: dict, batch: dict, train: bool):
     n_replicas = replica_count(mesh)
     goal = objective.Objective(plan.model)
     # Micro-batches accumulate: ZeRO-0/1 gradients are all-reduced once, below.
-    fw = Forward(plan, PIPE_MANUAL, True, batch["inputs"].shape[1], sync[BLOCKS])
+    fw = Forward(plan, PIPE_MANUAL, True, batch["inputs"].shape[1], block_syncs(sync))
 
     def local(stored, inputs, targets):
         # The embedding and head are stored split over `stage`: whole for the ticks.
@@ -71,8 +72,8 @@ def _run(plan, params: dict, batch: dict, train: bool):
         def chunk_fn(v, block, shared_primal, x_in, m, first, last):
             """Chunk v of micro-batch m (`jdist.step.forward.chunk`)."""
             at = (lambda a: a) if segments is None else (lambda a: a[m])
-            blocks = Params(block, jax.tree.map(lambda b: b[v], stored_chunks),
-                            sync[BLOCKS])
+            blocks = Params({BLOCKS: block}, {BLOCKS: jax.tree.map(lambda b: b[v], stored_chunks)},
+                            {BLOCKS: sync[BLOCKS]})
             first_layer = (jax.lax.axis_index(ax.STAGE) * table.virtual + v) * per_chunk
             return chunk(fw, shared._replace(primal=shared_primal), blocks, x_in,
                          tokens[m], labels[m], at(positions), at(segments), scale, first,

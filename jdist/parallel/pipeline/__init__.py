@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.errors import ConfigError, require
+from jdist.models.runs import heterogeneous, runs
 from jdist.parallel.pipeline import schedule as sched
 from jdist.spmd import axes as ax
 from jdist.spmd.rules import DEFAULT_RULES, Rules, batch_split
@@ -49,6 +50,9 @@ def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
     stages = mesh.shape[ax.STAGE]
     micro = config.microbatches or stages
     sched.check(config.schedule, stages, micro, config.virtual, model.n_layers)
+    require(not heterogeneous(model),
+            f"pp={stages} stages a stack of one kind of block; this model's blocks make "
+            f"{len(runs(model))} runs (--first-dense-layers); drop pp from --mesh")
     require(grad_accum == 1, f"--grad-accum {grad_accum} with pp={stages}: the pipeline "
                              "already accumulates over --microbatches; use that instead")
     axes, ways = batch_split(mesh.shape, rules)
