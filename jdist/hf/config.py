@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from jdist.errors import require
+from jdist.hf import deepseek
 from jdist.models.config import ModelConfig, RopeScaling
 
 CONFIG = "config.json"
@@ -96,6 +97,8 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
     """The `ModelConfig` of a Hugging Face Llama directory, validated."""
     c = read_config(hf_dir)
     where = str(Path(hf_dir) / CONFIG)
+    if c.get("model_type") == deepseek.MODEL_TYPE:
+        return deepseek.model_config(c, where, rope_fields(c))
     _refuse_unsupported(c, where)
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "intermediate_size"):
@@ -161,6 +164,9 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
     """config.json for `cfg`, as `LlamaConfig` (or, with `qk_norm`, `Qwen3Config`) writes
     it, with the `carried` fields (CARRIED: special token ids, max_position_embeddings) of
     the model it came from."""
+    carried = {k: v for k, v in (carried or {}).items() if k in CARRIED}
+    if cfg.kv_lora_rank:
+        return deepseek.hf_config(cfg, torch_dtype, carried)
     rope = None
     if (s := cfg.rope_scaling) is not None:
         rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
@@ -199,5 +205,5 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
         "attention_dropout": 0.0, "initializer_range": 0.02, **family,
         "use_cache": True, "torch_dtype": torch_dtype,
-        **{k: v for k, v in (carried or {}).items() if k in CARRIED},
+        **carried,
     }

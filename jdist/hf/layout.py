@@ -13,6 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 SAME, TRANSPOSE, HEADS_IN, HEADS_OUT = "same", "transpose", "heads_in", "heads_out"
+# (kind, ROPE, n): as `kind`, with the last n entries of the output dimension (DeepSeek's
+# rope dims) interleaved pairs in HF and halves in jdist (`deinterleave`).
+ROPE = "rope"
 # A stack of experts' Linear weights: jdist [experts, in, out] <- one HF tensor [out, in] per
 # expert (its name formatted with `e`).
 EXPERTS = "experts"
@@ -50,6 +53,32 @@ def _experts(module: str, gate: str, up: str, down: str) -> dict:
             ("blocks", "mlp", "w_down"): (experts + down + ".weight", EXPERTS)}
 
 
+
+def _deepseek_v3(cfg) -> dict:
+    """DeepseekV3's MLA, sigmoid router with its correction bias and shared expert. The
+    rope dims of q_b_proj's heads and of kv_a_proj_with_mqa's rope key are interleaved
+    pairs in HF (`rope_interleave`), rotate-half halves here (`ROPE`)."""
+    attn, mlp = LAYER + "self_attn.", LAYER + "mlp."
+    rope = (ROPE, cfg.rope_dim)
+    table = {
+        ("blocks", "attn", "wkv_a"): (attn + "kv_a_proj_with_mqa.weight", (TRANSPOSE, *rope)),
+        ("blocks", "attn", "kv_norm", "scale"): (attn + "kv_a_layernorm.weight", SAME),
+        ("blocks", "attn", "wkv_b"): (attn + "kv_b_proj.weight", HEADS_IN),
+        ("blocks", "attn", "wo"): (attn + "o_proj.weight", HEADS_OUT),
+        ("blocks", "mlp", "router_bias"): (mlp + "gate.e_score_correction_bias", SAME),
+        ("blocks", "shared_mlp", "w_gate"): (mlp + "shared_experts.gate_proj.weight", TRANSPOSE),
+        ("blocks", "shared_mlp", "w_up"): (mlp + "shared_experts.up_proj.weight", TRANSPOSE),
+        ("blocks", "shared_mlp", "w_down"): (mlp + "shared_experts.down_proj.weight", TRANSPOSE),
+    }
+    if cfg.q_lora_rank:
+        table |= {("blocks", "attn", "wq_a"): (attn + "q_a_proj.weight", TRANSPOSE),
+                  ("blocks", "attn", "q_norm", "scale"): (attn + "q_a_layernorm.weight", SAME),
+                  ("blocks", "attn", "wq_b"): (attn + "q_b_proj.weight", (HEADS_IN, *rope))}
+    else:
+        table[("blocks", "attn", "wq")] = (attn + "q_proj.weight", (HEADS_IN, *rope))
+    return table
+
+
 LLAMA = _COMMON | _MLP  # a dense Llama's (PEFT adapters name their modules from it)
 _MIXTRAL = _experts("block_sparse_moe", "w1", "w3", "w2")
 _QWEN3_MOE = _experts("mlp", "gate_proj", "up_proj", "down_proj")
@@ -62,6 +91,9 @@ def tensors(cfg) -> dict[tuple[str, ...], tuple[str, str]]:
     table = dict(_COMMON)
     if cfg.tie_embeddings:
         del table[("head",)]
+    if cfg.kv_lora_rank:  # DeepSeek-V3
+        table = {k: v for k, v in table.items() if k[:2] != ("blocks", "attn")}
+        return table | _deepseek_v3(cfg) | _QWEN3_MOE
     if cfg.qk_norm:
         table |= _QK_NORMS
     if cfg.n_experts:
@@ -75,8 +107,23 @@ def hf_name(table: dict, path: tuple[str, ...], layer: int | None = None,
     return name.format(i=layer, e=expert) if layer is not None else name
 
 
+def deinterleave(x: np.ndarray, n: int) -> np.ndarray:
+    """The last n entries of x's last axis from pairs (a0, b0, a1, b1, ..) to halves."""
+    tail = x[..., -n:]
+    return np.concatenate([x[..., :-n], tail[..., 0::2], tail[..., 1::2]], axis=-1)
+
+
+def interleave(x: np.ndarray, n: int) -> np.ndarray:
+    """`deinterleave`'s inverse."""
+    tail = x[..., -n:]
+    pairs = np.stack([tail[..., :n // 2], tail[..., n // 2:]], axis=-1).reshape(tail.shape)
+    return np.concatenate([x[..., :-n], pairs], axis=-1)
+
+
 def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF shape of a (per-layer) jdist shape."""
+    if isinstance(kind, tuple):
+        return hf_shape(kind[0], shape)
     if kind == SAME:
         return shape
     if kind == TRANSPOSE:
@@ -92,6 +139,9 @@ def read(get, kind: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np
     """The block `index` (slices of the per-layer jdist `shape`) of one tensor, in jdist's
     layout; `get(slices)` reads slices of the HF tensor (for EXPERTS, of the experts' HF
     tensors stacked: [experts, out, in])."""
+    if isinstance(kind, tuple):  # rope dims reordered: the whole output dimension read
+        base, _, n = kind
+        return deinterleave(read(get, base, shape, (*index[:-1], slice(None))), n)[..., index[-1]]
     r = [range(*s.indices(n)) for s, n in zip(index, shape)]
     span = lambda x: slice(x.start, x.stop)
     if kind == SAME:
@@ -115,6 +165,8 @@ def read(get, kind: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np
 def write(kind: str, x: np.ndarray) -> np.ndarray:
     """A whole per-layer jdist array in HF's layout (the inverse of `read`; for EXPERTS the
     experts' HF tensors stacked)."""
+    if isinstance(kind, tuple):
+        return write(kind[0], interleave(x, kind[2]))
     if kind == EXPERTS:
         return np.ascontiguousarray(x.transpose(0, 2, 1))
     if kind == SAME:

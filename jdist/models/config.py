@@ -64,6 +64,25 @@ class ModelConfig:
     # the routing scores, for the choice of experts only, moved by this much after every
     # step toward an even load (`models.moe.rebalanced_bias`); never trained.
     router_bias_rate: float = 0.0
+    # DeepSeek-V3's group-limited routing (models.routing): the experts fall in
+    # n_expert_groups equal groups; a token chooses among the experts of its topk_groups
+    # best groups only (a group scored by its two best experts). 1: no groups.
+    n_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scale: float = 1.0      # the chosen weights times this (routed_scaling_factor)
+    # Multi-head latent attention (models.mla; kv_lora_rank 0: plain attention). Keys and
+    # values come up from a kv_lora_rank latent; queries from a q_lora_rank one (0: straight
+    # from the residual stream). Of each q/k head's head_dim, the last rope_head_dim carry
+    # rotary embeddings (a key rope part shared by all heads); values have v_head_dim.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek-V3's multi-token prediction (models.mtp; 0: off): one more block predicts the
+    # token after next from the last hidden state and the next token's embedding; its
+    # cross-entropy, times mtp_weight, joins the objective.
+    mtp_depth: int = 0
+    mtp_weight: float = 0.3
     # LoRA adapters on the projections (models.lora); None: none.
     lora: LoraConfig | None = None
     # A heterogeneous stack (DeepSeek's first_k_dense_replace): the first blocks of a mixture
@@ -79,22 +98,45 @@ class ModelConfig:
 
     @property
     def dim_per_head(self) -> int:
+        """Of queries and keys (with MLA, their no-rope part plus `rope_head_dim`)."""
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of each head that rotary embeddings turn."""
+        return self.rope_head_dim if self.kv_lora_rank else self.dim_per_head
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim if self.kv_lora_rank else self.dim_per_head
+
+    def attention_params(self) -> int:
+        d, h, hd = self.d_model, self.n_heads, self.dim_per_head
+        if not self.kv_lora_rank:
+            return d * hd * (2 * h + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0)
+        r, rq = self.kv_lora_rank, self.q_lora_rank
+        q = rq * (d + 1 + h * hd) if rq else d * h * hd
+        kv = d * (r + self.rope_dim) + r + r * h * (hd - self.rope_dim + self.value_dim)
+        return q + kv + h * self.value_dim * d
+
+    def block_params(self, moe: bool) -> int:
+        """One block's parameters: routed (with any shared expert) or dense."""
+        d, norms = self.d_model, 2 * self.d_model
+        if not moe:
+            return self.attention_params() + 3 * d * (self.dense_d_ff or self.d_ff) + norms
+        shared = 3 * d * self.shared_d_ff + d * self.shared_gate
+        router = (d + (self.router_bias_rate > 0)) * self.n_experts
+        return self.attention_params() + 3 * d * self.d_ff * self.n_experts + router + shared \
+            + norms
 
     def n_params(self) -> int:
         """Parameter count, from the shapes alone."""
-        hd = self.dim_per_head
-        attn = self.d_model * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-        mlp = 3 * self.d_model * self.d_ff * max(1, self.n_experts)
-        norms = 2 * self.d_model + (2 * hd if self.qk_norm else 0)
-        shared = 3 * self.d_model * self.shared_d_ff + self.d_model * self.shared_gate
-        router = (self.d_model + (self.router_bias_rate > 0)) * self.n_experts
-        block = attn + mlp + router + shared + norms
-        dense = attn + 3 * self.d_model * (self.dense_d_ff or self.d_ff) + norms
-        blocks = self.moe_layers * block + (self.n_layers - self.moe_layers) * \
-            (block if not self.n_experts else dense)
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
-        return blocks + self.vocab_size * self.d_model + head + self.d_model
+        # The MTP module: two input norms, the [2d, d] projection, a dense block, its norm.
+        mtp = self.mtp_depth * (3 * self.d_model + 2 * self.d_model ** 2 + self.block_params(False))
+        blocks = self.moe_layers * self.block_params(True) + \
+            (self.n_layers - self.moe_layers) * self.block_params(False)
+        return blocks + mtp + self.vocab_size * self.d_model + head + self.d_model
 
     def validate(self) -> None:
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
@@ -122,6 +164,7 @@ class ModelConfig:
             require(0 <= self.first_dense_layers < self.n_layers,
                     f"--first-dense-layers {self.first_dense_layers} must leave at least one "
                     f"of the {self.n_layers} layers to the experts")
+            validate_routing(self)
         else:
             require(not self.first_dense_layers and not self.dense_d_ff,
                     "--first-dense-layers and --dense-d-ff keep the first blocks of a mixture "
@@ -142,8 +185,13 @@ class ModelConfig:
             mlp = self.shared_d_ff if self.n_experts else self.d_ff
             dims = (self.d_model, self.dim_per_head * self.n_kv_heads) + ((mlp,) if mlp else ())
             self.lora.validate(min(dims), moe=bool(self.n_experts) and not self.shared_d_ff)
-        require(self.dim_per_head % 2 == 0,
-                f"head dimension {self.dim_per_head} is odd; rotary embeddings need an even one")
+        if self.kv_lora_rank:
+            validate_mla(self)
+        require(self.mtp_depth in (0, 1), f"--mtp-depth {self.mtp_depth}: one module (1) or "
+                "none (0) is supported")
+        require(self.mtp_weight >= 0, f"--mtp-weight {self.mtp_weight} must not be negative")
+        require(self.rope_dim % 2 == 0,
+                f"rotary dimension {self.rope_dim} is odd; rotary embeddings need an even one")
         require(self.rope_theta > 1, f"rope_theta={self.rope_theta} must be greater than 1")
         if (rs := self.rope_scaling) is not None:
             require(rs.factor >= 1, f"rope scaling factor={rs.factor} must be at least 1")
@@ -154,6 +202,31 @@ class ModelConfig:
                     f"low_freq_factor={rs.low_freq_factor}")
             require(rs.original_max_position > 0,
                     f"rope original_max_position={rs.original_max_position} must be positive")
+
+
+def validate_routing(cfg: ModelConfig) -> None:
+    e, g, kg = cfg.n_experts, cfg.n_expert_groups, cfg.topk_groups
+    require(g >= 1 and e % g == 0, f"--n-expert-groups {g} must divide --n-experts {e}")
+    require(g == 1 or e // g >= 2, f"{e} experts in {g} groups leave fewer than 2 per group; "
+            "a group is scored by its two best experts: use fewer --n-expert-groups")
+    require(1 <= kg <= g, f"--topk-groups {kg} must be between 1 and --n-expert-groups {g}")
+    require(cfg.top_k <= kg * e // g, f"--top-k {cfg.top_k} is more than the {kg * e // g} "
+            f"experts of {kg} groups; raise --topk-groups")
+    require(cfg.routed_scale > 0, f"--routed-scale {cfg.routed_scale} must be positive")
+
+
+def validate_mla(cfg: ModelConfig) -> None:
+    hd, rope = cfg.dim_per_head, cfg.rope_head_dim
+    require(0 < rope < hd, f"MLA's rope_head_dim {rope} must be positive and below the q/k "
+            f"head_dim {hd} (the no-rope part plus the rope part)")
+    require(0 < cfg.v_head_dim <= hd, f"MLA's v_head_dim {cfg.v_head_dim} must be positive and "
+            f"at most head_dim {hd}: values are padded to the q/k head width for the kernels")
+    require(cfg.n_kv_heads == cfg.n_heads, f"MLA gives every head its own key and value: "
+            f"set n_kv_heads = n_heads ({cfg.n_heads})")
+    require(cfg.q_lora_rank >= 0, f"q_lora_rank {cfg.q_lora_rank} must be 0 (no query "
+            "latent) or positive")
+    require(not cfg.qk_norm and cfg.lora is None, "MLA takes neither --qk-norm nor LoRA "
+            "adapters; drop them")
 
 
 BYTE_VOCAB = 256

@@ -26,6 +26,7 @@ from jdist.models.layers import (
     weight,
 )
 from jdist.models.lora import adapted, adapter
+from jdist.models.mla import LATENT_CACHE, LatentAttention
 from jdist.models.moe import MoE
 from jdist.models.runs import Run, runs
 from jdist.spmd.axes import (
@@ -138,7 +139,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, run: Run | None = None):
         run = run or runs(cfg)[0]
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs)
+        self.attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg, rngs) if run.moe else SwiGLU(cfg, rngs, run.d_ff)
         # A shared expert beside the routed ones, for every token.
@@ -249,7 +250,7 @@ class Llama(nnx.Module):
         cfg = self.config
         # Concrete positions: rotary tables computed on the host in float64 (models.layers).
         positions = np.arange(x.shape[1]) if positions is None else positions
-        cos, sin = rotary_tables(positions, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rotary_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         # What differs per row of the batch goes to the loop beside x, which may run the
         # layer on groups of rows (`ModelContext.layer_loop`).
         rows = {"segment_ids": segment_ids}
@@ -271,15 +272,17 @@ class Llama(nnx.Module):
                positions: jax.Array, visible: jax.Array, ctx: ModelContext = LOCAL):
         """Decoding with a KV cache (`jdist.generate`): tokens [batch, length] (a prompt's
         prefill, or one new token per row) go to cache slots index..index+length-1 of `kv` =
-        (keys, values), each [layers, batch, max_len, kv_heads, head_dim] (`KV_CACHE`).
+        (keys, values), each [layers, batch, max_len, kv_heads, head_dim] (`KV_CACHE`; with
+        MLA, latents and rope keys, `models.mla.cache_parts`).
         `positions` [batch, length] are their positions in their own text; `visible` [batch,
         length, max_len] the slots each may attend to. Returns (logits [batch, length, vocab],
         kv updated). For inference: no pipeline stages, per-layer hooks or remat."""
         cfg = self.config
         # Host float64 tables of every slot, then rows by position: the values the training
         # forward computes for the same positions.
-        cos, sin = rotary_tables(np.arange(kv[0].shape[2]), cfg.dim_per_head, cfg.rope_theta,
+        cos, sin = rotary_tables(np.arange(kv[0].shape[2]), cfg.rope_dim, cfg.rope_theta,
                                  cfg.rope_scaling)
+        names = LATENT_CACHE if cfg.kv_lora_rank else KV_CACHE
         cos, sin = jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
         carry = (self.embed_tokens(tokens, ctx), *kv, jnp.int32(0))
         for run in runs(cfg):  # one cache of every layer; i counts the model's layers
@@ -290,8 +293,8 @@ class Llama(nnx.Module):
                 block = nnx.merge(graphdef, layer_state)
                 x, (keys, values) = block.decode(x, cos, sin, ctx,
                                                  (keys, values, i, index, visible))
-                return (ctx.constrain(x, RESIDUAL), ctx.constrain(keys, KV_CACHE),
-                        ctx.constrain(values, KV_CACHE), i + 1), None
+                return (ctx.constrain(x, RESIDUAL), ctx.constrain(keys, names),
+                        ctx.constrain(values, names), i + 1), None
 
             carry, _ = jax.lax.scan(layer, carry, layers)
         x, keys, values, _ = carry

@@ -29,6 +29,7 @@ from jdist.models.config import ModelConfig
 from jdist.models.grouped import grouped_swiglu
 from jdist.models.layers import INIT_STD, param
 from jdist.models.precision import accumulator
+from jdist.models.routing import within_best_groups
 from jdist.spmd.axes import EMBED, EXPERTS, MLP
 
 GROUPED, DROPLESS, CAPACITY = "grouped", "dropless", "capacity"
@@ -38,20 +39,21 @@ STATS = ("counts", "prob_sum", "z_sum", "tokens", "dropped")  # additive balance
 
 def route(x: jax.Array, router: jax.Array, cfg, bias: jax.Array | None = None):
     """x [T, d] -> (top-k weights [T, k], experts [T, k], probs [T, E], logits [T, E]);
-    the weights are the chosen probabilities, renormalised over the k if the config says.
+    the weights are the chosen probabilities, renormalised over the k if the config says,
+    times `routed_scale`; with expert groups, chosen inside the best groups only
+    (`models.routing`).
     A routing `bias` [E] (aux-loss-free balancing) shifts which experts are chosen, never
     what they weigh."""
     acc = accumulator(x)
     logits = x.astype(acc) @ router.astype(acc)
     probs = jax.nn.sigmoid(logits) if cfg.gating == "sigmoid" else jax.nn.softmax(logits)
-    if bias is None:
-        top, experts = jax.lax.top_k(probs, cfg.top_k)
-    else:
-        experts = jax.lax.top_k(probs + bias, cfg.top_k)[1]
-        top = jnp.take_along_axis(probs, experts, axis=-1)
+    choice = probs if bias is None else probs + bias
+    choice = within_best_groups(choice, cfg.n_expert_groups, cfg.topk_groups)
+    experts = jax.lax.top_k(choice, cfg.top_k)[1]
+    top = jnp.take_along_axis(probs, experts, axis=-1)
     if cfg.norm_topk_prob:
         top = top / top.sum(-1, keepdims=True)
-    return top, experts, probs, logits
+    return top * cfg.routed_scale, experts, probs, logits
 
 
 def positions_in_experts(experts: jax.Array, n_experts: int) -> jax.Array:

@@ -1,0 +1,116 @@
+"""DeepSeek-V3's pieces: MLA (`models.mla`), group-limited sigmoid routing
+(`models.routing`), HF in and out (`jdist.hf.deepseek`), against a random
+DeepseekV3ForCausalLM made by transformers (tests/fixtures/make_deepseek_fixture.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jdist.config import TrainConfig
+from jdist.errors import ConfigError
+from jdist.hf.config import model_config
+from jdist.hf.export import write_hf
+from jdist.hf.load import load_params
+from jdist.models.config import get_preset
+from jdist.models.moe import route
+from jdist.step.from_flags import plan_for
+
+DEEPSEEK = Path(__file__).parent / "fixtures" / "hf" / "deepseek-v3"
+
+
+def loaded(hf_dir: Path = DEEPSEEK):
+    _, plan, _ = plan_for(TrainConfig.of(init_from=str(hf_dir), mesh="dp=1", batch_size=16))
+    return plan, load_params(hf_dir, plan)
+
+
+def test_config_json_becomes_the_model():
+    cfg = model_config(DEEPSEEK)
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.dim_per_head, cfg.rope_dim,
+            cfg.value_dim) == (16, 32, 16, 8, 12)
+    assert (cfg.n_experts, cfg.n_expert_groups, cfg.topk_groups, cfg.top_k,
+            cfg.routed_scale, cfg.shared_d_ff, cfg.gating) == (8, 4, 2, 2, 2.5, 32, "sigmoid")
+
+
+def test_logits_equal_transformers():
+    plan, params = loaded()
+    ref = np.load(DEEPSEEK / "reference.npz")
+    assert ref["min_route_gap"] > 1e-4  # no routing choice within float rounding
+    with jax.default_matmul_precision("highest"):
+        model = nnx.merge(plan.graphdef, jax.tree.map(np.asarray, params))
+        logits = np.asarray(model(ref["input_ids"]))
+    rel = np.linalg.norm(logits - ref["logits"]) / np.linalg.norm(ref["logits"])
+    assert rel < 1e-5, rel
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def test_round_trip_is_bitwise(tmp_path):
+    """HF -> jdist -> HF: every tensor's bytes (the rope rows re-interleaved), and the
+    config. (The export also loads in transformers 5.24 with the fixture's logits, exactly:
+    checked by hand, as the suite runs without torch.)"""
+    plan, params = loaded()
+    host = jax.tree.map(np.asarray, params)
+    write_hf(tmp_path / "out", plan.model, lambda path: _at(host, path), max_shard_bytes=100_000)
+    original, exported = load_file(DEEPSEEK / "model.safetensors"), {}
+    for f in sorted((tmp_path / "out").glob("*.safetensors")):
+        exported.update(load_file(f))
+    assert sorted(original) == sorted(exported)
+    for name, value in original.items():
+        assert exported[name].dtype == value.dtype and exported[name].tobytes() == value.tobytes()
+    assert model_config(tmp_path / "out") == plan.model
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"first_k_dense_replace": 1}, "first_k_dense_replace=1"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}}, "'yarn'"),
+    ({"n_group": 3}, "--n-expert-groups 3 must divide --n-experts 8"),
+])
+def test_unsupported_configs_are_refused(tmp_path, changes, says):
+    d = tmp_path / "hf"
+    shutil.copytree(DEEPSEEK, d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | changes))
+    with pytest.raises(ConfigError, match=says) as e:
+        model_config(d)
+    assert "\n" not in str(e.value)
+
+
+def test_group_limited_routing_chooses_inside_the_best_groups():
+    """8 experts in 4 groups of 2, 2 groups kept, top-2. Expert 0 has the best score, but
+    its group (0, 1) sums to less than (2, 3) and (4, 5), so it is passed over; the weights
+    are the chosen sigmoid scores, renormalised, times the routed scale."""
+    cfg = get_preset("tiny", n_experts=8, top_k=2, gating="sigmoid", n_expert_groups=4,
+                     topk_groups=2, routed_scale=2.5)
+    probs = np.array([[0.95, 0.01, 0.68, 0.5, 0.7, 0.4, 0.2, 0.3]], np.float32)
+    logits = np.log(probs / (1 - probs))  # router logits whose sigmoid is `probs`
+    weights, experts, _, _ = route(jnp.asarray(logits), jnp.eye(8), cfg)
+    assert sorted(np.asarray(experts)[0].tolist()) == [2, 4]  # groups 1.18 and 1.1 > 0.96
+    order = np.argsort(np.asarray(experts)[0])
+    np.testing.assert_allclose(np.asarray(weights)[0][order], 2.5 * np.array([0.68, 0.7]) / 1.38,
+                               rtol=1e-6)
+    flat = get_preset("tiny", n_experts=8, top_k=2, gating="sigmoid")
+    assert sorted(np.asarray(route(jnp.asarray(logits), jnp.eye(8), flat)[1])[0]) == [0, 4]
+
+
+def test_routing_bias_moves_the_group_choice():
+    """The correction bias counts in the groups' scores too (as DeepSeek-V3's noaux_tc)."""
+    cfg = get_preset("tiny", n_experts=4, top_k=1, gating="sigmoid", n_expert_groups=2,
+                     topk_groups=1)
+    probs = jnp.array([[0.6, 0.5, 0.4, 0.45]])
+    logits = jnp.log(probs / (1 - probs))
+    assert int(route(logits, jnp.eye(4), cfg)[1][0, 0]) == 0
+    bias = jnp.array([0.0, 0.0, 0.3, 0.0])  # group (2, 3): 0.7 + 0.45 > 0.6 + 0.5
+    assert int(route(logits, jnp.eye(4), cfg, bias)[1][0, 0]) == 2
