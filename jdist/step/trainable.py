@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from jdist.models.lora import TARGETS, is_adapter
 from jdist.models.moe import ROUTER_BIAS, rebalanced_bias
-from jdist.models.names import BLOCKS
+from jdist.models.names import is_blocks
+from jdist.models.runs import moe_offset, runs
 from jdist.quant import nf4
 from jdist.spmd.axes import NF4_BLOCKS
 
@@ -58,10 +59,14 @@ def rebalanced(model, params: dict, loads, moved) -> dict:
     boolean scalar: the step's gradients were finite); unchanged without the biases."""
     if not model.router_bias_rate:
         return params
-    mlp = params[BLOCKS]["mlp"]
-    bias = rebalanced_bias(mlp[ROUTER_BIAS], loads, model.router_bias_rate)
-    mlp = {**mlp, ROUTER_BIAS: jnp.where(moved, bias, mlp[ROUTER_BIAS])}
-    return {**params, BLOCKS: {**params[BLOCKS], "mlp": mlp}}
+    params = dict(params)
+    for run in (r for r in runs(model) if r.moe):  # its rows of the loads (models.runs)
+        mlp, at = params[run.key]["mlp"], moe_offset(model, run)
+        bias = rebalanced_bias(mlp[ROUTER_BIAS], loads[at:at + run.n_layers],
+                               model.router_bias_rate)
+        mlp = {**mlp, ROUTER_BIAS: jnp.where(moved, bias, mlp[ROUTER_BIAS])}
+        params[run.key] = {**params[run.key], "mlp": mlp}
+    return params
 
 
 def combine(part, full):
@@ -78,7 +83,7 @@ def tree_map(f, part, *rest):
 def storage_dtype(model, path, leaf, compute_dtype):
     """A frozen matrix is stored in the compute dtype (it is only ever read in it); every
     trained parameter, and every vector, in float32."""
-    per_layer = len(leaf.shape) - (getattr(path[0], "key", None) == BLOCKS)
+    per_layer = len(leaf.shape) - is_blocks(path[0])
     if is_trainable(model, path) or per_layer < 2:
         return leaf.dtype
     return jnp.dtype(compute_dtype)
@@ -88,7 +93,7 @@ def quantized(path, quantize: str) -> bool:
     """Whether a parameter is stored NF4-quantized (QLoRA): the frozen projection weights
     of the blocks (not norms, embeddings, the head, routers or experts)."""
     keys = tuple(str(getattr(k, "key", k)) for k in path)
-    return quantize == NF4 and keys[0] == BLOCKS and keys[1:] in _PROJECTIONS
+    return quantize == NF4 and is_blocks(keys[0]) and keys[1:] in _PROJECTIONS
 
 
 def storage_abstract(model, abstract: dict, compute_dtype, quantize: str = NONE,
