@@ -79,14 +79,15 @@ def test_fp8_projection_runs_three_fp8_gemms(mode):
     assert rep.fp8_flops == (0 if mode == "off" else rep.executed_flops)
 
 
-@pytest.mark.parametrize("model", ["tiny", "moe-tiny"])
+@pytest.mark.parametrize("model", ["tiny", "moe-tiny", "dense-moe-tiny"])
 def test_fp8_flops_of_the_cost_model_are_the_compiled_steps(model):
     """The planner prices `--fp8` steps by the FP8 FLOPs of `plan.cost.fp8_flops`: the
     GPU-compiled step (fsdp=8, rowwise, `--remat full`) runs exactly those on float8
     operands. Dense: the projections' three passes and the recomputed forward less the down
     projection, whose output no backward reads (`selective` matched too when measured).
     MoE (padded dropless experts, E/k times the routed rows): the experts' forward and
-    input gradient, and the whole forward again."""
+    input gradient, and the whole forward again; dense blocks then experts (two runs), each
+    run's."""
     remat = "full"
     from jdist.parallel.moe import expert_factor
     from jdist.plan.cost import fp8_flops

@@ -61,6 +61,8 @@ LAYOUTS = {  # id: (mesh, flags)
     "moe fsdp=2,ep=2,tp=2": ("fsdp=2,ep=2,tp=2", {"model": "moe-tiny"}),
     "moe grouped dp=2,fsdp=2,tp=2": ("dp=2,fsdp=2,tp=2",
                                      {"model": "moe-tiny", "moe_routing": "grouped"}),
+    # Two runs (models.runs): dense blocks' Megatron reductions, then the experts' dispatch.
+    "dense then moe fsdp=2,ep=2,tp=2": ("fsdp=2,ep=2,tp=2", {"model": "dense-moe-tiny"}),
 }
 
 @pytest.mark.parametrize("mesh,flags", LAYOUTS.values(), ids=LAYOUTS.keys())

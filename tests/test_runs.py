@@ -2,12 +2,16 @@
 scanned stack (dense blocks, then a mixture of experts), against one device on every
 layout that splits the blocks differently, and the homogeneous model's tree unchanged."""
 
+import json
+
 import pytest
 
 from jdist.config import TrainConfig
+from jdist.memory import measure, predict
 from jdist.models import get_preset
 from jdist.models.runs import runs
-from jdist.tools.equivalence import assert_matches, train_steps
+from jdist.plan.__main__ import main as plan_main
+from jdist.tools.equivalence import assert_matches, plan_of, train_steps
 from jdist.train.loop import train
 
 HETERO = get_preset("dense-moe-tiny")
@@ -43,3 +47,21 @@ def test_resume_onto_another_mesh(tmp_path):
     assert [r["step"] for r in resumed] == [3, 4]
     for r in resumed:
         assert r["loss"] == pytest.approx(full[r["step"]], rel=1e-5)
+
+
+@pytest.mark.slow  # a compile and a planner search: 16 s of CPU
+def test_memory_model_and_planner_take_the_runs(capsys, monkeypatch, tmp_path):
+    """The memory model counts both runs' stacks (the state within test_memory's 5% of the
+    CPU-compiled step), and the planner plans the model: expert layouts among its rows."""
+    plan = plan_of("fsdp=2,ep=2,tp=2", model="dense-moe-tiny", zero=2, batch_size=16,
+                   seq_len=32)
+    predicted, measured = predict(plan, 16, 32), measure(plan, 16, 32)
+    for key in ("params", "grads", "optimizer"):
+        a, b = getattr(predicted, key), getattr(measured, key)
+        assert abs(a - b) <= 0.05 * b, (key, a, b)
+    monkeypatch.setenv("JDIST_CALIBRATION", str(tmp_path / "none.toml"))
+    assert plan_main(["--model", "dense-moe-tiny", "--devices", "8", "--accelerator",
+                      "cpu-sim", "--batch-size", "16", "--seq-len", "32", "--fix",
+                      "ep=2,tp=2,pp=1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert rows and all("ep=2" in r["layout"] for r in rows)

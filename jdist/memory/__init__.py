@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.models.loss import CHUNKED
+from jdist.models.runs import runs as model_runs
 from jdist.parallel.attention.blockwise import KEY_TILE, Q_TILE
 from jdist.parallel.moe import expert_factor
 from jdist.parallel.vocab import chunk_size
@@ -109,7 +110,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
         if on_gpu(plan) and remat == "full":  # the peak is in the forward, inside the
             # accumulation loop: one more gradient tree, of a ZeRO-2 gradient's size (fitted)
             accumulator += _grad_bytes(plan) // (m[ax.DATA] if plan.zero < 2 else 1)
-    a = _activations(plan, micro_batch, seq_len, compute_bytes)
+    a = _per_layer(plan, micro_batch, seq_len, compute_bytes)
     # What each layer's checkpoint keeps (jdist.models.remat), stacked over the layer scan by the
     # forward's loop. The compiler drops what the backward never reads (the last
     # projection's output) and keeps XLA's own intermediates of the rest.
@@ -174,12 +175,13 @@ def _for_weights(a: _Sizes, saves_all: bool) -> tuple[int, int]:
 def _grad_bytes(plan, blocks_only: bool = False) -> int:
     """Per device, the float32 gradients of the trained parameters (of the stacked blocks
     only) in their gradient layout."""
-    from jdist.models.names import BLOCKS
+    from jdist.models.names import is_blocks
 
     grads = trainable.select(plan.model, plan.abstract.params)
     shardings = plan.grad_shardings
     if blocks_only:
-        grads, shardings = grads[BLOCKS], shardings[BLOCKS]
+        grads = {k: v for k, v in grads.items() if is_blocks(k)}
+        shardings = {k: shardings[k] for k in grads}
     return per_device_bytes(grads, shardings)
 
 
@@ -203,9 +205,20 @@ class _Sizes:
     loss: int
 
 
-def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
-    """`_Sizes` of the plan's layers for `micro_batch` sequences of `seq_len` tokens, with
-    activations of `c` bytes an element."""
+def _per_layer(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
+    """`_Sizes` of the average layer: of a heterogeneous stack's runs (`models.runs`: dense
+    blocks, then experts), weighted by their layers, so that the layers' stacked residuals
+    sum as the runs' do; the one run's of a homogeneous model."""
+    runs = model_runs(plan.model)
+    sizes = [dataclasses.astuple(_activations(plan, micro_batch, seq_len, c, r)) for r in runs]
+    mean = [sum(r.n_layers * v[i] for r, v in zip(runs, sizes)) // plan.model.n_layers
+            for i in range(len(sizes[0]))]
+    return _Sizes(*mean)
+
+
+def _activations(plan, micro_batch: int, seq_len: int, c: int, run=None) -> _Sizes:
+    """`_Sizes` of the plan's layers (of `run`'s, default the first run's) for `micro_batch`
+    sequences of `seq_len` tokens, with activations of `c` bytes an element."""
     import math
 
     from jdist.parallel.attention.context import RING, ULYSSES
@@ -213,6 +226,7 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
     from jdist.spmd.rules import batch_split, mesh_axes_of, resolve
 
     m, cfg = plan.mesh.shape, plan.model
+    run = run or model_runs(cfg)[0]
     tp, cp = m[ax.TENSOR], m[ax.SEQUENCE]
     b = max(1, micro_batch // batch_split(m, plan.rules)[1])
     s = seq_len // cp
@@ -221,12 +235,12 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
     spec = tuple(resolve((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), plan.rules, plan.mesh))
     split = math.prod(m[a] for a in mesh_axes_of(spec[1] if len(spec) > 1 else None))
     sp = max(1, split // cp)
-    d, f, hd = cfg.d_model, cfg.d_ff // tp, cfg.dim_per_head
+    d, f, hd = cfg.d_model, run.d_ff // tp, cfg.dim_per_head
     heads, kv = cfg.n_heads // tp, max(1, cfg.n_kv_heads // tp)
     tokens = b * s
     x = tokens * d * c // sp
     q, k, hidden = tokens * heads * hd * c, tokens * kv * hd * c, tokens * f * c
-    if cfg.n_experts:  # each expert row of the routing path holds a hidden activation
+    if run.moe:  # each expert row of the routing path holds a hidden activation
         rows = cfg.top_k * expert_factor(cfg, tokens, m[ax.EXPERT])
         hidden = int(hidden * rows)
     scores = b * heads * s * seq_len * 4
@@ -293,7 +307,7 @@ def stage_gathered_bytes(plan) -> int:
     accumulates whole over it until the reduce-scatter after the ticks."""
     from jax.sharding import NamedSharding
 
-    from jdist.models.names import BLOCKS
+    from jdist.models.names import is_blocks
     from jdist.parallel.pipeline.shared import stage_dim
     from jdist.spmd import axes as ax
 
@@ -303,7 +317,7 @@ def stage_gathered_bytes(plan) -> int:
     total = 0
     for key, leaf in plan.abstract.params.items():
         sharding = plan.shardings.params[key]
-        if key == BLOCKS or not isinstance(sharding, NamedSharding) or \
+        if is_blocks(key) or not isinstance(sharding, NamedSharding) or \
                 stage_dim(sharding) is None:
             continue
         copies = 2 if trained.get(key) is not None else 1
@@ -335,12 +349,13 @@ def in_flight_bytes(plan, compute_bytes: int) -> int:
     backward produces it: the largest counts), and the shared parameters the step gathers
     whole (none with an untied table and the chunked loss) with their full float32
     gradients."""
-    from jdist.models.names import BLOCKS, EMBED, HEAD
+    from jdist.models.names import EMBED, HEAD
 
     params, grad = _gathered_layer(plan, compute_bytes)
     # An untied table is looked up where it lies (jdist.parallel.embedding), never gathered;
     # the chunked loss gathers the output weight a chunk at a time (jdist.parallel.vocab).
-    skip = {BLOCKS} | (set() if plan.model.tie_embeddings else {EMBED})
+    skip = {r.key for r in model_runs(plan.model)} | \
+        (set() if plan.model.tie_embeddings else {EMBED})
     if plan.compute.loss == CHUNKED:
         skip |= {EMBED if plan.model.tie_embeddings else HEAD}
     shared = {k: v for k, v in plan.abstract.params.items() if k not in skip}
@@ -362,16 +377,15 @@ def prefetches(plan) -> bool:
     over all layers, or a pipeline chunk's."""
     import jax
 
-    from jdist.models.names import BLOCKS
     from jdist.parallel import prefetch
     from jdist.spmd import axes as ax
-    from jdist.step.grads import syncs
+    from jdist.step.grads import block_syncs, syncs
 
-    layers = plan.model.n_layers
+    layers = max(r.n_layers for r in model_runs(plan.model))  # the longest run's loop
     if plan.pipeline is not None:
         layers //= plan.pipeline.table(plan.mesh.shape[ax.STAGE]).chunks
-    return prefetch.applies(plan.compute.prefetch, plan.mesh, jax.tree.leaves(syncs(plan)[BLOCKS]),
-                            layers)
+    return prefetch.applies(plan.compute.prefetch, plan.mesh,
+                            jax.tree.leaves(block_syncs(syncs(plan))), layers)
 
 
 def _table_scatter(plan) -> int:
@@ -416,12 +430,12 @@ def transposed_stacks(plan) -> int:
     transposition out of the layer loop onto the whole stack as stored (float32)."""
     import jax
 
-    from jdist.models.names import BLOCKS
     from jdist.parallel.grad_sync import manual_part
     from jdist.step.grads import MANUAL
 
-    blocks = plan.abstract.params[BLOCKS]
-    shardings = jax.tree.leaves(plan.shardings.params[BLOCKS],
+    keys = [r.key for r in model_runs(plan.model)]
+    blocks = [plan.abstract.params[k] for k in keys]
+    shardings = jax.tree.leaves([plan.shardings.params[k] for k in keys],
                                 is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     # Per dimension of the stack, the replica axes it is split on: [0] is `layers`, [1]
     # the one a gather can concatenate along without a transposition.
@@ -436,30 +450,30 @@ def _gathered_layer(plan, compute_bytes: int) -> tuple[int, int]:
 
     from jdist.spmd import axes as ax
 
-    layers = plan.model.n_layers  # a pipeline stage holds its share of them
-    if plan.pipeline is not None:
-        layers //= plan.mesh.shape[ax.STAGE]
-    parts = _layer_parts(plan, compute_bytes)
-    params = sum(_gathered(*part) for part in parts) // layers
-    trained, shardings, _ = parts[0]
-    grad = max((_gathered(leaf, s, 4) for leaf, s in zip(
-        jax.tree.leaves(trained),
-        jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))),
-        default=0)
-    return params, grad // layers
+    stages = plan.mesh.shape[ax.STAGE] if plan.pipeline is not None else 1
+    params, grad = 0, 0
+    for run in model_runs(plan.model):  # one layer at a time: the largest run's counts
+        layers = run.n_layers // stages  # a pipeline stage holds its share of them
+        parts = _layer_parts(plan, compute_bytes, run.key)
+        params = max(params, sum(_gathered(*part) for part in parts) // layers)
+        trained, shardings, _ = parts[0]
+        grad = max(grad, max((_gathered(leaf, s, 4) for leaf, s in zip(
+            jax.tree.leaves(trained),
+            jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))),
+            default=0) // layers)
+    return params, grad
 
 
-def _layer_parts(plan, compute_bytes: int):
+def _layer_parts(plan, compute_bytes: int, key: str):
     """(abstract, shardings, bytes per element) of what one layer loop iteration holds of
     the stacked blocks, summed over all layers: trained leaves gathered in the compute
     dtype (first); frozen ones gathered in their storage dtype; NF4 ones gathered as
     stored, plus their weights dequantized in the compute dtype."""
     import jax
 
-    from jdist.models.names import BLOCKS
     from jdist.quant import nf4
 
-    blocks, shardings = plan.abstract.params[BLOCKS], plan.shardings.params[BLOCKS]
+    blocks, shardings = plan.abstract.params[key], plan.shardings.params[key]
     is_nf4 = lambda x: isinstance(x, nf4.Nf4)
     trained = trainable.select(plan.model, blocks)
     if trained is blocks:  # everything is trained

@@ -121,8 +121,7 @@ def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: st
 def routed_forward(model) -> float:
     """One forward's FLOPs per token of the routed experts' matmuls (gate, up, down for
     each of the top-k), over all layers."""
-    return 6.0 * model.n_layers * model.d_model * model.d_ff * model.top_k \
-        if model.n_experts else 0.0
+    return 6.0 * model.moe_layers * model.d_model * model.d_ff * model.top_k
 
 
 def fp8_flops(model, tokens: float, remat: str, pipelined: bool, stages: int,
@@ -136,13 +135,15 @@ def fp8_flops(model, tokens: float, remat: str, pipelined: bool, stages: int,
     router's gradient, so it is recomputed too (a shared expert's down output is unread
     unless gated, as a dense model's: reasoned, not compiled). Equal to the GPU-compiled
     step's FP8 gemm FLOPs, dense and MoE (tests/test_gpu_report.py)."""
-    d, layers = model.d_model, model.n_layers
-    dense_ff = model.shared_d_ff if model.n_experts else model.d_ff
-    dense = 2.0 * layers * (attention_params(model) + 3 * d * dense_ff)
+    d, layers, dense_layers = model.d_model, model.n_layers, model.n_layers - model.moe_layers
+    # The dense SwiGLUs' widths over all layers: a dense block's, a block's shared expert.
+    dense_width = dense_layers * (model.dense_d_ff or model.d_ff)
+    shared_width = model.moe_layers * model.shared_d_ff
+    dense = 2.0 * (layers * attention_params(model) + 3 * d * (dense_width + shared_width))
     routed = routed_forward(model) * experts
     passes = 3.0 if model.lora is None else 2.0  # a frozen base: no weight gradients
-    # The last dense down projection: a dense model's, or an ungated shared expert's.
-    unread = 0.0 if model.n_experts and model.shared_gate else 2.0 * layers * d * dense_ff
+    # The last dense down projection: a dense block's, or an ungated shared expert's.
+    unread = 2.0 * d * (dense_width + (0 if model.shared_gate else shared_width))
     recompute = (dense + routed - unread if remat == "full" else 0.0) \
         + (dense + routed if pipelined and not stashes(remat) else 0.0)
     return tokens * (passes * dense + 2.0 * routed + recompute) / stages

@@ -24,10 +24,13 @@ def flops_per_token(model, seq_len: int) -> float:
     """Training FLOPs per token of `model` at sequence length `seq_len`."""
     d, hd = model.d_model, model.dim_per_head
     attention = attention_params(model)
-    experts = model.top_k if model.n_experts else 1
-    mlp = 3 * d * model.d_ff * experts + d * model.n_experts  # + router
-    mlp += 3 * d * model.shared_d_ff + d * model.shared_gate  # a shared expert
-    matmul_params = model.n_layers * (attention + mlp) + d * model.vocab_size  # + head
+    # A block with experts: the routed k, the router, a shared expert; a dense block (all of
+    # a dense model's, a heterogeneous stack's first ones): its SwiGLU.
+    moe = 3 * d * model.d_ff * model.top_k + d * model.n_experts \
+        + 3 * d * model.shared_d_ff + d * model.shared_gate
+    dense = 3 * d * (model.dense_d_ff or model.d_ff)
+    matmul_params = model.n_layers * attention + model.moe_layers * moe \
+        + (model.n_layers - model.moe_layers) * dense + d * model.vocab_size  # + head
     scores = 12 * model.n_layers * model.n_heads * hd * seq_len
     return 6.0 * matmul_params + scores
 

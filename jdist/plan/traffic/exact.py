@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.models import loss as objective
-from jdist.models.names import BLOCKS, EMBED, FINAL_NORM
+from jdist.models.names import EMBED, FINAL_NORM
+from jdist.models.runs import runs
 from jdist.parallel.vocab import chunk_size
 from jdist.plan.traffic import partitioner
 from jdist.plan.traffic.layout import (
@@ -96,10 +97,11 @@ def finish(st: Step, leaf: Leaf, layers: int) -> list[Collective]:
                        "grad_sync.finish_reduce")]
 
 
-def finish_all(st: Step, layers: int) -> list[Collective]:
-    """`finish` of every leaf, the blocks' stacks of `layers` (a pipeline stage's share)."""
-    return [c for leaf in st.leaves
-            for c in finish(st, leaf, layers if leaf.key == BLOCKS else 1)]
+def finish_all(st: Step, stages: int = 1) -> list[Collective]:
+    """`finish` of every leaf, each run's stack of blocks of its layers (a pipeline stage's
+    share of them: 1 / `stages`)."""
+    layers = {r.key: r.n_layers // stages for r in runs(st.model)}
+    return [c for leaf in st.leaves for c in finish(st, leaf, layers.get(leaf.key, 1))]
 
 
 # ---------------------------------------------------------------------------------------
@@ -226,7 +228,7 @@ def balance_totals(st: Step) -> list[Collective]:
     replicas = mesh_axes(MANUAL, st.plan.mesh)
     if not (m.n_experts and replicas):
         return []
-    return [Collective(AR, replicas, 1, m.n_layers * (2 * m.n_experts + 3), F32,
+    return [Collective(AR, replicas, 1, m.moe_layers * (2 * m.n_experts + 3), F32,
                        "loss: balance statistics over replicas")]
 
 

@@ -147,7 +147,7 @@ def moe_forward(st: Step) -> list[Collective]:
     """The MoE kernel's forward, and its balance statistics (2 E + 2 floats) summed over
     the kernel's token axes."""
     m = st.model
-    if not m.n_experts:
+    if not st.moe:
         return []
     tokens = mesh_axes(set(st.bt) | set(st.cp) | set(st.sp), st.plan.mesh)
     stats = [Collective(AR, tokens, 1, 2 * m.n_experts + 2, F32, "moe: balance sums")]
@@ -157,7 +157,7 @@ def moe_forward(st: Step) -> list[Collective]:
 def moe_backward(st: Step) -> list[Collective]:
     """The MoE kernel's backward; `--remat full` redoes its forward first (not checked
     against a compile)."""
-    if not st.model.n_experts:
+    if not st.moe:
         return []
     again = _moe_moves(st, False) if st.plan.compute.remat == "full" else []
     return again + _moe_moves(st, True)

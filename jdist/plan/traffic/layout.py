@@ -11,7 +11,8 @@ from collections.abc import Iterable
 import jax
 import jax.numpy as jnp
 
-from jdist.models.names import BLOCKS, EMBED, HEAD
+from jdist.models.names import EMBED, HEAD, is_blocks
+from jdist.models.runs import runs
 from jdist.parallel import collective_matmul
 from jdist.parallel.grad_sync import Sync
 from jdist.parallel.pipeline.shared import stage_dim
@@ -94,10 +95,20 @@ class Step:
     bt: tuple[str, ...]      # automatic axes splitting the batch (expert: data parallel there)
     leaves: tuple[Leaf, ...]
     collective_matmul: bool = False  # SP's activations by parallel.collective_matmul
+    run: object = None       # a `models.runs.Run`: the layers modelled are that run's
 
     @property
     def model(self):
         return self.plan.model
+
+    @property
+    def moe(self) -> bool:
+        """Whether the layers modelled route to experts (the run's, else any of the model's)."""
+        return self.run.moe if self.run is not None else bool(self.model.n_experts)
+
+    def runs(self) -> list[Step]:
+        """This step once per run of the model's blocks (`models.runs`)."""
+        return [dataclasses.replace(self, run=r) for r in runs(self.model)]
 
     def size(self, axes: Iterable[str]) -> int:
         return math.prod(self.n[a] for a in axes)
@@ -117,13 +128,15 @@ class Step:
         return self.rows * self.tokens * self.model.d_model
 
     def blocks(self) -> list[Leaf]:
-        return [leaf for leaf in self.leaves if leaf.key == BLOCKS]
+        """One layer's leaves: of the run modelled, else of every run."""
+        return [leaf for leaf in self.leaves if is_blocks(leaf.key) and
+                (self.run is None or leaf.key == self.run.key)]
 
     def leaf(self, key: str) -> Leaf:
         return next(leaf for leaf in self.leaves if leaf.key == key)
 
     def shared(self) -> list[Leaf]:
-        return [leaf for leaf in self.leaves if leaf.key != BLOCKS]
+        return [leaf for leaf in self.leaves if not is_blocks(leaf.key)]
 
     @property
     def head(self) -> Leaf:
@@ -168,7 +181,7 @@ def leaves_of(plan) -> tuple[Leaf, ...]:
     out = []
     for (path, leaf), stored, sync, grad, base_sh, names in columns:
         key = path[0].key
-        drop = 1 if key == BLOCKS else 0  # a block leaf's layers dimension
+        drop = 1 if is_blocks(key) else 0  # a block leaf's layers dimension
         shape = tuple(leaf.shape)
         auto = automatic(tuple(stored.spec)[drop:], mesh)
         groups = tuple(mesh_axes(mesh_axes_of(e), mesh) for e in grad.spec)
@@ -178,7 +191,7 @@ def leaves_of(plan) -> tuple[Leaf, ...]:
                         HLO_DTYPE[jnp.dtype(leaf.dtype).name],
                         tuple(g for g in groups if g), math.prod(stored.shard_shape(shape)),
                         zero_dim(shape, base_sh.spec, names, mesh) is not None,
-                        mesh.shape[ax.STAGE] if key != BLOCKS and
+                        mesh.shape[ax.STAGE] if not is_blocks(key) and
                         stage_dim(stored) is not None else 1))
     return tuple(out)
 

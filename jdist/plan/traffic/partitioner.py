@@ -61,7 +61,7 @@ def tensor_forward(st: Step) -> list[Collective]:
         return []
     if st.collective_matmul:
         return _chunk_transfers(st, 4) + _lora_partials(st, ("o", "down"))
-    dense = 0 if st.model.n_experts else 1  # an MoE MLP reduces inside its kernel
+    dense = 0 if st.moe else 1  # an MoE MLP reduces inside its kernel
     out = [Collective(AR, st.tp, 1 + dense, st.act, st.dtype,
                       "GSPMD: Megatron row-parallel outputs")]
     out += _lora_partials(st, ("o", "down"))
@@ -82,7 +82,7 @@ def tensor_backward(st: Step) -> list[Collective]:
         # under remat full the whole forward again, but for the MLP's down (dead there)
         return _chunk_transfers(st, 4 + 2 + again) + _lora_partials(
             st, ("q", "k", "v", "gate", "up") + (("o",) if again else ()))
-    dense = 0 if st.model.n_experts else 2
+    dense = 0 if st.moe else 2
     out = [Collective(AR, st.tp, 3 + dense + again, st.act, st.dtype,
                       "GSPMD: Megatron input grads")]
     out += _lora_partials(st, ("q", "k", "v", "gate", "up") + (("o",) if again else ()))

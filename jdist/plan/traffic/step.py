@@ -85,12 +85,15 @@ def layer_backward(st: Step, defer: bool, merged: Callable[[Leaf], bool] = lambd
 
 def plain_step(st: Step) -> list[Collective]:
     """jdist.step.grads: the replica shard_map, `grad_accum` micro-batches scanned."""
-    defer, layers = st.micro > 1, st.model.n_layers
-    pre = prefetched(st, layers)
-    per_micro = [c.times(layers) for c in layer_forward(st, gathers=not pre)
-                 + layer_backward(st, defer, regather=not pre)]
-    looped, fixed = prefetch_gathers(layers) if pre else (0, 0)
-    per_micro += [c.times(looped) for c in layer_gathers(st)] if pre else []
+    defer, per_micro, once = st.micro > 1, [], []
+    for run in st.runs():  # each run of blocks is its own layer loop (models.runs)
+        layers = run.run.n_layers
+        pre = prefetched(run, layers)
+        per_micro += [c.times(layers) for c in layer_forward(run, gathers=not pre)
+                      + layer_backward(run, defer, regather=not pre)]
+        looped, fixed = prefetch_gathers(layers) if pre else (0, 0)
+        per_micro += [c.times(looped) for c in layer_gathers(run)] if pre else []
+        once += [c.times(fixed) for c in layer_gathers(run)] if pre else []
     per_micro += exact.embedding_forward(st) + exact.embedding_backward(st, defer)
     per_micro += exact.final_norm_grad(st, defer)
     extras = partitioner.extras(st)
@@ -98,8 +101,7 @@ def plain_step(st: Step) -> list[Collective]:
     per_micro += extras.loss_forward + extras.loss_backward
     # The final norm's gather is loop-invariant: XLA hoists it out of the micro-batch scan
     # and merges the backward's with it (once per step; fitted, jax 0.10.2).
-    once = gather(st, st.leaf(FINAL_NORM), "grad_sync.gather (final norm)")
-    once += [c.times(fixed) for c in layer_gathers(st)] if pre else []
+    once += gather(st, st.leaf(FINAL_NORM), "grad_sync.gather (final norm)")
     shape = exact.loss_shape(st)
     if shape is None:
         once += gather(st, st.head, "grad_sync.gather (head)")
@@ -112,7 +114,7 @@ def plain_step(st: Step) -> list[Collective]:
             per_micro += [c.times(2) for c in exact.head_gathers(st, shape)]
     out = [c.times(st.micro) for c in per_micro] + once + extras.per_step
     if defer:
-        out += exact.finish_all(st, layers)
+        out += exact.finish_all(st)
     return out + partitioner.zero_update(st) + partitioner.muon_owners(st) \
         + exact.loss_scalars(st, MANUAL) \
         + partitioner.grad_norm(st)
@@ -167,7 +169,7 @@ def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     out = [c.times(chunk_runs) for c in forward + backward]
     out += [c.times(end_runs) for c in first + first_back + last + last_back]
     out += extras.per_step + exact.stage_permutes(st, table.ticks) + exact.stage_sums(st)
-    out += exact.finish_all(st, st.model.n_layers // table.stages)
+    out += exact.finish_all(st, table.stages)
     return out + partitioner.zero_update(st) + partitioner.muon_owners(st) \
         + exact.loss_scalars(st, PIPE_MANUAL) \
         + partitioner.grad_norm(st)
