@@ -97,12 +97,22 @@ def same_segment(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:
     return q_segments[:, :, None] == k_segments[:, None, :]
 
 
+def in_window(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+    """[s, t] booleans: key position k_pos[j] is one of the `window` positions a sliding
+    window ending at query position q_pos[i] holds (HF's `sliding_window`; causal apart)."""
+    return q_pos[:, None] - k_pos[None, :] < window
+
+
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True,
                           segment_ids: jax.Array | None = None,
-                          visible: jax.Array | None = None):
+                          visible: jax.Array | None = None, *, window: int | None = None,
+                          sinks: jax.Array | None = None):
     """Grouped-query attention. q [b, s, heads, d]; k, v [b, t, kv_heads, d] -> [b, s, heads, d].
     `segment_ids` [b, s] (s == t): a query sees only keys of its own document.
-    `visible` [b, s, t] booleans: the keys each query may see (decoding over a KV cache)."""
+    `visible` [b, s, t] booleans: the keys each query may see (decoding over a KV cache).
+    `window` (causal): each query sees only its last `window` keys, itself included.
+    `sinks` [heads]: a learned logit per head in every softmax denominator, with no value
+    (gpt-oss)."""
     b, s, h, d = q.shape
     t, kv = k.shape[1], k.shape[2]
     q = q.reshape(b, s, kv, h // kv, d)  # heads h = kv_head * group + g share one kv head
@@ -110,13 +120,21 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool
     scores = scores * (d ** -0.5)
     if causal:
         mask = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
+        if window is not None:
+            mask = mask & in_window(jnp.arange(s), jnp.arange(t), window)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     if segment_ids is not None:
         same = same_segment(segment_ids, segment_ids)[:, None, None]
         scores = jnp.where(same, scores, jnp.finfo(jnp.float32).min)
     if visible is not None:
         scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:  # the sink as one more column of every row, dropped after the softmax
+        column = jnp.broadcast_to(sinks.astype(scores.dtype).reshape(kv, h // kv, 1, 1),
+                                  (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, column], -1), -1)[..., :-1]
+        probs = probs.astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, s, h, d)
 

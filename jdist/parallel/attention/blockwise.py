@@ -5,6 +5,12 @@ An online-softmax accumulator merges key blocks one at a time, in any order, so 
 ever needs all keys at once; `block_grads` recomputes one block's gradients from the final
 log-sum-exp, so the backward pass needs no per-block residuals either (FlashAttention-2).
 
+Sliding windows: a query at position p sees keys p - window + 1 .. p (HF's
+`sliding_window`), and key tiles wholly outside every window of a query tile are never
+computed, so the work is proportional to the window. Learned sinks (gpt-oss): one logit per
+head in every softmax denominator and no value, i.e. the accumulator starts with it
+(`empty`), and its gradient comes from the final log-sum-exp (`sink_grads`).
+
 Layout: queries grouped under their kv head, q [b, s, kv, g, d]; keys/values k, v
 [b, t, kv, d]. Statistics are [b, kv, g, s]. Everything accumulates in float32
 (`models.precision.accumulator`: wider in float64 runs).
@@ -18,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jdist.models.layers import in_window
 from jdist.models.precision import accumulator
 from jdist.spmd.varying import varying, vma, zeros
 
@@ -53,13 +60,18 @@ def causal_mask(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     return q_pos[:, None] >= k_pos[None, :]
 
 
-def block_mask(offset, q_start, tq: int, k_start, tk: int, segments=None):
+def block_mask(offset, q_start, tq: int, k_start, tk: int, segments=None, window=None):
     """The mask of the score block of queries q_start.. and keys k_start..: causal (query
-    i at position offset + i; None: no causal mask) and, with `segments` = (query segment
-    ids [b, s], key segment ids [b, t]) of packed documents, only within a document
-    ([b, 1, 1, tq, tk]). None when nothing is masked."""
-    mask = None if offset is None else causal_mask(offset + q_start + jnp.arange(tq),
-                                                   k_start + jnp.arange(tk))
+    i at position offset + i; None: no causal mask), within `window` positions if given
+    (causal only) and, with `segments` = (query segment ids [b, s], key segment ids [b, t])
+    of packed documents, only within a document ([b, 1, 1, tq, tk]). None when nothing is
+    masked."""
+    mask = None
+    if offset is not None:
+        q_pos, k_pos = offset + q_start + jnp.arange(tq), k_start + jnp.arange(tk)
+        mask = causal_mask(q_pos, k_pos)
+        if window is not None:
+            mask = mask & in_window(q_pos, k_pos, window)
     if segments is None:
         return mask
     q_seg = lax.dynamic_slice_in_dim(segments[0], q_start, tq, 1)
@@ -75,13 +87,24 @@ def scores(q: jax.Array, k: jax.Array, mask: jax.Array | None) -> jax.Array:
     return s if mask is None else jnp.where(mask, s, MASKED)
 
 
-def empty(q: jax.Array) -> Acc:
-    """The accumulator before any key block was seen."""
+def empty(q: jax.Array, sinks: jax.Array | None = None) -> Acc:
+    """The accumulator before any key block was seen; with `sinks` [h] (one logit per head,
+    no value), it has seen them: max = sink, norm = exp(sink - max) = 1."""
     b, s, kv, g, d = q.shape
     stats = (b, kv, g, s)
     acc = accumulator(q)
-    return Acc(zeros((b, s, kv, g, d), acc, q), varying(jnp.full(stats, MASKED, acc), vma(q)),
-               zeros(stats, acc, q))
+    out = zeros((b, s, kv, g, d), acc, q)
+    if sinks is None:
+        return Acc(out, varying(jnp.full(stats, MASKED, acc), vma(q)), zeros(stats, acc, q))
+    start = jnp.broadcast_to(sinks.astype(acc).reshape(kv, g, 1), stats)
+    return Acc(out, varying(start, vma(q)), varying(jnp.ones(stats, acc), vma(q)))
+
+
+def sink_grads(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
+    """d loss / d sinks [h] from the rows' final log-sum-exp and delta [b, kv, g, s]: the
+    sink's probability p = exp(sink - lse) times (0 - delta), its value being zero."""
+    p = jnp.exp(sinks.astype(lse.dtype).reshape(lse.shape[1:3])[None, :, :, None] - lse)
+    return -jnp.sum(p * delta, axis=(0, 3)).reshape(-1)
 
 
 def attend(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> Acc:
@@ -98,26 +121,27 @@ def attend(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array |
 
 
 def attend_tiled(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, offset=None,
-                 q_tile: int = Q_TILE, k_tile: int = KEY_TILE, segments=None) -> Acc:
+                 q_tile: int = Q_TILE, k_tile: int = KEY_TILE, segments=None,
+                 window: int | None = None) -> Acc:
     """`attend` over [q_tile, k_tile] score blocks, so only one such block is ever live.
 
     `offset` None: no causal mask. Else causal: query i sits at position `offset + i` (a
     traced integer is fine), key j at position j; key tiles entirely after a query tile's
     last position are never computed (the loop over them stops early). `segments`: packed
-    documents' (query, key) segment ids, see `block_mask`. A row whose keys in a block are
-    all masked takes exp(0) weights there, but every row sees its own token somewhere, and
-    that block's larger max rescales them by exp(MASKED - max) = 0."""
+    documents' (query, key) segment ids, see `block_mask`. `window` (causal only): key
+    tiles wholly before every window of the query tile are skipped too. A row whose keys in
+    a block are all masked takes exp(0) weights there, but every row sees its own token
+    somewhere, and that block's larger max rescales them by exp(MASKED - max) = 0."""
     s, t = q.shape[1], k.shape[1]
     tq, tk = _divisor_at_most(s, q_tile), _divisor_at_most(t, k_tile)
 
     def q_block(i, acc_i, q_i):
         def k_block(j, acc_i):
             k_j, v_j = (lax.dynamic_slice_in_dim(x, j * tk, tk, 1) for x in (k, v))
-            mask = block_mask(offset, i * tq, tq, j * tk, tk, segments)
+            mask = block_mask(offset, i * tq, tq, j * tk, tk, segments, window)
             return attend(acc_i, q_i, k_j, v_j, mask)
-        n_keys = t // tk if offset is None else jnp.clip((offset + (i + 1) * tq - 1) // tk + 1,
-                                                          0, t // tk)
-        return lax.fori_loop(0, n_keys, k_block, _varying_acc(acc_i, q_i, k))
+        first, n_keys = _key_tiles(offset, i, tq, tk, t, window)
+        return lax.fori_loop(first, n_keys, k_block, _varying_acc(acc_i, q_i, k))
 
     if tq == s:
         return q_block(0, acc, q)
@@ -153,7 +177,8 @@ def block_grads(q, k, v, dout, lse, delta, mask) -> tuple[jax.Array, jax.Array, 
 
 
 def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
-                k_tile: int = KEY_TILE, segments=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                k_tile: int = KEY_TILE, segments=None,
+                window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`block_grads` over [q_tile, k_tile] blocks (masking and skipping as `attend_tiled`):
     an outer loop over key tiles, whose dk/dv accumulate in the inner loop over the query
     tiles that see them, and dq accumulated in place."""
@@ -167,20 +192,44 @@ def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
 
         def q_block(i, carry):
             dq, dk, dv = carry
-            mask = block_mask(offset, i * tq, tq, j * tk, tk, segments)
+            mask = block_mask(offset, i * tq, tq, j * tk, tk, segments, window)
             dq_i, dk_i, dv_i = block_grads(rows(q, i), k_j, v_j, rows(dout, i), stat(lse, i),
                                            stat(delta, i), mask)
             dq = lax.dynamic_update_slice_in_dim(dq, rows(dq, i) + dq_i, i * tq, 1)
             return dq, dk + dk_i, dv + dv_i
 
-        first = 0 if offset is None else jnp.clip((j * tk - offset) // tq, 0, s // tq)
+        first, end = _query_tiles(offset, j, tq, tk, s, window)
         dkv = _zeros_like_all(k_j.shape, q, k, dout)
-        dq, dk, dv = lax.fori_loop(first, s // tq, q_block, (dq, dkv, dkv))
+        dq, dk, dv = lax.fori_loop(first, end, q_block, (dq, dkv, dkv))
         return dq, (dk, dv)
 
     dq0 = _zeros_like_all(q.shape, q, k, dout)
     dq, (dk, dv) = lax.scan(k_block, dq0, (jnp.arange(t // tk), _tiles(k, tk), _tiles(v, tk)))
     return dq, _untile(dk), _untile(dv)
+
+
+def _key_tiles(offset, i, tq: int, tk: int, t: int, window):
+    """[first, end) of the key tiles query tile i sees: all without a causal mask; causal,
+    up to the tile of its last query, and with a window from the tile of its first
+    query's first key."""
+    if offset is None:
+        return 0, t // tk
+    end = jnp.clip((offset + (i + 1) * tq - 1) // tk + 1, 0, t // tk)
+    if window is None:
+        return 0, end
+    return jnp.clip((offset + i * tq - window + 1) // tk, 0, end), end
+
+
+def _query_tiles(offset, j, tq: int, tk: int, s: int, window):
+    """[first, end) of the query tiles that see key tile j (the transpose of `_key_tiles`):
+    from the tile of the first query at or after its first key, and with a window up to
+    the tile of the last query whose window reaches its last key."""
+    if offset is None:
+        return 0, s // tq
+    first = jnp.clip((j * tk - offset) // tq, 0, s // tq)
+    if window is None:
+        return first, s // tq
+    return first, jnp.clip(((j + 1) * tk - 1 + window - 1 - offset) // tq + 1, first, s // tq)
 
 
 def row_delta(out: jax.Array, dout: jax.Array) -> jax.Array:

@@ -1,0 +1,106 @@
+"""Sliding-window attention and learned sinks: the dense reference against a masked softmax
+written out here, every kernel against the dense reference, and the work a window skips."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdist.models.layers import dot_product_attention
+from jdist.parallel.attention import blockwise as bw
+from jdist.parallel.attention.flash import flash_attention
+
+RTOL = 1e-5  # max |error| / max |reference|
+
+
+def inputs(b=2, s=48, h=8, kv=2, d=16):
+    keys = jax.random.split(jax.random.key(3), 5)
+    shapes = ((b, s, h, d), (b, s, kv, d), (b, s, kv, d), (b, s, h, d))
+    q, k, v, cotangent = (jax.random.normal(key, shape) for key, shape in zip(keys, shapes))
+    sinks = 2.0 * jax.random.normal(keys[4], (h,))  # large enough to take much of each row
+    return q, k, v, sinks, cotangent
+
+
+def masked_softmax_attention(q, k, v, window, sinks):
+    """What sliding-window attention with sinks means, per row, in float64 numpy: query i
+    sees keys i - window + 1 .. i; the sink of its head joins the denominator only."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, s, h, d = q.shape
+    group = h // k.shape[2]
+    out = np.zeros_like(q)
+    for row in range(b):
+        for head in range(h):
+            for i in range(s):
+                keys = range(max(0, i - window + 1) if window else 0, i + 1)
+                logits = [q[row, i, head] @ k[row, j, head // group] / np.sqrt(d) for j in keys]
+                sink = -np.inf if sinks is None else float(sinks[head])
+                top = max(max(logits), sink)
+                weights = np.exp(np.array(logits) - top)
+                denominator = weights.sum() + np.exp(sink - top)
+                out[row, i, head] = sum(w * v[row, j, head // group]
+                                        for w, j in zip(weights, keys)) / denominator
+    return out
+
+
+def rel_err(x, ref) -> float:
+    return float(jnp.max(jnp.abs(x - ref)) / jnp.max(jnp.abs(ref)))
+
+
+@pytest.mark.parametrize("window, with_sinks", [(5, True), (5, False), (None, True)])
+def test_dense_reference_is_the_masked_softmax(window, with_sinks):
+    q, k, v, sinks, _ = inputs(b=1, s=12, h=4, kv=2, d=8)
+    sinks = sinks if with_sinks else None
+    with jax.default_matmul_precision("highest"):
+        got = dot_product_attention(q, k, v, True, window=window, sinks=sinks)
+    assert rel_err(got, masked_softmax_attention(q, k, v, window, sinks)) <= RTOL
+
+
+def out_and_grads(attention, q, k, v, sinks, cotangent):
+    def f(q, k, v, sinks):
+        out = attention(q, k, v, sinks)
+        return jnp.sum(out * cotangent), out
+    grad = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
+    (_, out), grads = jax.jit(grad)(q, k, v, sinks)
+    return [out, *grads]
+
+
+def assert_matches_dense(attention, window, s=48, **shape):
+    q, k, v, sinks, cotangent = inputs(s=s, **shape)
+    with jax.default_matmul_precision("highest"):
+        ref = out_and_grads(lambda q, k, v, sinks: dot_product_attention(
+            q, k, v, True, window=window, sinks=sinks), q, k, v, sinks, cotangent)
+        got = out_and_grads(attention, q, k, v, sinks, cotangent)
+    errors = [rel_err(a, b) for a, b in zip(got, ref)]
+    assert max(errors) <= RTOL, errors
+
+
+@pytest.mark.parametrize("window, tiles", [
+    (5, (8, 8)), (16, (8, 16)), (1, (12, 4)),  # windows of several tiles, and of one key
+])
+def test_flash_with_window_and_sinks_matches_dense(window, tiles):
+    assert_matches_dense(lambda q, k, v, sinks: flash_attention(
+        q, k, v, True, q_tile=tiles[0], k_tile=tiles[1], window=window, sinks=sinks), window)
+
+
+def test_flash_with_a_window_skips_the_tiles_outside_it(monkeypatch):
+    # 32 keys in tiles of 4, window 8: query tile i sees key tiles (4i - 7) // 4 .. i, so
+    # 1 + 2 + 3 x 6 = 21 blocks where causal alone computes 36, in the forward and the
+    # backward alike (both loops count `block_mask` calls).
+    q, k, v, sinks, _ = inputs(b=1, s=32, h=1, kv=1, d=8)
+    calls = []
+    mask = bw.block_mask
+
+    def counted(*args):  # a host callback per executed block
+        jax.debug.callback(lambda: calls.append(1))
+        return mask(*args)
+
+    monkeypatch.setattr(bw, "block_mask", counted)
+    counts = []
+    for window in (8, None):
+        calls.clear()
+        loss = lambda q, k, v, w=window: flash_attention(q, k, v, q_tile=4, k_tile=4, window=w,
+                                                         sinks=sinks[:1]).sum()
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        jax.effects_barrier()
+        counts.append(len(calls))
+    assert counts == [2 * 21, 2 * 36]
