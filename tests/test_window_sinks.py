@@ -1,16 +1,25 @@
 """Sliding-window attention and learned sinks: the dense reference against a masked softmax
 written out here, every kernel against the dense reference, and the work a window skips."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jdist.models import get_preset
 from jdist.models.layers import dot_product_attention
 from jdist.parallel.attention import blockwise as bw
+from jdist.parallel.attention.context import ALL_GATHER, RING, ULYSSES, ContextParallel
 from jdist.parallel.attention.flash import flash_attention
+from jdist.parallel.attention.load_balance import ring_work
+from jdist.spmd.mesh import build_mesh, parse_mesh
+from jdist.spmd.rules import DEFAULT_RULES
+from jdist.tools.equivalence import assert_matches, config, train_steps
 
 RTOL = 1e-5  # max |error| / max |reference|
+WINDOW = 11  # under context parallelism: a window of a few chunks, not a multiple of one
 
 
 def inputs(b=2, s=48, h=8, kv=2, d=16):
@@ -104,3 +113,52 @@ def test_flash_with_a_window_skips_the_tiles_outside_it(monkeypatch):
         jax.effects_barrier()
         counts.append(len(calls))
     assert counts == [2 * 21, 2 * 36]
+
+
+def mesh_of(text: str):
+    spec = parse_mesh(text)
+    return build_mesh(spec, jax.devices()[: spec.n_devices()])
+
+
+@pytest.mark.parametrize("mesh, strategy", [
+    ("sp=8", RING),            # balanced chunks of 4: pairs beyond the window skipped
+    ("sp=4,tp=2", RING),       # the sinks split over tensor with the heads
+    ("sp=2,tp=2,dp=2", ALL_GATHER),
+    ("sp=2,tp=2,dp=2", ULYSSES),
+])
+def test_context_parallel_with_window_and_sinks_matches_dense(mesh, strategy):
+    cp = ContextParallel(mesh_of(mesh), DEFAULT_RULES, strategy)
+
+    def attention(q, k, v, sinks):  # tokens go into the layout's order and come back out
+        moved = (cp.reorder(x) for x in (q, k, v))
+        return cp.restore(cp.attention(*moved, True, window=WINDOW, sinks=sinks))
+
+    assert_matches_dense(attention, WINDOW, s=64, kv=4)
+
+
+def test_ring_skips_the_chunk_pairs_beyond_the_window():
+    # 64 tokens in 8 balanced chunks of 8 over 4 devices, window 8: a query chunk meets
+    # itself and the chunk before it only; device 0 holds chunks 0 (no chunk before) and 7.
+    assert ring_work(4, balanced=True, window=8, seq_len=64) == [3, 4, 4, 4]
+    assert ring_work(4, balanced=True) == [9, 9, 9, 9]
+
+
+LOCAL = dataclasses.replace(get_preset("tiny"), sliding_window=WINDOW, attention_sinks=True)
+
+
+@pytest.fixture(scope="module")
+def reference(single_device):
+    return single_device(LOCAL)
+
+
+@pytest.mark.parametrize("mesh, flags", [
+    ("fsdp=2,tp=2", {}),                          # xla: the dense path, partitioned
+    ("fsdp=4,tp=2", {"attention": "flash"}),
+    ("sp=2", {"cp_strategy": RING}),              # chunks of 8: pairs beyond 11 skipped
+    ("dp=2,sp=2,tp=2", {"cp_strategy": RING}),    # the sinks' gradient summed over dp, sp
+    ("sp=2", {"cp_strategy": ALL_GATHER}),
+    ("sp=2", {"cp_strategy": ULYSSES}),
+])
+def test_training_with_window_and_sinks_matches_single_device(corpus, reference, mesh, flags):
+    run = train_steps(LOCAL, mesh_of(mesh), corpus.train, config(**flags))
+    assert_matches(run, reference)

@@ -45,6 +45,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+    # Each query sees only its last `sliding_window` keys, itself included (HF's field;
+    # None: all earlier keys). Attention kernels take it per call (`jdist.parallel.attention`).
+    sliding_window: int | None = None
+    # A learned logit per head in every softmax denominator, with no value (gpt-oss `sinks`).
+    attention_sinks: bool = False
     shape_only: bool = False  # too big to allocate on a CPU: planning and AOT compiles only
     # Mixture of experts (n_experts = 0: dense SwiGLU MLP in every block).
     n_experts: int = 0
@@ -112,12 +117,14 @@ class ModelConfig:
 
     def attention_params(self) -> int:
         d, h, hd = self.d_model, self.n_heads, self.dim_per_head
+        sinks = h * self.attention_sinks
         if not self.kv_lora_rank:
-            return d * hd * (2 * h + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0)
+            return d * hd * (2 * h + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0) \
+                + sinks
         r, rq = self.kv_lora_rank, self.q_lora_rank
         q = rq * (d + 1 + h * hd) if rq else d * h * hd
         kv = d * (r + self.rope_dim) + r + r * h * (hd - self.rope_dim + self.value_dim)
-        return q + kv + h * self.value_dim * d
+        return q + kv + h * self.value_dim * d + sinks
 
     def block_params(self, moe: bool) -> int:
         """One block's parameters: routed (with any shared expert) or dense."""
@@ -192,6 +199,9 @@ class ModelConfig:
         require(self.mtp_weight >= 0, f"--mtp-weight {self.mtp_weight} must not be negative")
         require(self.rope_dim % 2 == 0,
                 f"rotary dimension {self.rope_dim} is odd; rotary embeddings need an even one")
+        require(self.sliding_window is None or self.sliding_window >= 1,
+                f"--sliding-window {self.sliding_window} must be at least 1 (one key: the "
+                "query's own); leave it out for full attention")
         require(self.rope_theta > 1, f"rope_theta={self.rope_theta} must be greater than 1")
         if (rs := self.rope_scaling) is not None:
             require(rs.factor >= 1, f"rope scaling factor={rs.factor} must be at least 1")

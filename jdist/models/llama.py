@@ -21,6 +21,7 @@ from jdist.models.layers import (
     RMSNorm,
     apply_rotary,
     dot_product_attention,
+    in_window,
     param,
     rotary_tables,
     weight,
@@ -62,6 +63,9 @@ class Attention(nnx.Module):
         # Qwen3 normalises each query and key head (its own scale over head_dim) before RoPE.
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        # Static per module, so a stack of layers with another window is another stack.
+        self.window = cfg.sliding_window
+        self.sinks = param(rngs, (cfg.n_heads,), (HEADS,)) if cfg.attention_sinks else None
         # LoRA adapters (None unless cfg.lora targets them), drawn from their own rng stream
         # so the base weights are the same with and without them.
         self.q_lora = adapter(cfg.lora, "q", self.wq, 1, rngs)
@@ -86,10 +90,16 @@ class Attention(nnx.Module):
         if cache is not None:
             return self.cached_attention(q, k, v, cache, ctx)
         attend = ctx.attention or dot_product_attention
-        out = attend(q, k, v, True) if segment_ids is None else \
-            attend(q, k, v, True, segment_ids=segment_ids)
+        out = attend(q, k, v, True, **self.options(q, segment_ids=segment_ids))
         out = c(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
         return _named(self.output(out, ctx), remat.ATTENTION_OUT)
+
+    def options(self, like: jax.Array, **given) -> dict:
+        """The keyword arguments of the attention call that are set: packed documents'
+        `segment_ids`, the sliding `window`, the `sinks` in the compute dtype."""
+        sinks = None if self.sinks is None else weight(self.sinks, like)
+        given |= {"window": self.window, "sinks": sinks}
+        return {name: value for name, value in given.items() if value is not None}
 
     def output(self, out: jax.Array, ctx: ModelContext) -> jax.Array:
         """The output projection [batch, length, heads, head_dim] -> [batch, length, embed]."""
@@ -105,8 +115,12 @@ class Attention(nnx.Module):
         at = (layer, 0, index, 0, 0)
         keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype)[None], at)
         values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype)[None], at)
+        if self.window is not None:  # slots and positions differ by each row's padding alone
+            slots = index + jnp.arange(q.shape[1])
+            visible = visible & in_window(slots, jnp.arange(keys.shape[2]), self.window)
+        sinks = self.options(q.astype(keys.dtype)).get("sinks")
         out = dot_product_attention(q.astype(keys.dtype), keys[layer], values[layer], False,
-                                    visible=visible)
+                                    visible=visible, sinks=sinks)
         out = ctx.constrain(out, (BATCH, LENGTH, HEADS, HEAD_DIM))
         return self.output(out, ctx), (keys, values)
 

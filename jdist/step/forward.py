@@ -243,7 +243,8 @@ def attention_of(plan, seq_len: int) -> str:
     return attn.choose(plan.compute.attention, backend=backend, capability=capability,
                        dtype=plan.compute.dtype, head_dim=plan.model.dim_per_head,
                        seq_len=seq_len, context_parallel=cp.size > 1,
-                       heads_match=cp.q_spec[:3] == cp.kv_spec[:3])
+                       heads_match=cp.q_spec[:3] == cp.kv_spec[:3],
+                       sinks=plan.model.attention_sinks)
 
 
 def model_context(plan, manual: tuple[str, ...], seq_len: int,

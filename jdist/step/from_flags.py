@@ -5,6 +5,7 @@ parallelism planner, the memory tool and the tests all plan through `plan_for`."
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax.numpy as jnp
 
@@ -15,6 +16,7 @@ from jdist.config.groups import DEFAULT_PRESET, compute_dtype_name
 from jdist.errors import require
 from jdist.models import ModelConfig, get_preset
 from jdist.models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
+from jdist.parallel import attention as attn
 from jdist.parallel import collective_matmul
 from jdist.parallel.attention.context import check_context_parallel
 from jdist.parallel.pipeline import pipeline_for
@@ -188,6 +190,8 @@ def compute_of(config: TrainConfig, plan: Plan, pipelined: bool) -> Compute:
                       memory.grad_accum, memory.attention, memory.loss,
                       config.parallel.cp_strategy, plan.compute.eod_id)
     attention = attention_of(dataclasses.replace(plan, compute=compute), seq_len)
+    if memory.attention == attn.CUDNN and attention != attn.CUDNN:  # sinks: flash instead
+        print(f"jdist: {attn.SINKS_ON_CUDNN}", file=sys.stderr)
     return dataclasses.replace(compute, attention=attention)
 
 

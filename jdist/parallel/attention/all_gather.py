@@ -18,22 +18,26 @@ from jdist.parallel import CHECK_VMA, kernel_mesh
 from jdist.parallel.attention.flash import flash_attention
 
 
-def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v, *seg):
+def _local(axis: tuple[str, ...], n: int, causal: bool, window, q, k, v, seg, sinks):
     gather = lambda x: lax.all_gather(x, axis, axis=1, tiled=True)
     k, v = gather(k), gather(v)
     segments = {} if not seg else {"segment_ids": seg[0], "kv_segment_ids": gather(seg[0])}
-    # The layout is contiguous: device j holds positions [j*size, (j+1)*size).
+    # The layout is contiguous: device j holds positions [j*size, (j+1)*size); a window
+    # skips the key tiles before this device's queries' windows.
     return flash_attention(q, k, v, causal, query_offset=lax.axis_index(axis) * q.shape[1],
-                           **segments)
+                           window=window, sinks=sinks[0] if sinks else None, **segments)
 
 
 def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh,
                          q_spec: PartitionSpec, kv_spec: PartitionSpec, axis: tuple[str, ...],
-                         n: int, causal: bool, segment_ids: jax.Array | None = None) -> jax.Array:
+                         n: int, causal: bool, segment_ids: jax.Array | None = None,
+                         window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Attention of global q [b, S, h, d] against k, v [b, S, kv, d] (contiguous layout);
-    `segment_ids` [b, S] keeps packed documents apart."""
+    `segment_ids` [b, S] keeps packed documents apart; a sliding `window` and `sinks` [h]
+    as `flash_attention` takes them."""
     seg = () if segment_ids is None else (segment_ids,)
-    seg_specs = (PartitionSpec(*q_spec[:2]),) * len(seg)
-    return jax.shard_map(partial(_local, axis, n, causal), **kernel_mesh(mesh),
-                         in_specs=(q_spec, kv_spec, kv_spec, *seg_specs), out_specs=q_spec,
-                         check_vma=CHECK_VMA)(q, k, v, *seg)
+    sink = () if sinks is None else (sinks,)
+    specs = ((PartitionSpec(*q_spec[:2]),) * len(seg), (PartitionSpec(q_spec[2]),) * len(sink))
+    return jax.shard_map(partial(_local, axis, n, causal, window), **kernel_mesh(mesh),
+                         in_specs=(q_spec, kv_spec, kv_spec, *specs), out_specs=q_spec,
+                         check_vma=CHECK_VMA)(q, k, v, seg, sink)

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 
 from jdist.errors import require
 from jdist.parallel.attention.all_gather import all_gather_attention
+from jdist.parallel.attention.flash import check_window
 from jdist.parallel.attention.load_balance import balanced_order
 from jdist.parallel.attention.ring import Ring, ring_attention
 from jdist.parallel.attention.ulysses import ulysses_attention
@@ -114,17 +115,21 @@ class ContextParallel:
                 f"multiple of {2 * n} or use --cp-strategy all_gather")
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True,
-                  segment_ids: jax.Array | None = None) -> jax.Array:
+                  segment_ids: jax.Array | None = None, window: int | None = None,
+                  sinks: jax.Array | None = None) -> jax.Array:
         """q [b, S, h, d], k/v [b, S, kv, d] (and packed documents' `segment_ids` [b, S]),
-        already in this layout's token order."""
+        already in this layout's token order; a sliding `window` and `sinks` [h] as
+        `flash_attention` takes them."""
         self.check(q.shape[2], q.shape[1])  # the same errors for Python callers as for the CLI
+        check_window(window, causal)
         common = {"mesh": self.mesh, "q_spec": self.q_spec, "kv_spec": self.kv_spec,
-                  "segment_ids": segment_ids}
+                  "segment_ids": segment_ids, "sinks": sinks}
         if self.strategy == RING:
-            ring = Ring(self.axes, self.size, causal, self.balanced)
+            ring = Ring(self.axes, self.size, causal, self.balanced, window=window)
             return ring_attention(q, k, v, ring=ring, **common)
         kernel = all_gather_attention if self.strategy == ALL_GATHER else ulysses_attention
-        return kernel(q, k, v, axis=self.axes, n=self.size, causal=causal, **common)
+        return kernel(q, k, v, axis=self.axes, n=self.size, causal=causal, window=window,
+                      **common)
 
 
 def check_context_parallel(n_heads: int, seq_len: int, mesh, rules: Rules,

@@ -13,6 +13,11 @@ queries is skipped with `lax.switch`, a block on the diagonal gets the triangula
 every other block is computed unmasked. Within a chunk pair the local block kernel
 (`blockwise.attend_tiled`, the one `flash` attention runs) takes [Q_TILE, KEY_TILE] score
 blocks and skips those above a diagonal chunk's diagonal.
+
+A sliding window skips the chunk pairs wholly outside it and masks the rest at their
+distance in the sequence (the chunks' offset), where the block kernel skips the tiles
+outside it. Learned sinks start each local row's softmax; their gradient is summed over
+the ring and the batch here, since this VJP is ours.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from jdist.parallel import CHECK_VMA, kernel_mesh, manual_axes
 from jdist.parallel.attention import blockwise as bw
 from jdist.parallel.attention.load_balance import block_kind, chunk_ids
 from jdist.spmd.axes import STAGE
+from jdist.spmd.rules import mesh_axes_of
 from jdist.spmd.varying import varying, vma, zeros
 
 
@@ -41,6 +47,11 @@ class Ring:
     causal: bool
     balanced: bool            # two chunks per device (j, 2N-1-j) instead of one
     tile: int = bw.KEY_TILE   # keys per score block inside a chunk pair
+    window: int | None = None  # sliding window (causal), in tokens
+    sinks: bool = False       # learned sinks come after the operands (and segment ids)
+    # Mesh axes this kernel splits the rows (batch and sequence) over, where the sinks'
+    # gradient is summed (the step's own replica axes excluded: it sums those).
+    row_axes: tuple[str, ...] = ()
     # Inside a pipeline stage (its tick's lax.switch): shift with an all-gather, see `shift`.
     nested: bool = False
 
@@ -70,12 +81,14 @@ class Ring:
     def split(self, x: jax.Array) -> list[jax.Array]:
         return jnp.split(x, self.n_chunks, axis=1)
 
-    def kinds(self, step) -> list[list]:
-        """kinds[a][b]: what to do with local query chunk a and visiting key chunk b."""
+    def kinds(self, step, chunk_len: int) -> list[list]:
+        """kinds[a][b]: what to do with local query chunk a and visiting key chunk b (of
+        `chunk_len` tokens each), and how far the queries' positions lie after the keys'."""
         me = lax.axis_index(self.axis)
         q_ids = chunk_ids(me, self.n, self.balanced)
         k_ids = chunk_ids((me - step) % self.n, self.n, self.balanced)
-        return [[block_kind(qc, kc, self.causal, jnp) for kc in k_ids] for qc in q_ids]
+        return [[(block_kind(qc, kc, self.causal, jnp, chunk_len, self.window),
+                  (qc - kc) * chunk_len) for kc in k_ids] for qc in q_ids]
 
     def run(self, compute: Callable, travelling, local):
         """compute(step, travelling, local) -> (travelling, local) for steps 0..N-1,
@@ -87,14 +100,16 @@ class Ring:
         return compute(self.n - 1, *carry)
 
 
-def _dispatch(ring: Ring, kind, block: Callable, acc, *args):
-    """Run `block(acc, *args, diagonal)` as the chunk pair's kind says: skip it, compute it
-    unmasked, or compute it with the causal mask of a chunk against itself."""
+def _dispatch(ring: Ring, kind_offset, block: Callable, acc, *args):
+    """Run `block(acc, *args, offset)` as the chunk pair's kind says: skip it, compute it
+    unmasked (offset None), or under the causal mask (and window) of queries `offset`
+    positions after the keys."""
     if not ring.causal:
-        return block(acc, *args, False)
+        return block(acc, *args, None)
+    kind, offset = kind_offset
     return lax.switch(kind, (lambda acc, *_: acc,
-                             lambda acc, *a: block(acc, *a, False),
-                             lambda acc, *a: block(acc, *a, True)), acc, *args)
+                             lambda acc, *a: block(acc, *a, None),
+                             lambda acc, *a: block(acc, *a, offset)), acc, *args)
 
 
 def _segment_chunks(ring: Ring, seg: tuple) -> list:
@@ -106,18 +121,21 @@ def _pair(q_seg, k_seg):
     return None if q_seg is None else (q_seg, k_seg)
 
 
-def _forward(ring: Ring, q, k, v, *seg):
+def _forward(ring: Ring, q, k, v, *seg_sinks):
     """Local blocks q [b, L, h, d], k/v [b, L, kv, d] (and, packed, their segment ids
-    [b, L], which travel with k/v) -> (out [b, L, h, d], lse [b, L, h])."""
+    [b, L], which travel with k/v; then the local heads' sinks [h], if any) -> (out
+    [b, L, h, d], lse [b, L, h])."""
+    seg, sinks = _seg_and_sinks(seg_sinks, ring)
     q_chunks = ring.split(bw.group_heads(q, k.shape[2]))
     q_segs = _segment_chunks(ring, seg)
+    chunk_len = q_chunks[0].shape[1]
 
-    def attend(acc, qc, kc, vc, segments, diagonal):  # a chunk against itself: causal from 0
-        return bw.attend_tiled(acc, qc, kc, vc, 0 if diagonal else None, k_tile=ring.tile,
-                               segments=segments)
+    def attend(acc, qc, kc, vc, segments, offset):
+        return bw.attend_tiled(acc, qc, kc, vc, offset, k_tile=ring.tile, segments=segments,
+                               window=ring.window)
 
     def compute(step, kv, accs):
-        kinds = ring.kinds(step)
+        kinds = ring.kinds(step, chunk_len)
         accs = list(accs)
         k_segs = _segment_chunks(ring, kv[2:])
         for a, qc in enumerate(q_chunks):
@@ -126,28 +144,31 @@ def _forward(ring: Ring, q, k, v, *seg):
                                     _pair(q_segs[a], k_segs[b]))
         return kv, tuple(accs)
 
-    _, accs = ring.run(compute, (k, v, *seg), tuple(bw.empty(qc) for qc in q_chunks))
+    _, accs = ring.run(compute, (k, v, *seg), tuple(bw.empty(qc, sinks) for qc in q_chunks))
     outs, lses = zip(*(bw.finish(acc) for acc in accs))
     out = bw.ungroup_heads(jnp.concatenate(outs, axis=1)).astype(q.dtype)
     lse = jnp.concatenate(lses, axis=-1)  # [b, kv, g, L]
     return out, _lse_to_heads(lse)
 
 
-def _backward(ring: Ring, q, k, v, out, lse, dout, *seg):
-    """Local gradients (dq, dk, dv); dk/dv travel with their k/v blocks and end at home."""
+def _backward(ring: Ring, q, k, v, out, lse, dout, *seg_sinks):
+    """Local gradients (dq, dk, dv, and the sinks' summed over the ring and the batch);
+    dk/dv travel with their k/v blocks and end at home."""
+    seg, sinks = _seg_and_sinks(seg_sinks, ring)
     n_kv = k.shape[2]
     q_chunks = ring.split(bw.group_heads(q, n_kv))
     q_segs = _segment_chunks(ring, seg)
+    chunk_len = q_chunks[0].shape[1]
     dout_g = bw.group_heads(dout, n_kv)
     do_chunks = ring.split(dout_g)
-    lse_chunks = jnp.split(_lse_from_heads(lse, n_kv), ring.n_chunks, axis=-1)
-    delta_chunks = jnp.split(bw.row_delta(bw.group_heads(out, n_kv), dout_g), ring.n_chunks,
-                             axis=-1)
+    lse_g = _lse_from_heads(lse, n_kv)
+    delta = bw.row_delta(bw.group_heads(out, n_kv), dout_g)
+    lse_chunks = jnp.split(lse_g, ring.n_chunks, axis=-1)
+    delta_chunks = jnp.split(delta, ring.n_chunks, axis=-1)
 
-    def block(acc, qc, kc, vc, doc, lsec, deltac, segments, diagonal):
-        dq, dk, dv = bw.grads_tiled(qc, kc, vc, doc, lsec, deltac,
-                                     0 if diagonal else None, k_tile=ring.tile,
-                                     segments=segments)
+    def block(acc, qc, kc, vc, doc, lsec, deltac, segments, offset):
+        dq, dk, dv = bw.grads_tiled(qc, kc, vc, doc, lsec, deltac, offset, k_tile=ring.tile,
+                                     segments=segments, window=ring.window)
         return acc[0] + dq, acc[1] + dk, acc[2] + dv
 
     def compute(step, travelling, dqs):
@@ -155,7 +176,7 @@ def _backward(ring: Ring, q, k, v, out, lse, dout, *seg):
         ks, vs = ring.split(kc_all), ring.split(vc_all)
         k_segs = _segment_chunks(ring, k_seg)
         dks, dvs, dqs = ring.split(dk_all), ring.split(dv_all), list(dqs)
-        kinds = ring.kinds(step)
+        kinds = ring.kinds(step, chunk_len)
         for a in range(ring.n_chunks):
             for b in range(ring.n_chunks):
                 dqs[a], dks[b], dvs[b] = _dispatch(
@@ -172,7 +193,19 @@ def _backward(ring: Ring, q, k, v, out, lse, dout, *seg):
     (_, _, dk, dv, *_), dqs = ring.run(compute, (k, v, zeros_kv, zeros_kv, *seg), dq_init)
     dk, dv = ring.shift((dk, dv))  # after N steps each gradient sits one device short of home
     dq = bw.ungroup_heads(jnp.concatenate(dqs, axis=1))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    if sinks is None:
+        return grads
+    dsinks = bw.sink_grads(sinks, lse_g, delta)  # this device's rows; every row shares them
+    over = tuple(a for a in ring.row_axes if a in vma(dsinks))
+    return (*grads, (lax.psum(dsinks, over) if over else dsinks).astype(sinks.dtype))
+
+
+def _seg_and_sinks(seg_sinks: tuple, ring: Ring) -> tuple[tuple, jax.Array | None]:
+    """The kernels' trailing operands: (segment ids,) or (), then the sinks if `ring.sinks`."""
+    if ring.sinks:
+        return seg_sinks[:-1], seg_sinks[-1]
+    return seg_sinks, None
 
 
 def _lse_to_heads(lse: jax.Array) -> jax.Array:
@@ -187,35 +220,44 @@ def _lse_from_heads(lse: jax.Array, n_kv: int) -> jax.Array:
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: PartitionSpec,
-                   kv_spec: PartitionSpec, ring: Ring,
-                   segment_ids: jax.Array | None = None) -> jax.Array:
+                   kv_spec: PartitionSpec, ring: Ring, segment_ids: jax.Array | None = None,
+                   sinks: jax.Array | None = None) -> jax.Array:
     """Attention of global q [b, S, h, d] against k, v [b, S, kv, d], sequence-sharded over
     `ring.axis` as `q_spec`/`kv_spec` say (heads may be sharded too: blocks are per head).
-    `segment_ids` [b, S]: packed documents (in the same token order), attended apart."""
+    `segment_ids` [b, S]: packed documents (in the same token order), attended apart.
+    `sinks` [h]: learned sinks, split as the heads are."""
     lse_spec = PartitionSpec(*q_spec[:3])
     seg = () if segment_ids is None else (segment_ids,)
     seg_specs = (PartitionSpec(*q_spec[:2]),) * len(seg)
+    sink = () if sinks is None else (sinks,)
+    sink_specs = (PartitionSpec(q_spec[2]),) * len(sink)
     where = kernel_mesh(mesh)
-    if STAGE in manual_axes():  # inside a pipeline stage's branch: see `Ring.shift`
+    outer = manual_axes()
+    rows = tuple(a for a in mesh_axes_of(q_spec[0]) + mesh_axes_of(q_spec[1]) if a not in outer)
+    ring = dataclasses.replace(ring, sinks=bool(sink), row_axes=rows)
+    if STAGE in outer:  # inside a pipeline stage's branch: see `Ring.shift`
         ring = dataclasses.replace(ring, nested=True)
     smap = partial(jax.shard_map, **where, check_vma=CHECK_VMA)
-    fwd = smap(partial(_forward, ring), in_specs=(q_spec, kv_spec, kv_spec, *seg_specs),
+    fwd = smap(partial(_forward, ring),
+               in_specs=(q_spec, kv_spec, kv_spec, *seg_specs, *sink_specs),
                out_specs=(q_spec, lse_spec))
     bwd = smap(partial(_backward, ring),
-               in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec, *seg_specs),
-               out_specs=(q_spec, kv_spec, kv_spec))
+               in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec, *seg_specs,
+                         *sink_specs),
+               out_specs=(q_spec, kv_spec, kv_spec, *sink_specs))
 
     @jax.custom_vjp
-    def attention(q, k, v, seg):
-        return fwd(q, k, v, *seg)[0]
+    def attention(q, k, v, seg, sink):
+        return fwd(q, k, v, *seg, *sink)[0]
 
-    def attention_fwd(q, k, v, seg):
-        out, lse = fwd(q, k, v, *seg)
-        return out, (q, k, v, out, lse, seg)
+    def attention_fwd(q, k, v, seg, sink):
+        out, lse = fwd(q, k, v, *seg, *sink)
+        return out, (q, k, v, out, lse, seg, sink)
 
     def attention_bwd(residuals, dout):
-        *res, seg = residuals
-        return (*bwd(*res, dout, *seg), jax.tree.map(lambda _: None, seg))
+        *res, seg, sink = residuals
+        dq, dk, dv, *dsink = bwd(*res, dout, *seg, *sink)
+        return dq, dk, dv, jax.tree.map(lambda _: None, seg), tuple(dsink)
 
     attention.defvjp(attention_fwd, attention_bwd)
-    return attention(q, k, v, seg)
+    return attention(q, k, v, seg, sink)

@@ -27,7 +27,11 @@ def kv_repeats(local_kv_heads: int, n: int) -> int:
     return n // math.gcd(local_kv_heads, n)
 
 
-def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v, *seg):
+def _local(axis: tuple[str, ...], n: int, causal: bool, window, q, k, v, seg, sinks):
+    # This device attends with local heads [i*h/n, (i+1)*h/n), the all-to-all's i-th part.
+    heads = q.shape[2] // n
+    sinks = lax.dynamic_slice_in_dim(sinks[0], lax.axis_index(axis) * heads, heads) \
+        if sinks else None
     rep = kv_repeats(k.shape[2], n)
     if rep > 1:  # repeating kv head i as i*rep .. i*rep+rep-1 keeps head h -> kv h // group
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
@@ -35,17 +39,20 @@ def _local(axis: tuple[str, ...], n: int, causal: bool, q, k, v, *seg):
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
     # Now the whole sequence, in order; packed documents need the whole sequence's ids.
     segments = {"segment_ids": lax.all_gather(seg[0], axis, axis=1, tiled=True)} if seg else {}
-    out = flash_attention(q, k, v, causal, **segments)
+    out = flash_attention(q, k, v, causal, window=window, sinks=sinks, **segments)
     return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh, q_spec: PartitionSpec,
                       kv_spec: PartitionSpec, axis: tuple[str, ...], n: int,
-                      causal: bool, segment_ids: jax.Array | None = None) -> jax.Array:
+                      causal: bool, segment_ids: jax.Array | None = None,
+                      window: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Attention of global q [b, S, h, d] against k, v [b, S, kv, d] (contiguous layout);
-    the local head count must be divisible by `n`. `segment_ids` [b, S]: packed documents."""
+    the local head count must be divisible by `n`. `segment_ids` [b, S]: packed documents;
+    a sliding `window` and `sinks` [h] as `flash_attention` takes them."""
     seg = () if segment_ids is None else (segment_ids,)
-    seg_specs = (PartitionSpec(*q_spec[:2]),) * len(seg)
-    return jax.shard_map(partial(_local, axis, n, causal), **kernel_mesh(mesh),
-                         in_specs=(q_spec, kv_spec, kv_spec, *seg_specs), out_specs=q_spec,
-                         check_vma=CHECK_VMA)(q, k, v, *seg)
+    sink = () if sinks is None else (sinks,)
+    specs = ((PartitionSpec(*q_spec[:2]),) * len(seg), (PartitionSpec(q_spec[2]),) * len(sink))
+    return jax.shard_map(partial(_local, axis, n, causal, window), **kernel_mesh(mesh),
+                         in_specs=(q_spec, kv_spec, kv_spec, *specs), out_specs=q_spec,
+                         check_vma=CHECK_VMA)(q, k, v, seg, sink)
