@@ -53,6 +53,10 @@ class ModelFlags:
                                        "projection (default: the preset's)")
     qk_norm: bool | None = flag(None, "RMSNorm each query and key head before RoPE, as Qwen3 "
                                 "does (default: the preset's)")
+    sliding_window: int | None = flag(None, "each query attends to its last N keys only, "
+                                      "itself included (gpt-oss, Gemma 3; default: all)")
+    attention_sinks: bool | None = flag(None, "a learned logit per head in every attention "
+                                        "softmax's denominator, as gpt-oss has")
     n_experts: int | None = flag(None, "experts per MoE layer (0: dense MLP); presets "
                                  "moe-tiny, moe-small, mixtral-8x7b, qwen3-30b-a3b")
     top_k: int | None = flag(None, "experts per token (1 or 2 typical)")

@@ -172,6 +172,10 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
         rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position}
+    require(cfg.sliding_window is None and not cfg.attention_sinks,
+            "export to Hugging Face of sliding-window or sink attention is not supported yet "
+            "(Llama, Qwen3 and Mixtral files have neither); train without --sliding-window "
+            "and --attention-sinks")
     kind = {(False, False): "llama", (True, False): "qwen3", (False, True): "mixtral",
             (True, True): "qwen3_moe"}[cfg.qk_norm, bool(cfg.n_experts)]
     family = {"use_sliding_window": False, "sliding_window": None,
