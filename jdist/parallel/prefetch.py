@@ -46,30 +46,45 @@ from jdist.parallel import grad_sync as gs
 from jdist.runtime.target import overlap_by_default
 
 
-def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool, remat):
+def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool, remat,
+        stream: bool = False):
     """`layer(x, params) -> (x, stats)` over the stacked layers -> (x, stats [n, ...]).
     `stored`: the stored blocks [n, ...] (read); `primal`: their gradient-layout blocks
     (differentiated; None for a frozen leaf); `sync`: one layer's `grad_sync.Sync` per leaf;
-    `remat`: the activation-checkpointing wrapper (`jdist.models.remat.wrapper`)."""
+    `remat`: the activation-checkpointing wrapper (`jdist.models.remat.wrapper`); `stream`:
+    the blocks and their gradients live in host memory (`--offload params`): each layer is
+    brought to the device where it is gathered, one ahead, and its reduced gradient goes
+    back to the host."""
     trained = jax.tree.map(lambda p: p is not None, primal, is_leaf=lambda p: p is None)
-    gather = functools.partial(_gather, stored, sync, trained, dtype)
+    gather = functools.partial(_gather, stored, sync, trained, dtype, stream)
     # Closed-over values (the rotary tables, ...) become arguments: a custom VJP must not
     # close over values that autodiff traces.
     fn, consts = jax.closure_convert(
         lambda x, w, f: remat(layer)(x, merge(w, f, trained)), x,
         *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(gather, 0)))
     steps = _Loop(jax.tree.leaves(stored)[0].shape[0], gather, fn, sync, trained, primal,
-                  defer)
+                  defer, stream)
     loop = jax.custom_vjp(steps.loop)
     loop.defvjp(steps.loop_fwd, steps.loop_bwd)
     return loop(x, primal, consts)
 
 
-def _gather(stored: dict, sync: dict, trained: dict, dtype, i) -> tuple[dict, dict]:
+def _gather(stored: dict, sync: dict, trained: dict, dtype, stream: bool, i) -> \
+        tuple[dict, dict]:
     """Layer i's parameters as it computes with them, split (trained, frozen)."""
-    whole = jax.tree.map(lambda s, y: gs.gather(lax.dynamic_index_in_dim(
-        s, i, 0, keepdims=False), y, dtype), stored, sync)
+    whole = jax.tree.map(lambda s, y: gs.gather(to_device(lax.dynamic_index_in_dim(
+        s, i, 0, keepdims=False), stream), y, dtype), stored, sync)
     return split(whole, trained)
+
+
+def to_device(x, stream: bool = True):
+    """`x` in device memory (from the host, when `stream`)."""
+    return jax.device_put(x, jax.memory.Space.Device) if stream else x
+
+
+def to_host(x, stream: bool = True):
+    """`x` in host memory, when `stream`."""
+    return jax.device_put(x, jax.memory.Space.Host) if stream else x
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,6 +98,7 @@ class _Loop:
     trained: dict
     primal: dict               # the differentiated blocks: the gradients' tree and dtypes
     defer: bool
+    stream: bool               # blocks and gradients in host memory (`run`)
     # How a layer's pullback is rebuilt from its stashed leaves: (tree, per leaf the index
     # of the weight or const it is, else None). Set by the forward's trace, read by the
     # backward's.
@@ -112,7 +128,8 @@ class _Loop:
         # would have no compute left beside it. The last layer is pulled back before the
         # loop (nothing to reduce yet), the first after it (nothing to prefetch), and the
         # first layer's gradient reduced last.
-        grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), self.primal)
+        grads = jax.tree.map(lambda p: to_host(jnp.zeros(p.shape, jnp.float32), self.stream),
+                             self.primal)
         w = self.gather(n - 2) if n > 2 else w_first
         dx, pending, dconsts = pb.back(n - 1, dy, w_last, [jnp.zeros_like(c) for c in consts])
         if n > 2:
@@ -177,7 +194,8 @@ class _Pullback:
     def put(self, grads, dw, i):
         """Layer i's gradient reduced (`grad_sync.reduce`) into the stacked gradient."""
         return jax.tree.map(lambda acc, g, y: lax.dynamic_update_index_in_dim(
-            acc, gs.reduce(g, y, self.steps.defer), i, 0), grads, dw, self.synced)
+            acc, to_host(gs.reduce(g, y, self.steps.defer), self.steps.stream), i, 0),
+            grads, dw, self.synced)
 
     def body(self, carry, i):
         """Layer i pulled back while layer i-1's weights are gathered and layer i+1's
@@ -189,12 +207,13 @@ class _Pullback:
         return (dx, w_prev, dw, dconsts, grads), None
 
 
-def applies(setting: str, mesh, syncs, n_layers: int) -> bool:
+def applies(setting: str, mesh, syncs, n_layers: int, stream: bool = False) -> bool:
     """Whether a loop of `n_layers` with these per-leaf `grad_sync.Sync`s prefetches:
     `--prefetch` on, or auto where `jdist.runtime.target.overlap_by_default` (NVIDIA GPUs); a next
-    layer to gather; and a leaf that is gathered at all."""
+    layer to gather; and a leaf that is gathered at all. Streamed from the host (`run`), it
+    always does: the loop is what brings each layer in."""
     wanted = setting == "on" or (setting == "auto" and overlap_by_default(mesh))
-    return wanted and n_layers > 1 and any(y.gathers for y in syncs)
+    return n_layers > 1 and (stream or (wanted and any(y.gathers for y in syncs)))
 
 
 def at(tree, i):

@@ -15,7 +15,7 @@ from jdist.parallel import collective_matmul
 from jdist.runtime import target
 from jdist.spmd import axes as ax
 from jdist.spmd.sharding import replicated
-from jdist.step import trainable
+from jdist.step import host_update, trainable
 from jdist.step.grads import step_eval, step_grads
 from jdist.step.optim import updates_applied
 from jdist.step.pipelined import pipeline_eval, pipeline_grads
@@ -77,13 +77,19 @@ def make_train_step(plan: Plan, schedule: optax.Schedule | None = None, *,
         loss_value, extra, grads, loads = gradients(plan, params, batch)
         # Offloaded optimizer state comes in from host memory for the update only.
         opt_state = jax.device_put(state.opt_state, plan.opt_device_shardings) \
-            if plan.offload else state.opt_state
-        metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads), **extra}
+            if plan.offload and not plan.streams else state.opt_state
+        norm = host_update.norm if plan.streams else optax.tree.norm
+        metrics = {"loss": loss_value, "grad_norm": norm(grads), **extra}
         if schedule is not None:
             metrics["lr"] = schedule(updates_applied(opt_state))
         trained = trainable.select(plan.model, state.params)  # frozen leaves: None
-        updates, opt_state = plan.tx.update(grads, opt_state, trained)
-        new_params = trainable.combine(optax.apply_updates(trained, updates), state.params)
+        if plan.streams:  # --offload params: on the host, clipped by the norm just taken
+            new_trained, opt_state = host_update.update(plan.tx, grads, opt_state, trained,
+                                                        metrics["grad_norm"])
+        else:
+            updates, opt_state = plan.tx.update(grads, opt_state, trained)
+            new_trained = optax.apply_updates(trained, updates)
+        new_params = trainable.combine(new_trained, state.params)
         # Aux-loss-free balancing: moved by the load, outside the optimizer; a non-finite
         # step (skipped, rolled back or stopped on) never moves it.
         new_params = trainable.rebalanced(plan.model, new_params, loads,

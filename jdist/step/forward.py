@@ -156,11 +156,12 @@ class Forward:
         else:
             layer = partial(layer, rows=rows)
         n = jax.tree.leaves(stored)[0].shape[0]
+        stream = self.plan.streams
         if prefetch.applies(self.plan.compute.prefetch, self.plan.mesh,
-                            jax.tree.leaves(sync), n):
+                            jax.tree.leaves(sync), n, stream):
             return prefetch.run(layer, x, stored, primal, sync,
                                 dtype=self.plan.compute.dtype, defer=self.defer,
-                                remat=checkpointed)
+                                remat=checkpointed, stream=stream)
 
         def one(x, scanned):
             layer_stored, layer_primal = scanned

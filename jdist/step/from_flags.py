@@ -123,11 +123,14 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     config.validate()  # each group's own checks; those across groups follow
     check_profile_steps(config)
     model = model_of(config)
-    require(not (config.devices.target and config.memory.offload == "optimizer"),
-            f"--offload optimizer cannot be compiled for --target {config.devices.target}: "
+    offload = config.memory.offload
+    require(offload != "auto", "--offload auto is resolved by the fit check "
+            "(jdist.train.fit.resolve_offload) before planning; plan with a mode it chose")
+    require(not (config.devices.target and offload != "none"),
+            f"--offload {offload} cannot be compiled for --target {config.devices.target}: "
             "jax's "
             "compile-only GPU devices have no host memory space (jax 0.10.2), so the "
-            "optimizer state would silently stay on the device; drop --target to measure it "
+            "state would silently stay on the device; drop --target to measure it "
             "on the CPU compiler, or drop --offload")
     spec = parse_mesh(config.parallel.mesh)
     rules = rules_for(config)
@@ -146,11 +149,31 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
                  and mesh.shape[ax.TENSOR] > 1),
             "--sequence-parallel with tensor parallelism is not supported for MoE models; "
             "drop --sequence-parallel or tp")
+    check_streaming(config, model, mesh)
     tx, schedule = optimizer_of(config, model, mesh)
     if config.checkpoint.on_nan == "skip":
         tx = skip_nonfinite(tx)
     plan = make_plan(model, mesh, rules, tx, config.memory, config.parallel, config.finetune)
     return model, with_compute(plan, config), schedule
+
+
+def check_streaming(config: TrainConfig, model: ModelConfig, mesh) -> None:
+    """What `--offload params` (layers streamed from the host, the update on the host:
+    `jdist.step.host_update`) cannot run, refused in one line each."""
+    if config.memory.offload != "params":
+        return
+    why = {
+        "--mesh with pp": mesh.shape[ax.STAGE] > 1,
+        "--optimizer muon (its owner-layout all-to-alls cannot run in a host computation)":
+            config.optim.optimizer == "muon",
+        "--on-nan skip (its finiteness test is a global norm, which a host computation "
+        "cannot take)": config.checkpoint.on_nan == "skip",
+        "--grad-accum above 1": config.memory.grad_accum > 1,
+        "LoRA (its frozen base needs no host offload)": model.lora is not None,
+        "a model of one layer (nothing to stream ahead)": model.n_layers < 2}
+    for what, refused in why.items():
+        require(not refused, f"--offload params does not run with {what}; use --offload "
+                "optimizer, or drop it")
 
 
 def optimizer_of(config: TrainConfig, model: ModelConfig, mesh=None):
@@ -160,7 +183,8 @@ def optimizer_of(config: TrainConfig, model: ModelConfig, mesh=None):
     names = logical_names(abstract_model(model)[1]) if optim.optimizer == "muon" else None
     return make_optimizer(optim.lr, optim.steps, optim.warmup, optim.weight_decay,
                           optim.clip_norm, optimizer=optim.optimizer, schedule=optim.schedule,
-                          decay_fraction=optim.decay_fraction, names=names, mesh=mesh)
+                          decay_fraction=optim.decay_fraction, names=names, mesh=mesh,
+                          host=config.memory.offload == "params")
 
 
 def with_compute(plan: Plan, config: TrainConfig) -> Plan:

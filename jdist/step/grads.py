@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 from jdist.models import loss as objective
 from jdist.models.names import EMBED, is_blocks
 from jdist.models.precision import accumulator
-from jdist.parallel import embedding
+from jdist.parallel import embedding, prefetch
 from jdist.parallel import grad_sync as gs
 from jdist.spmd import axes as ax
 from jdist.step import trainable
@@ -91,6 +91,16 @@ def replica_map(plan, local, out_specs, manual: tuple[str, ...] = MANUAL):
         out_specs=out_specs, axis_names=frozenset(manual), check_vma=gs.REPLICA_CHECK_VMA)
 
 
+def resident(plan, stored: dict) -> dict:
+    """The stored parameters as the forward reads them: under `--offload params` the shared
+    ones (embedding, final norm, head) come to the device whole, the blocks stay on the
+    host for the layer loop to stream (`jdist.parallel.prefetch.run`)."""
+    if not plan.streams:
+        return stored
+    return {k: v if k == BLOCKS else jax.tree.map(prefetch.to_device, v)
+            for k, v in stored.items()}
+
+
 def trained_primal(plan, stored: dict, stacked_syncs: dict) -> dict:
     """The gradient-layout blocks of the trained parameters (None for frozen ones): what
     the step differentiates."""
@@ -118,6 +128,7 @@ def step_grads(plan, params: dict, batch: dict) -> tuple[jax.Array, dict, int]:
     goal = objective.Objective(plan.model)
 
     def local(stored, tokens, targets):
+        stored = resident(plan, stored)
         primal = trained_primal(plan, stored, stacked_syncs)
         # Read, never differentiated: else the layer loop's transpose builds a (zero)
         # cotangent for the stored stack too, a full extra gradient buffer.
@@ -158,6 +169,7 @@ def step_eval(plan, params: dict, batch: dict) -> jax.Array:
     sync, goal = syncs(plan), objective.Objective(plan.model)
 
     def local(stored, tokens, targets):
+        stored = resident(plan, stored)
         scale = goal.scale(replica_count(plan.mesh), targets, MANUAL)
         fw = Forward(plan, MANUAL, False, tokens.shape[1], block_syncs(sync))
         terms = replica_terms(fw, Params(stored, stored, sync), tokens, targets, scale)

@@ -4,6 +4,9 @@ wraps it in."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -11,6 +14,19 @@ import optax
 from jdist.step import muon
 
 MIN_LR_RATIO = 0.1  # both schedules end at a tenth of the peak
+
+
+class HostUpdate(NamedTuple):
+    """The optimizer of `--offload params`: `init`/`update` are the elementwise part, run on
+    the host under `compute_on("device_host")`, and the step clips the gradients to
+    `clip_norm` on the device first. A host computation cannot run the clip's global norm
+    (a collective: XLA CPU refuses its memory spaces, jax 0.10.2). The clip's place in the
+    chain holds `optax.identity()`, whose state is the clip's (`EmptyState`): the state
+    trees match, so checkpoints move between offload modes."""
+
+    init: Callable
+    update: Callable
+    clip_norm: float
 
 def lr_schedule(lr: float, steps: int, warmup: int, min_lr_ratio: float = MIN_LR_RATIO,
                 kind: str = "cosine", decay_fraction: float = 0.2) -> optax.Schedule:
@@ -49,17 +65,20 @@ def make_optimizer(lr: float = 3e-3, steps: int = 1000, warmup: int = 100,
                    weight_decay: float = 0.1, clip_norm: float = 1.0,
                    b1: float = 0.9, b2: float = 0.95, optimizer: str = "adamw",
                    schedule: str = "cosine", decay_fraction: float = 0.2,
-                   names: dict | None = None,
-                   mesh=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                   names: dict | None = None, mesh=None,
+                   host: bool = False) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns (transformation, schedule); the schedule reports the lr of each step. Muon
     needs the parameters' logical `names` (the model's tree) to tell matrices from the
-    rest, and lays each matrix out on the `mesh`'s devices that orthogonalise it."""
+    rest, and lays each matrix out on the `mesh`'s devices that orthogonalise it. `host`:
+    a `HostUpdate` (`--offload params`)."""
     lr_at = lr_schedule(lr, steps, warmup, kind=schedule, decay_fraction=decay_fraction)
     adamw = optax.adamw(lr_at, b1=b1, b2=b2, weight_decay=weight_decay,
                         mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params))
     if optimizer == "muon":
         assert names is not None, "Muon needs the parameters' logical names"
         adamw = muon.muon(lr_at, weight_decay, names, adamw, mesh)
+    if host:
+        return HostUpdate(*optax.chain(optax.identity(), adamw), clip_norm), lr_at
     return optax.chain(optax.clip_by_global_norm(clip_norm), adamw), lr_at
 
 

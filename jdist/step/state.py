@@ -26,6 +26,16 @@ from jdist.spmd import sharding as sh
 from jdist.spmd.rules import Rules, mesh_axes_of, resolve
 from jdist.spmd.zero import GRADIENTS, OPTIMIZER, PARAMETERS, zero_shardings
 from jdist.step import trainable
+from jdist.step.optim import HostUpdate
+
+# `--offload` modes that move state (`auto` is resolved before a plan: jdist.train.fit).
+OPTIMIZER_STATE, PARAMS = "optimizer", "params"
+HOST = "pinned_host"
+
+
+def host(shardings):
+    """`shardings` in pinned host memory."""
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings)
 
 
 class TrainState(NamedTuple):
@@ -85,6 +95,12 @@ class Plan:
     @property
     def offload(self) -> bool:
         return self.opt_device_shardings != self.shardings.opt_state
+
+    @property
+    def streams(self) -> bool:
+        """`--offload params`: parameters, gradients and optimizer state live in host
+        memory; the layer loop streams each layer in, the update runs on the host."""
+        return jax.tree.leaves(self.shardings.params)[0].memory_kind == HOST
 
     @property
     def device_shardings(self) -> TrainState:
@@ -149,9 +165,15 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     trained = trainable.select(cfg, abstract_params)
     opt_device = sh.optimizer_shardings(tx, trained, trainable.select(cfg, pick(OPTIMIZER)),
                                         mesh)
-    opt_rest = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_device) \
-        if memory.offload == "optimizer" else opt_device
-    state_sh = TrainState(step=sh.replicated(mesh), params=pick(PARAMETERS), opt_state=opt_rest)
+    streams = memory.offload == PARAMS
+    require(not streams or isinstance(tx, HostUpdate),
+            "--offload params updates on the host: plan with the optimizer "
+            "jdist.step.from_flags.optimizer_of makes for it")
+    opt_rest = host(opt_device) if memory.offload in (OPTIMIZER_STATE, PARAMS) else opt_device
+    params_sh, grads_sh = pick(PARAMETERS), trainable.select(cfg, pick(GRADIENTS))
+    if streams:
+        params_sh, grads_sh = host(params_sh), host(grads_sh)
+    state_sh = TrainState(step=sh.replicated(mesh), params=params_sh, opt_state=opt_rest)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
                           opt_state=jax.eval_shape(tx.init, trained))
     batch_sharding = jax.sharding.NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
@@ -159,7 +181,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
                       memory.collective_matmul, memory.fp8, memory.grad_accum,
                       memory.attention, memory.loss, parallel.cp_strategy, eod_id)
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
-                zero, trainable.select(cfg, pick(GRADIENTS)), opt_device, quantize=quantize,
+                zero, grads_sh, opt_device, quantize=quantize,
                 double_quant=double_quant, compute=compute)
 
 
