@@ -516,11 +516,12 @@ def test_auto_attention_resolves_as_on_the_target():
     assert resolved(TARGET, "float32") != "cudnn"
 
 
-def test_offload_is_refused_for_a_target():
-    """Compile-only devices list no memories, so a pinned-host optimizer state would
-    silently stay on the device: refused in one line instead of measured wrongly."""
-    with pytest.raises(ConfigError, match="--offload optimizer cannot be compiled"):
-        plan_for(TrainConfig.of(**{**COMMON, "mesh": "dp=2,fsdp=4", "offload": "optimizer"}))
+@pytest.mark.parametrize("offload", ["optimizer", "params"])
+def test_offload_is_refused_for_a_target(offload):
+    """Compile-only devices list no memories, so pinned-host state would silently stay on
+    the device: refused in one line instead of measured wrongly."""
+    with pytest.raises(ConfigError, match=f"--offload {offload} cannot be compiled"):
+        plan_for(TrainConfig.of(**{**COMMON, "mesh": "dp=2,fsdp=4", "offload": offload}))
 
 
 def test_hosts_split_the_target_devices():

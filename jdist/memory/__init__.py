@@ -6,7 +6,9 @@ The plan makes mixed-precision Adam's accounting explicit, per device:
   gradients    float32, replicated over data until ZeRO-2 shards them
   optimizer    two float32 Adam moments (Muon: one momentum for the blocks' matrices, and
                its update's temporaries in the activations term), sharded over data from
-               ZeRO-1 (on the host with --offload optimizer)
+               ZeRO-1 (on the host with --offload optimizer; with --offload params all
+               three are, and the device holds two layers' stored blocks and the shared
+               parameters with their gradients: `streamed_bytes`)
   activations  the larger of the backward's and the update's temporaries. The backward:
                every layer's residuals by --remat policy for one micro-batch, one layer's
                backward working set (or the loss's), one layer's gathered parameters and a
@@ -296,7 +298,8 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
     # donated). XLA's GPU compiler fuses that scaling into the update: no such tree (full
     # fine-tuning of 1B/8B/70B on one H100 target, jax 0.10.2).
     # Muon's update also holds its owned matrices whole (`jdist.step.muon_cost.update_bytes`).
-    update = (0 if on_gpu(plan) else grads) + muon_cost.update_bytes(
+    # `--offload params` updates on the host (`jdist.step.host_update`).
+    update = 0 if plan.streams else (0 if on_gpu(plan) else grads) + muon_cost.update_bytes(
         plan.abstract.opt_state, plan.opt_device_shardings, dict(plan.mesh.shape), plan.names)
     return Breakdown(params, grads, optimizer, max(backward, update))
 
@@ -339,7 +342,23 @@ def state_bytes(plan) -> tuple[int, int, int, int]:
                              plan.grad_shardings)
     optimizer = 0 if plan.offload else per_device_bytes(plan.abstract.opt_state,
                                                         plan.shardings.opt_state)
-    return params, grads, optimizer, in_flight_bytes(plan, plan.compute.dtype.itemsize)
+    in_flight = in_flight_bytes(plan, plan.compute.dtype.itemsize)
+    if plan.streams:  # --offload params: all three live in host memory
+        return 0, 0, 0, in_flight + streamed_bytes(plan)
+    return params, grads, optimizer, in_flight
+
+
+def streamed_bytes(plan) -> int:
+    """What `--offload params` brings to the device besides what every layout gathers
+    (`in_flight_bytes`): the shared parameters (embedding, final norm, head) as stored and
+    their float32 gradients until they go back, and two layers' stored blocks (the one
+    computing and the one coming in: `jdist.parallel.prefetch.run`)."""
+    from jdist.models.names import BLOCKS
+
+    stored = lambda tree: {k: v for k, v in tree.items() if k != BLOCKS}
+    shared = per_device_bytes(stored(plan.abstract.params), stored(plan.shardings.params))
+    blocks = per_device_bytes(plan.abstract.params[BLOCKS], plan.shardings.params[BLOCKS])
+    return 2 * shared + 2 * blocks // plan.model.n_layers
 
 
 def in_flight_bytes(plan, compute_bytes: int) -> int:
@@ -509,7 +528,19 @@ def lower_step(plan, batch_size: int, seq_len: int):
     from jdist.step.build import make_train_step
 
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    return make_train_step(plan).lower(plan.abstract, {"inputs": tokens, "targets": tokens})
+    return make_train_step(plan).lower(placed(plan), {"inputs": tokens, "targets": tokens})
+
+
+def placed(plan):
+    """The abstract state with its shardings: jit's in_shardings alone do not give an
+    abstract input its memory space (jax 0.10.2), which `--offload params`'s layer loop
+    matches its gradients to."""
+    import jax
+
+    if not plan.streams:
+        return plan.abstract
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        plan.abstract, plan.shardings)
 
 
 def compile_step(plan, batch_size: int, seq_len: int, breakdown: list | None = None):
@@ -568,7 +599,10 @@ def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
     optimizer = arguments - params - batch_bytes - 4  # the int32 step counter
     if plan.offload:
         optimizer = 0  # between steps it lives in host memory
-    return Breakdown(params, grads.output_size_in_bytes, optimizer,
+    grad_bytes = grads.output_size_in_bytes
+    if plan.streams:  # host memory too (the CPU compiler counts host buffers as its own)
+        params = grad_bytes = 0
+    return Breakdown(params, grad_bytes, optimizer,
                      max(0, stats.temp_size_in_bytes - grads.output_size_in_bytes))
 
 

@@ -48,6 +48,38 @@ def device_budget(config) -> int | None:
     return stats.get("bytes_limit")
 
 
+# `--offload auto` tries these in order: each moves more state to the host, and costs more
+# host traffic per step (the optimizer state twice; then every layer's parameters in the
+# forward and backward and its gradient back).
+OFFLOADS = ("none", "optimizer", "params")
+
+
+def resolve_offload(config):
+    """`--offload auto`: the first of `OFFLOADS` whose predicted memory fits the device
+    (`device_budget`; none when there is no budget, as on a CPU), else params (the fit check
+    then says what more is needed). JAX cannot page state to the host under memory pressure
+    (every buffer's memory space is fixed when the step compiles), so this is chosen once,
+    before the step compiles. One line says what was chosen."""
+    if config.memory.offload != "auto":
+        return config
+    budget, choice, need = device_budget(config), OFFLOADS[-1], None
+    for mode in OFFLOADS if budget else OFFLOADS[:1]:
+        trial = config.replace(offload=mode)
+        try:
+            _, plan, _ = plan_for(trial)
+        except ConfigError:  # a mode this run cannot use (e.g. params with pp)
+            continue
+        need = plan_breakdown(trial, plan).total
+        if not budget or need <= budget:
+            choice = mode
+            break
+    fits = f"predicted {need / 2**30:.2f} GiB" if need is not None else "nothing fits"
+    print(f"--offload auto: {choice} ({fits} per device"
+          + (f", budget {budget / 2**30:.2f} GiB)" if budget else ", no device budget)"),
+          flush=True)
+    return config.replace(offload=choice)
+
+
 def plan_breakdown(config, plan) -> Breakdown:
     data = config.data
     return predict(plan, data.batch_size // config.memory.grad_accum, data.seq_len)
@@ -70,6 +102,7 @@ def dry_run(config) -> None:
     allocating anything."""
     from jdist.train.report import compute_line, layout_table
 
+    config = resolve_offload(config)
     _, plan, _ = plan_for(config)
     print(layout_table(plan), flush=True)
     print(compute_line(plan, config), flush=True)

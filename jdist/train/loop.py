@@ -22,6 +22,7 @@ from jdist.train.tensorboard import TensorBoardLog
 
 def train(config) -> list[dict]:
     """Run training; returns the metrics of every step (also written to metrics.jsonl)."""
+    config = fit.resolve_offload(config)
     if config.parallel.pp_show_schedule:
         plan = plan_for(config)[1]
         print(show_schedule(plan.pipeline, plan.mesh.shape["stage"]), flush=True)

@@ -1,0 +1,111 @@
+"""`--offload params` (parameters, gradients and optimizer state in host memory, each layer
+streamed in by the layer loop, the update on the host) and `--offload auto`: equal to one
+device, the state really in the host memory space of the compiled step, what it cannot run
+refused in one line, and resumable onto another mesh."""
+
+import re
+
+import numpy as np
+import pytest
+
+from jdist.config import TrainConfig
+from jdist.errors import ConfigError
+from jdist.memory import lower_step, predict
+from jdist.models import get_preset
+from jdist.step.from_flags import plan_for
+from jdist.tools.equivalence import assert_matches, config, plan_of, train_steps
+from jdist.train import fit
+from jdist.train.__main__ import main
+from jdist.train.loop import train
+
+TINY, MOE = get_preset("tiny"), get_preset("moe-tiny")
+HOST = "S(5)"  # XLA's host memory space in a compiled layout
+
+
+# Also equal (run by hand, not kept for the suite's time): dp=2,fsdp=2,tp=2 at ZeRO 1 and
+# 3, dp=4,tp=2 at ZeRO 2, fsdp=2 at ZeRO 0.
+@pytest.mark.parametrize("model, mesh, zero", [
+    pytest.param(TINY, "fsdp=2,tp=2", 1, id="zero1"),
+    pytest.param(MOE, "dp=2,ep=2,tp=2", 0, id="ep", marks=pytest.mark.slow)])
+def test_streamed_parameters_match_single_device(corpus, single_device, model, mesh, zero):
+    run = train_steps(model, mesh, corpus.train, config(offload="params", zero=zero))
+    assert_matches(run, single_device(model))
+
+
+def entry_arguments(hlo: str) -> list[str]:
+    """The compiled entry computation's parameter layouts, one string each."""
+    inputs = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo).group(1)
+    return re.findall(r"\w+\[[\d,]*\](?:\{[^}]*\})?", inputs)
+
+
+def test_streamed_state_lives_in_host_memory():
+    """The compiled step takes every parameter and optimizer-state leaf in host memory (the
+    batch and the step counter on the device), runs the update as a host computation, and
+    the memory model counts none of that state on the device."""
+    plan = plan_of("fsdp=2", offload="params", batch_size=8, seq_len=32)
+    compiled = lower_step(plan, 8, 32).compile()
+    hlo = compiled.as_text()
+    args = entry_arguments(hlo)
+    on_host = [a for a in args if HOST in a]
+    import jax
+
+    state = len(jax.tree.leaves(plan.abstract.params)) + len(
+        jax.tree.leaves(plan.abstract.opt_state))
+    assert len(args) == state + 3 and len(on_host) == state, args  # + step, inputs, targets
+    assert '_xla_compute_type="host"' in hlo
+    predicted = predict(plan, 8, 32)
+    assert (predicted.params, predicted.grads, predicted.optimizer) == (0, 0, 0)
+    plain = predict(plan_of("fsdp=2", batch_size=8, seq_len=32), 8, 32)
+    assert predicted.total < plain.total
+
+
+@pytest.mark.parametrize("flags, what", [
+    ({"mesh": "pp=2,fsdp=2", "n_layers": 4}, "--mesh with pp"),
+    ({"optimizer": "muon"}, "--optimizer muon"),
+    ({"on_nan": "skip"}, "--on-nan skip"),
+    ({"grad_accum": 2}, "--grad-accum above 1"),
+    ({"n_layers": 1}, "a model of one layer")])
+def test_what_streaming_cannot_run_is_refused(flags, what):
+    with pytest.raises(ConfigError, match=f"--offload params does not run with {re.escape(what)}"):
+        plan_for(TrainConfig.of(**{"model": "tiny", "mesh": "fsdp=2", "offload": "params",
+                                   **flags}))
+
+
+def test_refusal_is_one_line_and_exit_2(capsys, tmp_path):
+    code = main(["--model", "tiny", "--mesh", "fsdp=2", "--offload", "params", "--optimizer",
+                 "muon", "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--offload params does not run with" in err[0], err
+
+
+def test_auto_picks_the_smallest_offload_that_fits(capsys):
+    """Between the predictions of no offload and optimizer offload, auto offloads the
+    optimizer; below both, the parameters too; with room for all, nothing."""
+    flags = dict(model="tiny", mesh="fsdp=2", batch_size=8, seq_len=32)
+    need = {}
+    for mode in fit.OFFLOADS:
+        trial = TrainConfig.of(**flags, offload=mode)
+        need[mode] = fit.plan_breakdown(trial, plan_for(trial)[1]).total
+    assert need["none"] > need["optimizer"] > need["params"], need
+    for budget, chosen in [(need["none"], "none"), (need["none"] - 1, "optimizer"),
+                           (need["optimizer"] - 1, "params")]:
+        auto = TrainConfig.of(**flags, offload="auto", device_memory_gb=budget / 2**30)
+        assert fit.resolve_offload(auto).memory.offload == chosen, (budget, need)
+    assert "--offload auto: params" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_resume_onto_another_mesh(tmp_path):
+    """Saved under --offload params on fsdp=2 at step 2, resumed on dp=2,tp=2 without
+    offload: step 3 repeats within 1e-5 (another mesh sums in another order; on the same
+    mesh, resuming repeated the losses bitwise by hand)."""
+    common = dict(model="tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
+                  log_every=100, steps=3)
+    losses = lambda history: {r["step"]: r["loss"] for r in history if r["step"] > 2}
+    first = losses(train(TrainConfig.of(**common, mesh="fsdp=2", offload="params",
+                                        checkpoint_every=2, run_dir=str(tmp_path / "a"))))
+    other = losses(train(TrainConfig.of(**common, mesh="dp=2,tp=2",
+                                        resume=str(tmp_path / "a" / "checkpoints" / "2"),
+                                        run_dir=str(tmp_path / "c"))))
+    assert sorted(other) == [3]
+    np.testing.assert_allclose(other[3], first[3], rtol=1e-5)
