@@ -352,13 +352,14 @@ def streamed_bytes(plan) -> int:
     """What `--offload params` brings to the device besides what every layout gathers
     (`in_flight_bytes`): the shared parameters (embedding, final norm, head) as stored and
     their float32 gradients until they go back, and two layers' stored blocks (the one
-    computing and the one coming in: `jdist.parallel.prefetch.run`)."""
-    from jdist.models.names import BLOCKS
-
-    stored = lambda tree: {k: v for k, v in tree.items() if k != BLOCKS}
-    shared = per_device_bytes(stored(plan.abstract.params), stored(plan.shardings.params))
-    blocks = per_device_bytes(plan.abstract.params[BLOCKS], plan.shardings.params[BLOCKS])
-    return 2 * shared + 2 * blocks // plan.model.n_layers
+    computing and the one coming in: `jdist.parallel.prefetch.run`; of the largest run's)."""
+    params, shardings = plan.abstract.params, plan.shardings.params
+    runs = model_runs(plan.model)
+    keys = {r.key for r in runs}
+    shared = per_device_bytes({k: v for k, v in params.items() if k not in keys},
+                              {k: v for k, v in shardings.items() if k not in keys})
+    layer = max(per_device_bytes(params[r.key], shardings[r.key]) // r.n_layers for r in runs)
+    return 2 * shared + 2 * layer
 
 
 def in_flight_bytes(plan, compute_bytes: int) -> int:

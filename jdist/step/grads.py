@@ -97,7 +97,7 @@ def resident(plan, stored: dict) -> dict:
     host for the layer loop to stream (`jdist.parallel.prefetch.run`)."""
     if not plan.streams:
         return stored
-    return {k: v if k == BLOCKS else jax.tree.map(prefetch.to_device, v)
+    return {k: v if is_blocks(k) else jax.tree.map(prefetch.to_device, v)
             for k, v in stored.items()}
 
 
