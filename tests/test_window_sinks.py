@@ -7,8 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from jdist.generate import forward, init_cache, left_pad
 from jdist.models import get_preset
+from jdist.models.context import LOCAL as LOCAL_CONTEXT
 from jdist.models.layers import dot_product_attention
 from jdist.parallel.attention import blockwise as bw
 from jdist.parallel.attention.context import ALL_GATHER, RING, ULYSSES, ContextParallel
@@ -16,6 +19,7 @@ from jdist.parallel.attention.flash import flash_attention
 from jdist.parallel.attention.load_balance import ring_work
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES
+from jdist.step.state import build_model
 from jdist.tools.equivalence import assert_matches, config, train_steps
 
 RTOL = 1e-5  # max |error| / max |reference|
@@ -162,3 +166,36 @@ def reference(single_device):
 def test_training_with_window_and_sinks_matches_single_device(corpus, reference, mesh, flags):
     run = train_steps(LOCAL, mesh_of(mesh), corpus.train, config(**flags))
     assert_matches(run, reference)
+
+
+def test_cached_prefill_and_decode_equal_the_full_forward():
+    # Two prompts of 3 and 14 tokens (left-padded to 16), then 8 tokens decoded one at a
+    # time, against the whole forward of each row alone: a window of 5 cuts both the prompt
+    # and the decoded tokens, the sinks take a large share of every row. Weights 20x the
+    # initial scale and sinks of N(0, 2^2), so a wrong mask or sink moves the logits.
+    cfg = dataclasses.replace(get_preset("tiny"), sliding_window=5, attention_sinks=True)
+    model = build_model(cfg, 0)
+    state = nnx.state(model)
+    grown = jax.tree.map(lambda x: x * 20 if x.ndim > 2 else x, state)
+    nnx.update(model, grown)
+    sinks = model.blocks.attn.sinks
+    sinks.set_value(2.0 * jax.random.normal(jax.random.key(7), sinks.get_value().shape))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (3, 14)]
+    follow = rng.integers(0, 256, (2, 8)).astype(np.int32)  # fed back, one per step
+    tokens, start = left_pad(prompts)
+    cache = init_cache(cfg, start, tokens.shape[1] + follow.shape[1], jnp.float32,
+                       mesh_of("dp=1"))
+    step = jax.jit(lambda tokens, cache: forward(model, tokens, cache, LOCAL_CONTEXT))
+    with jax.default_matmul_precision("highest"):
+        prefill, cache = step(tokens, cache)
+        decoded = []
+        for i in range(follow.shape[1]):
+            logits, cache = step(follow[:, i:i + 1], cache)
+            decoded.append(logits[:, 0])
+        for row, prompt in enumerate(prompts):
+            text = np.concatenate([prompt, follow[row]])[None]
+            full = jax.jit(model)(text)[0]
+            cached = jnp.concatenate([prefill[row, tokens.shape[1] - len(prompt):],
+                                      jnp.stack(decoded, 1)[row]])
+            assert rel_err(cached, full[:len(text[0])]) <= RTOL
