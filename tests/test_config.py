@@ -45,6 +45,8 @@ OLD_CONFIG_JSON = {
     "check_replicas_every": 100, "recompute_check_every": 1000,
     "inject_corruption_at_step": 0, "inject_straggler": "",
     "optimizer": "adamw", "schedule": "cosine", "decay_fraction": 0.2,  # newer: Muon, WSD
+    "n_expert_groups": None, "topk_groups": None, "routed_scale": None,  # newer: DeepSeek
+    "kv_lora_rank": None, "mtp_depth": None, "mtp_weight": None,
 }
 # The flags that resume.RESULT_FLAGS listed by hand before the "result" metadata.
 OLD_RESULT_FLAGS = {"seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",

@@ -21,7 +21,9 @@ from jdist.hf.config import model_config
 from jdist.hf.export import write_hf
 from jdist.hf.load import load_params
 from jdist.models.config import get_preset
+from jdist.models.loss import IGNORE
 from jdist.models.moe import route
+from jdist.models.mtp import next_targets, next_tokens
 from jdist.step.from_flags import plan_for
 
 DEEPSEEK = Path(__file__).parent / "fixtures" / "hf" / "deepseek-v3"
@@ -114,3 +116,18 @@ def test_routing_bias_moves_the_group_choice():
     assert int(route(logits, jnp.eye(4), cfg)[1][0, 0]) == 0
     bias = jnp.array([0.0, 0.0, 0.3, 0.0])  # group (2, 3): 0.7 + 0.45 > 0.6 + 0.5
     assert int(route(logits, jnp.eye(4), cfg, bias)[1][0, 0]) == 2
+
+
+def test_mtp_targets_are_the_token_after_next_within_a_document():
+    targets = jnp.array([[10, 11, 12, 13, 14]])
+    assert next_targets(targets).tolist() == [[11, 12, 13, 14, IGNORE]]
+    segments = jnp.array([[0, 0, 0, 1, 1]])  # position 2's next token starts document 1
+    assert next_targets(targets, segments).tolist() == [[11, 12, IGNORE, 14, IGNORE]]
+    assert next_tokens(jnp.array([[1, 2, 3]])).tolist() == [[2, 3, 3]]
+
+
+def test_mtp_is_refused_with_pipelines_and_context_parallelism():
+    for mesh in ("pp=2", "cp=2"):
+        with pytest.raises(ConfigError, match="multi-token prediction") as e:
+            plan_for(TrainConfig.of(model="deepseek-tiny", mesh=mesh, batch_size=16))
+        assert "\n" not in str(e.value)

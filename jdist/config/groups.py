@@ -33,10 +33,11 @@ class ModelFlags:
 
     preset: str = flag(DEFAULT_PRESET, "model preset (not with --init-from): tiny, small, "
                        "qlora-tiny (head_dim 64: whole NF4 blocks for --quantize-base), "
-                       "moe-tiny, moe-small, dense-moe-tiny; shape-only "
+                       "moe-tiny, moe-small, dense-moe-tiny, deepseek-tiny; shape-only "
                        "llama2-7b, llama3-8b, llama3.1-8b, llama3.1-70b, llama3.2-1b, "
                        "llama3.2-3b, qwen3-0.6b, qwen3-8b, qwen3-32b, mixtral-8x7b, "
-                       "qwen3-30b-a3b, qwen3-235b-a22b (aliases 1b, 7b, 70b, 8x7b)",
+                       "qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3 (aliases 1b, 7b, 70b, "
+                       "8x7b)",
                        name="model")
     init_from: str = flag("", "start from a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE "
                           "directory (config.json + safetensors): the model shape comes from "
@@ -79,6 +80,19 @@ class ModelFlags:
                                           "dense MLP (DeepSeek's first_k_dense_replace); "
                                           "a stack of two runs")
     dense_d_ff: int | None = flag(None, "hidden width of those dense blocks' MLP (0: --d-ff)")
+    n_expert_groups: int | None = flag(None, "DeepSeek's group-limited routing: experts in "
+                                       "this many equal groups (1: no groups)")
+    topk_groups: int | None = flag(None, "with --n-expert-groups: each token chooses among "
+                                   "the experts of its this-many best groups")
+    routed_scale: float | None = flag(None, "the routed experts' weights times this "
+                                      "(DeepSeek's routed_scaling_factor; 1: none)")
+    kv_lora_rank: int | None = flag(None, "multi-head latent attention: keys and values from "
+                                    "a latent this wide (0: plain attention); preset "
+                                    "deepseek-tiny")
+    mtp_depth: int | None = flag(None, "multi-token prediction (DeepSeek-V3): 1 adds a block "
+                                 "predicting the token after next, 0 none")
+    mtp_weight: float | None = flag(None, "weight of the multi-token prediction loss in the "
+                                    "objective (DeepSeek-V3: 0.3, later 0.1)")
 
     def overrides(self) -> dict:
         """The shape overrides by field name (None: the preset's value)."""

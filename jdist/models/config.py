@@ -3,7 +3,8 @@
 Presets: `tiny`, `small`, `qlora-tiny` (byte vocabulary, runnable on a CPU; `qlora-tiny` has
 head_dim 64, so its projections hold whole NF4 blocks for `--quantize-base nf4`); `moe-tiny`,
 `moe-small`, `8x7b` (mixture of experts); `dense-moe-tiny` (dense blocks, then experts);
-and shape-only ones with the public Llama shapes
+`deepseek-tiny` (MLA, DeepSeek routing, MTP); shape-only `deepseek-v3`; and shape-only ones
+with the public Llama shapes
 (HF config.json): `llama2-7b`, `llama3-8b`, `llama3.1-8b`, `llama3.1-70b`, `llama3.2-1b`,
 `llama3.2-3b`.
 Aliases: `1b` = `llama3.2-1b`, `7b` = `llama2-7b`, `70b` = `llama3.1-70b`.
@@ -244,6 +245,12 @@ BYTE_VOCAB = 256
 _LLAMA3_8B = ModelConfig(vocab_size=128_256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          d_ff=14_336, rope_theta=500_000.0, shape_only=True)
 
+# DeepSeek-V3's routing and objective: sigmoid scores, weights renormalised then scaled by
+# 2.5, aux-loss-free balancing (gamma 0.001) beside a small balance loss (alpha 1e-4), no
+# z-loss, one MTP module weighted 0.3.
+_DEEPSEEK = dict(gating="sigmoid", routed_scale=2.5, router_bias_rate=0.001,
+                 aux_loss_weight=1e-4, z_loss_weight=0.0, mtp_depth=1, mtp_weight=0.3)
+
 PRESETS: dict[str, ModelConfig] = {
     # Unit tests: compiles in seconds; every dimension divides 8 ways.
     "tiny": ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
@@ -264,6 +271,15 @@ PRESETS: dict[str, ModelConfig] = {
     "dense-moe-tiny": ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, n_layers=4, n_heads=8,
                                   n_kv_heads=4, d_ff=64, n_experts=8, top_k=2,
                                   first_dense_layers=2, dense_d_ff=128),
+    # DeepSeek-V3 in small: a dense first block, then MoE; MLA (q/k heads of 8 no-rope + 8
+    # rope dims, values of 8, padded for the kernels); sigmoid routing over 4 groups of 2
+    # experts (2 groups kept), scaled by 2.5, with routing biases and a shared expert; MTP.
+    "deepseek-tiny": ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, n_layers=2, n_heads=8,
+                                 n_kv_heads=8, d_ff=32, head_dim=16, n_experts=8, top_k=2,
+                                 first_dense_layers=1, dense_d_ff=128, **_DEEPSEEK,
+                                 n_expert_groups=4, topk_groups=2, shared_d_ff=32,
+                                 kv_lora_rank=16, q_lora_rank=32, rope_head_dim=8,
+                                 v_head_dim=8),
     "moe-small": ModelConfig(vocab_size=BYTE_VOCAB, d_model=256, n_layers=4, n_heads=8,
                              n_kv_heads=4, d_ff=384, n_experts=8, top_k=2),
     # Public MoE shapes (HF config.json), for planning only: Mixtral (8 experts, top-2) and
@@ -279,6 +295,15 @@ PRESETS: dict[str, ModelConfig] = {
                                    n_kv_heads=4, d_ff=1536, head_dim=128,
                                    rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
                                    n_experts=128, top_k=8, shape_only=True),
+    # DeepSeek-V3's published shape (HF config.json, 671B + the 14B MTP module), for
+    # planning only; its yarn rope scaling (factor 40) is left out: no shape depends on it.
+    "deepseek-v3": ModelConfig(vocab_size=129_280, d_model=7168, n_layers=61, n_heads=128,
+                               n_kv_heads=128, d_ff=2048, head_dim=192, norm_eps=1e-6,
+                               n_experts=256, top_k=8, first_dense_layers=3,
+                               dense_d_ff=18_432, **_DEEPSEEK, n_expert_groups=8,
+                               topk_groups=4, shared_d_ff=2048, kv_lora_rank=512,
+                               q_lora_rank=1536, rope_head_dim=64, v_head_dim=128,
+                               shape_only=True),
     # Public Llama shapes (HF config.json), for planning only. HF's head_dim (64 for
     # llama3.2-1b, 128 for the rest) is d_model // n_heads, so it is left to the default.
     "llama2-7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32,

@@ -29,6 +29,8 @@ from jdist.models.layers import (
 from jdist.models.lora import adapted, adapter
 from jdist.models.mla import LATENT_CACHE, LatentAttention
 from jdist.models.moe import MoE
+from jdist.models.mtp import MultiTokenPrediction, next_tokens
+from jdist.models.names import MTP
 from jdist.models.runs import Run, runs
 from jdist.spmd.axes import (
     ACT_EMBED,
@@ -220,6 +222,9 @@ class Llama(nnx.Module):
         for run in runs(cfg):  # `blocks`, then `blocks_1`, ... (models.runs)
             setattr(self, run.key, stacked_blocks(cfg, rngs, run))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if cfg.mtp_depth:  # one dense block of its own (models.mtp)
+            dense = Run(MTP, cfg.n_layers, 1, False, cfg.dense_d_ff or cfg.d_ff)
+            self.mtp = MultiTokenPrediction(cfg, rngs, Block(cfg, rngs, dense))
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), (EMBED, VOCAB))
 
@@ -261,17 +266,14 @@ class Llama(nnx.Module):
         """The stacked blocks (however many each run's stack holds) -> (x, stats per layer
         with experts). Each run is one loop, the context's (`ctx.layer_loop`): the step's
         gathers each layer's parameters and checkpoints its activations."""
-        cfg = self.config
-        # Concrete positions: rotary tables computed on the host in float64 (models.layers).
-        positions = np.arange(x.shape[1]) if positions is None else positions
-        cos, sin = rotary_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = self.rotary(x.shape[1], positions)
         # What differs per row of the batch goes to the loop beside x, which may run the
         # layer on groups of rows (`ModelContext.layer_loop`).
         rows = {"segment_ids": segment_ids}
         if cos.ndim == 3:  # per-row positions (packed documents)
             rows |= {"cos": cos, "sin": sin}
         stats = []
-        for run in runs(cfg):
+        for run in runs(self.config):
             graphdef, layers = nnx.split(getattr(self, run.key))
 
             def layer(x, state, rows, graphdef=graphdef):
@@ -281,6 +283,22 @@ class Llama(nnx.Module):
             x, run_stats = ctx.layer_loop(layer, x, layers, rows, run.key)
             stats.append(run_stats)
         return x, _concatenated(stats)
+
+    def rotary(self, length: int, positions=None) -> tuple[jax.Array, jax.Array]:
+        """The rotary tables of `positions` (default 0..length-1). Concrete positions are
+        computed on the host in float64 (models.layers)."""
+        cfg = self.config
+        positions = np.arange(length) if positions is None else positions
+        return rotary_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def predict_after_next(self, y: jax.Array, tokens: jax.Array, ctx: ModelContext = LOCAL,
+                           positions=None, segment_ids=None) -> jax.Array:
+        """The MTP module's output [batch, length, embed] (`models.mtp`; before its norm,
+        which `output_head` takes as `norm`) from the last block's `y` and the `tokens`
+        the model read: at each position, for the token after next."""
+        cos, sin = self.rotary(y.shape[1], positions)
+        embedded = self.embed_tokens(next_tokens(tokens), ctx)
+        return self.mtp(y, embedded, cos, sin, ctx, segment_ids)
 
     def decode(self, tokens: jax.Array, kv: tuple[jax.Array, jax.Array], index: jax.Array,
                positions: jax.Array, visible: jax.Array, ctx: ModelContext = LOCAL):
@@ -314,18 +332,19 @@ class Llama(nnx.Module):
         x, keys, values, _ = carry
         return self.logits(x, ctx), (keys, values)
 
-    def output_head(self, x: jax.Array) -> tuple[jax.Array, nnx.Param, int]:
+    def output_head(self, x: jax.Array, norm=None) -> tuple[jax.Array, nnx.Param, int]:
         """What the logits are made of: (final-normed hidden states [batch, length, embed],
         the output weight parameter, its vocab dimension: 1 for the head [embed, vocab], 0
         for a tied table [vocab, embed]). A step's loss takes these, so that it need not
-        hold [batch, length, vocab] logits (`jdist.parallel.vocab`)."""
-        h = self.final_norm(x)
+        hold [batch, length, vocab] logits (`jdist.parallel.vocab`). `norm`: another final
+        norm than the model's (the MTP module's)."""
+        h = (norm or self.final_norm)(x)
         if self.config.tie_embeddings:
             return h, self.embed, 0
         return h, self.head, 1
 
-    def logits(self, x: jax.Array, ctx: ModelContext = LOCAL) -> jax.Array:
+    def logits(self, x: jax.Array, ctx: ModelContext = LOCAL, norm=None) -> jax.Array:
         """Final norm and output head: [batch, length, embed] -> [batch, length, vocab]."""
-        h, p, vocab_dim = self.output_head(x)
+        h, p, vocab_dim = self.output_head(x, norm)
         logits = jnp.einsum("bse,ev->bsv" if vocab_dim else "bse,ve->bsv", h, weight(p, h))
         return ctx.constrain(logits, (BATCH, LENGTH, VOCAB))

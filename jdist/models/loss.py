@@ -19,6 +19,7 @@ from jdist.models.precision import accumulator
 
 OBJECTIVE, CROSS_ENTROPY = "loss", "ce_loss"  # metrics keys
 AUX_LOSS, Z_LOSS = "moe_aux_loss", "moe_z_loss"
+MTP_LOSS = "mtp_loss"  # multi-token prediction's cross-entropy (models.mtp)
 DROPPED_FRACTION, LOAD_IMBALANCE = "moe_dropped_fraction", "moe_load_imbalance"
 # --loss: cross-entropy over vocab chunks on each device's shard (jdist.parallel.vocab), or
 # from [batch, length, vocab] logits (the reference).
@@ -66,12 +67,13 @@ def piece_scale(pieces: int, global_count: jax.Array) -> jax.Array:
 
 
 def term_names(model) -> tuple[str, ...]:
-    """The named terms `loss_terms` starts with: the objective, and for MoE models the
-    cross-entropy and balancing losses the step reports, then the raw sums `report` turns
-    into the dropped fraction."""
+    """The named terms `loss_terms` starts with: the objective; with multi-token prediction
+    or experts, the cross-entropy, the MTP loss, the balancing losses the step reports, then
+    the raw sums `report` turns into the dropped fraction."""
+    mtp = (MTP_LOSS,) if model.mtp_depth else ()
     if not model.n_experts:
-        return (OBJECTIVE,)  # the cross-entropy itself
-    return (OBJECTIVE, CROSS_ENTROPY, AUX_LOSS, Z_LOSS, _DROPPED, _ASSIGNED)
+        return (OBJECTIVE, CROSS_ENTROPY, *mtp) if mtp else (OBJECTIVE,)  # else: the CE itself
+    return (OBJECTIVE, CROSS_ENTROPY, *mtp, AUX_LOSS, Z_LOSS, _DROPPED, _ASSIGNED)
 
 
 def term_count(model) -> int:
@@ -105,23 +107,28 @@ def balance_losses(local: dict, total: dict, model) -> tuple[jax.Array, jax.Arra
 
 
 def loss_terms(model, ce: jax.Array, stats: dict | None = None, replica_axes=(),
-               share: float = 1.0, first_layer=0) -> jax.Array:
+               share: float = 1.0, first_layer=0, mtp: jax.Array | None = None) -> jax.Array:
     """The `term_names` vector of one piece of work: mean cross-entropy `ce` of its tokens
     and the balance statistics `stats` [layers, ...] of the `share` of the model's layers it
     ran. The load fractions f_e count every replica's tokens (summed over `replica_axes`,
     without gradient); P_e and z this replica's, so the replicas' objectives average to
     the global losses and their gradients to one device's. The loads of its layers follow
     at their rows (from `first_layer`, stored order) of a [layers, E] table that summing
-    the pieces completes."""
+    the pieces completes. `mtp`: the piece's multi-token prediction cross-entropy, on the
+    same scale as `ce` (None: zero, a piece that does not score)."""
+    lead, objective = (ce,), ce
+    if model.mtp_depth:
+        mtp = jnp.zeros_like(ce) if mtp is None else mtp
+        lead, objective = (ce, mtp), ce + model.mtp_weight * mtp
     if not model.n_experts:
-        return ce[None]
+        return jnp.stack((objective, *lead)) if model.mtp_depth else ce[None]
     total = jax.lax.stop_gradient(stats)
     if replica_axes:
         total = jax.lax.psum(total, replica_axes)
     aux, z = balance_losses(stats, total, model)
     aux_total, z_total = balance_losses(total, total, model)
-    objective = ce + share * (model.aux_loss_weight * aux + model.z_loss_weight * z)
-    terms = jnp.stack((objective, ce, share * aux_total, share * z_total,
+    objective = objective + share * (model.aux_loss_weight * aux + model.z_loss_weight * z)
+    terms = jnp.stack((objective, *lead, share * aux_total, share * z_total,
                        total["dropped"].sum(), total["tokens"].sum() * model.top_k))
     loads = jnp.zeros((model.moe_layers, model.n_experts), terms.dtype)
     loads = jax.lax.dynamic_update_slice(loads, total["counts"].astype(terms.dtype),
@@ -136,7 +143,7 @@ def report(model, mean_terms: jax.Array) -> tuple[jax.Array, dict]:
     terms = dict(zip(term_names(model), mean_terms))
     objective = terms.pop(OBJECTIVE)
     if not model.n_experts:
-        return objective, {}
+        return objective, terms  # {} or the cross-entropy and the MTP loss
     loads = _loads(model, mean_terms)
     dropped, assigned = terms.pop(_DROPPED), terms.pop(_ASSIGNED)
     # A layer no piece ran (a test's partial statistics) has no load: ratio 0, not 0/0.
@@ -173,7 +180,7 @@ class Objective(NamedTuple):
     def cross_entropy(self, mean_terms: jax.Array) -> jax.Array:
         """The cross-entropy among the terms, without balancing losses (evaluation)."""
         names = term_names(self.model)
-        return mean_terms[names.index(CROSS_ENTROPY) if self.model.n_experts else 0]
+        return mean_terms[names.index(CROSS_ENTROPY) if CROSS_ENTROPY in names else 0]
 
     def result(self, mean_terms: jax.Array, grads, micro: int) -> StepResult:
         """The step's result from the terms averaged over the global batch's `micro`

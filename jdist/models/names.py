@@ -5,6 +5,7 @@ EMBED = "embed"            # the token embedding table [vocab, embed]
 BLOCKS = "blocks"          # the stacked decoder layers, leading `layers` dimension
 FINAL_NORM = "final_norm"  # the RMSNorm scale after the last block
 HEAD = "head"              # the untied output head [embed, vocab]; absent when tied
+MTP = "mtp"                # the multi-token prediction module (models.mtp); absent without
 
 
 def run_key(i: int) -> str:

@@ -37,6 +37,7 @@ from jdist.models import loss as objective
 from jdist.models import remat
 from jdist.models.context import ModelContext
 from jdist.models.layers import weight
+from jdist.models.mtp import next_targets
 from jdist.models.names import BLOCKS, EMBED, HEAD, is_blocks
 from jdist.models.precision import accumulator
 from jdist.parallel import attention as attn
@@ -174,17 +175,28 @@ class Forward:
                               self.head(shared))
         return objective.piece_cross_entropy(losses, targets, scale)
 
-    def terms(self, ce, stats, first_layer=0):
-        """`jdist.models.loss.loss_terms` of a chunk: its cross-entropy (zero unless last) and the
-        MoE balance statistics of the layers it ran (from `first_layer`)."""
+    def mtp_cross_entropy(self, model, shared: Params, y, tokens, targets, positions,
+                          segments, ctx, scale):
+        """The multi-token prediction's cross-entropy (`jdist.models.mtp`), over the token
+        after next, on the main loss's scale: normalised by the count of the main targets,
+        so that it is the same on every mesh and micro-batching."""
+        h = model.predict_after_next(y, tokens, ctx, positions, segments)
+        labels = next_targets(targets, segments)
+        losses = token_losses(self.plan, self.manual, model, h, labels, ctx, self.head(shared),
+                              norm=model.mtp.norm)
+        return objective.piece_cross_entropy(losses, labels, scale)
+
+    def terms(self, ce, stats, first_layer=0, mtp=None):
+        """`jdist.models.loss.loss_terms` of a chunk: its cross-entropy (zero unless last), its
+        MTP loss, and the MoE balance statistics of the layers it ran (from `first_layer`)."""
         cfg = self.plan.model
         if not cfg.n_experts:
-            return objective.loss_terms(cfg, ce)
+            return objective.loss_terms(cfg, ce, mtp=mtp)
         # A pipeline's `stage` is manual too, but not a replica axis.
         replicas = tuple(a for a in self.manual
                          if a in ax.REPLICA_AXES and self.plan.mesh.shape[a] > 1)
         share = stats["tokens"].shape[0] / cfg.moe_layers
-        return objective.loss_terms(cfg, ce, stats, replicas, share, first_layer)
+        return objective.loss_terms(cfg, ce, stats, replicas, share, first_layer, mtp)
 
 
 def chunk(fw: Forward, shared: Params, blocks: Params, x_in, tokens, targets, positions,
@@ -203,9 +215,13 @@ def chunk(fw: Forward, shared: Params, blocks: Params, x_in, tokens, targets, po
         (lambda: fw.shared_values(shared))
     x = _when(first, lambda: model(values()).embed_tokens(tokens, ctx), lambda: x_in)
     y, stats = model(shared.stored).run_blocks(x, ctx, positions, segments)
+    zero = lambda: jnp.zeros((), accumulator(y))
     ce = _when(last, lambda: fw.cross_entropy(model(values()), shared, y, targets, ctx, scale),
-               lambda: jnp.zeros((), accumulator(y)))
-    return y, fw.terms(ce, stats, first_layer)
+               zero)
+    mtp = None if not fw.plan.model.mtp_depth else _when(
+        last, lambda: fw.mtp_cross_entropy(model(values()), shared, y, tokens, targets,
+                                           positions, segments, ctx, scale), zero)
+    return y, fw.terms(ce, stats, first_layer, mtp)
 
 
 def _when(flag, then, otherwise):
@@ -270,16 +286,17 @@ def model_context(plan, manual: tuple[str, ...], seq_len: int,
 
 
 def token_losses(plan, manual: tuple[str, ...], model, x, labels, ctx: ModelContext,
-                 head: tuple | None = None):
+                 head: tuple | None = None, norm=None):
     """Per-token cross-entropy [batch, length] of the residual stream `x` after the last
     block: from vocab chunks on each device's vocab shard (`--loss chunked`), or from the
     full logits (`--loss full`, the reference). `head`: (gradient-layout block, stored
     block, Sync, defer) of the output weight, gathered chunk by chunk inside the loss
-    (`head_of`); None: the model's weight as it is."""
+    (`head_of`); None: the model's weight as it is. `norm`: the final norm, if not the
+    model's (`Llama.output_head`)."""
     if plan.compute.loss == objective.FULL_LOGITS:
-        return objective.cross_entropy(model.logits(x, ctx), labels)
+        return objective.cross_entropy(model.logits(x, ctx, norm), labels)
     rules = inner_rules(plan.rules, manual)
-    h, param, vocab_dim = model.output_head(x)
+    h, param, vocab_dim = model.output_head(x, norm)
     w_names = (ax.EMBED, ax.VOCAB) if vocab_dim == 1 else (ax.VOCAB, ax.EMBED)
     w_spec = list(resolve(w_names, rules, plan.mesh)) + [None] * 2
     w_spec[1 - vocab_dim] = None  # the embed dim whole: each device dots full rows

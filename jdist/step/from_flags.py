@@ -150,6 +150,10 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
             "--sequence-parallel with tensor parallelism is not supported for MoE models; "
             "drop --sequence-parallel or tp")
     check_streaming(config, model, mesh)
+    require(not model.mtp_depth or mesh.shape[ax.STAGE] == mesh.shape[ax.SEQUENCE] == 1,
+            "multi-token prediction reads the next token beside each position of the whole "
+            "sequence after the last block: not with pp or cp yet; drop them from --mesh or "
+            "pass --mtp-depth 0")
     tx, schedule = optimizer_of(config, model, mesh)
     if config.checkpoint.on_nan == "skip":
         tx = skip_nonfinite(tx)
