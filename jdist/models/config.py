@@ -238,6 +238,8 @@ def validate_mla(cfg: ModelConfig) -> None:
             "latent) or positive")
     require(not cfg.qk_norm and cfg.lora is None, "MLA takes neither --qk-norm nor LoRA "
             "adapters; drop them")
+    require(cfg.sliding_window is None and not cfg.attention_sinks, "MLA takes no "
+            "--sliding-window or --attention-sinks yet (DeepSeek-V3 has neither); drop them")
 
 
 BYTE_VOCAB = 256
