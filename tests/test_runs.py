@@ -3,6 +3,8 @@ scanned stack (dense blocks, then a mixture of experts), against one device on e
 layout that splits the blocks differently, and the homogeneous model's tree unchanged."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -10,8 +12,9 @@ from jdist.config import TrainConfig
 from jdist.memory import measure, predict
 from jdist.models import get_preset
 from jdist.models.runs import runs
+from jdist.parallel.pipeline import PipelineConfig
 from jdist.plan.__main__ import main as plan_main
-from jdist.tools.equivalence import assert_matches, plan_of, train_steps
+from jdist.tools.equivalence import assert_matches, config, plan_of, train_steps
 from jdist.train.loop import train
 
 HETERO = get_preset("dense-moe-tiny")
@@ -65,3 +68,28 @@ def test_memory_model_and_planner_take_the_runs(capsys, monkeypatch, tmp_path):
                       "ep=2,tp=2,pp=1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["layouts"]
     assert rows and all("ep=2" in r["layout"] for r in rows)
+
+
+@pytest.mark.slow  # the reference accumulates 4 micro-batches: two compiles
+def test_pipeline_stages_hold_a_share_of_each_run(corpus, single_device):
+    """pp=2 over dense blocks then experts: each run is a chunk of every stage (interleaved,
+    V = 2 runs), so stage 0 runs dense then, in the second chunk, experts. Against one
+    device accumulating the same strided micro-batches (balance losses are per
+    micro-batch)."""
+    run = train_steps(HETERO, "pp=2,dp=2,ep=2", corpus.train, config(batch_size=16),
+                      pipeline=PipelineConfig("interleaved", 4, 2))
+    assert_matches(run, single_device(HETERO, batch_size=16, grad_accum=4))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "dense-moe-tiny", "--mesh", "pp=2"],
+     "use --pp-schedule interleaved --pp-virtual-stages 2"),
+    (["--model", "moe-tiny", "--first-dense-layers", "2"],
+     "--first-dense-layers 2 must leave at least one of the 2 layers to the experts"),
+])
+def test_bad_runs_are_one_line(args, message):
+    result = subprocess.run([sys.executable, "-m", "jdist.train", "--steps", "1", *args],
+                            check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr

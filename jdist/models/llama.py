@@ -275,6 +275,8 @@ class Llama(nnx.Module):
         stats = []
         for run in runs(self.config):
             graphdef, layers = nnx.split(getattr(self, run.key))
+            if not jax.tree.leaves(layers)[0].shape[0]:
+                continue  # a pipeline chunk that holds none of this run's blocks
 
             def layer(x, state, rows, graphdef=graphdef):
                 return nnx.merge(graphdef, state)(x, rows.get("cos", cos),

@@ -115,13 +115,18 @@ def loss_terms(model, ce: jax.Array, stats: dict | None = None, replica_axes=(),
     the global losses and their gradients to one device's. The loads of its layers follow
     at their rows (from `first_layer`, stored order) of a [layers, E] table that summing
     the pieces completes. `mtp`: the piece's multi-token prediction cross-entropy, on the
-    same scale as `ce` (None: zero, a piece that does not score)."""
+    same scale as `ce` (None: zero, a piece that does not score). A piece that ran no
+    experts (a pipeline chunk of a heterogeneous stack's dense blocks, `models.runs`) adds
+    its cross-entropies only."""
     lead, objective = (ce,), ce
     if model.mtp_depth:
         mtp = jnp.zeros_like(ce) if mtp is None else mtp
         lead, objective = (ce, mtp), ce + model.mtp_weight * mtp
     if not model.n_experts:
         return jnp.stack((objective, *lead)) if model.mtp_depth else ce[None]
+    if not stats:  # objective and cross-entropies, then zeros
+        heads = jnp.stack((objective, *lead))
+        return jnp.zeros(term_count(model), ce.dtype).at[:len(heads)].set(heads)
     total = jax.lax.stop_gradient(stats)
     if replica_axes:
         total = jax.lax.psum(total, replica_axes)

@@ -190,7 +190,7 @@ class Forward:
         """`jdist.models.loss.loss_terms` of a chunk: its cross-entropy (zero unless last), its
         MTP loss, and the MoE balance statistics of the layers it ran (from `first_layer`)."""
         cfg = self.plan.model
-        if not cfg.n_experts:
+        if not cfg.n_experts or not stats:  # no experts, or none in this chunk
             return objective.loss_terms(cfg, ce, mtp=mtp)
         # A pipeline's `stage` is manual too, but not a replica axis.
         replicas = tuple(a for a in self.manual

@@ -15,11 +15,14 @@ in every backward tick, into the sharded accumulator.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 from jax.sharding import PartitionSpec
 
 from jdist.models import loss as objective
 from jdist.models.names import BLOCKS
+from jdist.models.runs import heterogeneous, moe_offset, runs
 from jdist.parallel import grad_sync as gs
 from jdist.parallel.pipeline import check_remat, stashes
 from jdist.parallel.pipeline import program as stage_program
@@ -65,24 +68,25 @@ def _run(plan, params: dict, batch: dict, train: bool):
         primal = trained_primal(plan, stored, stacked_syncs) if train else stored
         stored = jax.lax.stop_gradient(stored)  # read only (see jdist.step.grads)
         shared = Params(primal, stored, sync).shared()
-        stored_chunks = jax.tree.map(
-            lambda b: b.reshape(table.virtual, -1, *b.shape[1:]), stored[BLOCKS])
-        per_chunk = plan.model.n_layers // table.chunks  # layers in each chunk
 
-        def chunk_fn(v, block, shared_primal, x_in, m, first, last):
-            """Chunk v of micro-batch m (`jdist.step.forward.chunk`)."""
+        def one_chunk(blocks: Params, first_layer, shared_primal, x_in, m, first, last):
+            """A chunk of micro-batch m (`jdist.step.forward.chunk`)."""
             at = (lambda a: a) if segments is None else (lambda a: a[m])
-            blocks = Params({BLOCKS: block}, {BLOCKS: jax.tree.map(lambda b: b[v], stored_chunks)},
-                            {BLOCKS: sync[BLOCKS]})
-            first_layer = (jax.lax.axis_index(ax.STAGE) * table.virtual + v) * per_chunk
             return chunk(fw, shared._replace(primal=shared_primal), blocks, x_in,
                          tokens[m], labels[m], at(positions), at(segments), scale, first,
                          last, first_layer)
 
+        if heterogeneous(plan.model):  # chunk v is run v's share of this stage
+            chunk_fn = partial(_run_chunk, plan, one_chunk, stored)
+            blocks = tuple(primal[r.key] for r in runs(plan.model))
+        else:
+            chunk_fn = partial(_stack_chunk, plan, table, one_chunk, stored[BLOCKS])
+            blocks = primal[BLOCKS]
         out = stage_program.program(
-            primal[BLOCKS], shared.primal, table=table, chunk_fn=chunk_fn,
+            blocks, shared.primal, table=table, chunk_fn=chunk_fn,
             act_shape=(*tokens.shape[1:], plan.model.d_model), act_dtype=plan.compute.dtype,
-            n_terms=goal.n_terms, train=train, stash_residuals=stash)
+            n_terms=goal.n_terms, train=train, stash_residuals=stash,
+            by_chunk=heterogeneous(plan.model))
         terms, grads = out if train else (out, None)
         terms = jax.lax.psum(terms, PIPE_MANUAL) / n_replicas  # only the last stage has ce
         if not train:
@@ -92,7 +96,9 @@ def _run(plan, params: dict, batch: dict, train: bool):
         # the first), into their split over `stage`.
         d_shared = stage_shared.reduce(d_shared, {k: plan.grad_shardings[k] for k in d_shared},
                                        {k: sync[k] for k in d_shared})
-        grads = {**d_shared, BLOCKS: d_blocks}
+        d_blocks = dict(zip((r.key for r in runs(plan.model)), d_blocks)) \
+            if heterogeneous(plan.model) else {BLOCKS: d_blocks}
+        grads = {**d_shared, **d_blocks}
         return terms, trainable.tree_map(gs.finish_reduce, grads, sync)
 
     out_specs = PartitionSpec()
@@ -101,6 +107,36 @@ def _run(plan, params: dict, batch: dict, train: bool):
                                              plan.grad_shardings, PIPE_MANUAL))
     run = replica_map(plan, local, out_specs, PIPE_MANUAL)
     return run(params, batch["inputs"], batch["targets"])
+
+
+def _stack_chunk(plan, table, one_chunk, stored, v, block, *rest):
+    """Chunk v of this stage's share of one stack: its layers' rows of `stored` (the
+    stage's chunks, one after another), differentiating `block`."""
+    chunks = jax.tree.map(lambda b: b.reshape(table.virtual, -1, *b.shape[1:]), stored)
+    per_chunk = plan.model.n_layers // table.chunks  # layers in each chunk
+    first_layer = (jax.lax.axis_index(ax.STAGE) * table.virtual + v) * per_chunk
+    blocks = Params({BLOCKS: block}, {BLOCKS: jax.tree.map(lambda b: b[v], chunks)}, {})
+    return one_chunk(blocks, first_layer, *rest)
+
+
+def _run_chunk(plan, one_chunk, stored, v, blocks, *rest):
+    """Chunk v of a heterogeneous stack (`models.runs`): run v's share of this stage (its
+    rows of `stored`, differentiating `blocks[v]`), the other runs' stacks empty. Their
+    shapes differ, so the chunk is a `lax.switch` over v, each branch one run."""
+    model_runs = runs(plan.model)
+
+    def branch(r, blocks, *rest):
+        run, stage = model_runs[r], jax.lax.axis_index(ax.STAGE)
+        mine = lambda i, tree: tree if i == r else jax.tree.map(lambda b: b[:0], tree)
+        chunk_blocks = Params(*({q.key: mine(i, t[i]) for i, q in enumerate(model_runs)}
+                                for t in (blocks, [stored[q.key] for q in model_runs])), {})
+        # Its loads' rows: the run's first, then this stage's share before it.
+        first_layer = moe_offset(plan.model, run) + stage * (run.n_layers // plan.mesh.shape[
+            ax.STAGE])
+        return one_chunk(chunk_blocks, first_layer, *rest)
+
+    return jax.lax.switch(v, [partial(branch, r) for r in range(len(model_runs))], blocks,
+                          *rest)
 
 
 def pipeline_grads(plan, params: dict, batch: dict) -> tuple[jax.Array, dict, int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from jdist.errors import ConfigError, require
-from jdist.models.runs import heterogeneous, runs
+from jdist.models.runs import runs
 from jdist.parallel.pipeline import schedule as sched
 from jdist.spmd import axes as ax
 from jdist.spmd.rules import DEFAULT_RULES, Rules, batch_split
@@ -49,10 +49,19 @@ def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
     """User errors of a pipelined run, one line each, before anything compiles."""
     stages = mesh.shape[ax.STAGE]
     micro = config.microbatches or stages
-    sched.check(config.schedule, stages, micro, config.virtual, model.n_layers)
-    require(not heterogeneous(model),
-            f"pp={stages} stages a stack of one kind of block; this model's blocks make "
-            f"{len(runs(model))} runs (--first-dense-layers); drop pp from --mesh")
+    model_runs = runs(model)
+    if len(model_runs) > 1:  # each run is a chunk of every stage (jdist.step.pipelined)
+        require(config.schedule == sched.INTERLEAVED and config.virtual == len(model_runs),
+                f"this model's blocks make {len(model_runs)} runs of different kinds "
+                f"(--first-dense-layers), each a chunk of every stage: use --pp-schedule "
+                f"interleaved --pp-virtual-stages {len(model_runs)}")
+        for run in model_runs:
+            require(run.n_layers % stages == 0,
+                    f"a run of {run.n_layers} {'expert' if run.moe else 'dense'} blocks does "
+                    f"not split over pp={stages} stages; make each run a multiple of {stages}")
+    # Equal chunks: of the stack, or (heterogeneous) of each run, checked above.
+    sched.check(config.schedule, stages, micro, config.virtual,
+                stages * config.virtual if len(model_runs) > 1 else model.n_layers)
     require(grad_accum == 1, f"--grad-accum {grad_accum} with pp={stages}: the pipeline "
                              "already accumulates over --microbatches; use that instead")
     axes, ways = batch_split(mesh.shape, rules)

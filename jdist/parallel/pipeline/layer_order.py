@@ -23,6 +23,7 @@ import numpy as np
 
 from jdist.errors import require
 from jdist.models.names import BLOCKS
+from jdist.models.runs import heterogeneous
 from jdist.parallel.pipeline import schedule as sched
 from jdist.parallel.pipeline.shuffle import shuffle
 from jdist.spmd import axes as ax
@@ -43,7 +44,9 @@ def layer_order(n_layers: int, stages: int, virtual: int,
 def order_of(plan) -> np.ndarray:
     """The stored layer order of a plan (the identity unless a stage runs several chunks)."""
     n = plan.model.n_layers
-    if plan.pipeline is None or plan.pipeline.virtual == 1:
+    # A heterogeneous stack's chunks are its runs (`models.runs`), each split in model
+    # order over the stages: stored as they are.
+    if plan.pipeline is None or plan.pipeline.virtual == 1 or heterogeneous(plan.model):
         return np.arange(n)
     return layer_order(n, plan.mesh.shape[ax.STAGE], plan.pipeline.virtual,
                        plan.pipeline.schedule)

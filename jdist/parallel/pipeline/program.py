@@ -44,20 +44,24 @@ from jdist.spmd import axes as ax
 
 
 def program(blocks, shared, *, table: sched.Schedule, chunk_fn: Callable, act_shape: tuple,
-            act_dtype, n_terms: int, train: bool, stash_residuals: bool = False):
+            act_dtype, n_terms: int, train: bool, stash_residuals: bool = False,
+            by_chunk: bool = False):
     """One (stage, replica)'s share of the step: run every tick of `table`. `blocks` holds
-    this stage's chunks stacked [virtual * layers per chunk, ...] (what is differentiated).
+    this stage's chunks stacked [virtual * layers per chunk, ...] (what is differentiated);
+    `by_chunk`: a tuple of each chunk's own tree instead, of shapes of its own (a
+    heterogeneous stack's runs, `models.runs`), all handed to `chunk_fn`, which picks.
     `stash_residuals` needs a `table` built with `stash`. Returns (loss terms summed over
     micro-batches / M, and when training (block grads, shared grads) of this stage; shared
     grads are nonzero only where a chunk used them)."""
     st = _stage(blocks, shared, table, chunk_fn, act_shape, act_dtype, n_terms, train,
-                stash_residuals and train)
+                stash_residuals and train, by_chunk)
     start = _start(st, act_shape, act_dtype)
     (_, _, _, acc, loss_sum), _ = jax.lax.scan(st.tick, start, jnp.asarray(_columns(table)))
     if not train:
         return loss_sum / table.micro
     d_chunks, d_shared = acc
-    d_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), d_chunks)
+    d_blocks = d_chunks if by_chunk else \
+        jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), d_chunks)
     return loss_sum / table.micro, (d_blocks, d_shared)
 
 
@@ -74,7 +78,7 @@ class _Stage:
     to_prev: list
     used: frozenset            # the sources anything ever arrives by
     stage: jax.Array           # traced: axis_index(STAGE)
-    chunks: Any                # blocks as [virtual, layers per chunk, ...]
+    chunks: Any                # blocks as [virtual, layers per chunk, ...] (by_chunk: as given)
     shared: Any
     act: jax.Array             # zeros of one micro-batch's activation
     no_loss: jax.Array         # zeros of the loss terms
@@ -82,6 +86,7 @@ class _Stage:
     halves: Any = None         # and its backward in two halves (zero-bubble tables)
     by_input: tuple = ()       # per stashed residual: read by the backward (else by W only)
     nothing: tuple = ((), (), ())  # a tick's stash writes when it stashes nothing
+    by_chunk: bool = False     # `program`'s: every chunk's tree handed over, whole
 
     @property
     def vshape(self) -> bool:
@@ -99,7 +104,8 @@ class _Stage:
         return [v, c == 0, c == self.table.stages * self.table.virtual - 1]
 
     def chunk_params(self, v) -> list:
-        return jax.tree.leaves((jax.tree.map(lambda b: b[v], self.chunks), self.shared))
+        blocks = self.chunks if self.by_chunk else jax.tree.map(lambda b: b[v], self.chunks)
+        return jax.tree.leaves((blocks, self.shared))
 
     def tick(self, carry, row):
         """One column of the table at this stage: its operation, then the permutes."""
@@ -114,16 +120,18 @@ class _Stage:
 
 
 def _stage(blocks, shared, table: sched.Schedule, chunk_fn: Callable, act_shape: tuple,
-           act_dtype, n_terms: int, train: bool, stash: bool) -> _Stage:
+           act_dtype, n_terms: int, train: bool, stash: bool, by_chunk: bool) -> _Stage:
     """Trace what the ticks share, once; with `stash`, split the chunk's forward from its
     backward (`residuals.split`)."""
     stage = jax.lax.axis_index(ax.STAGE)
-    chunks = jax.tree.map(lambda b: b.reshape(table.virtual, -1, *b.shape[1:]), blocks)
+    chunks = blocks if by_chunk else \
+        jax.tree.map(lambda b: b.reshape(table.virtual, -1, *b.shape[1:]), blocks)
     act = jnp.zeros(act_shape, act_dtype)
     no_loss = jnp.zeros(n_terms, accumulator(act_dtype))
     to_next, to_prev = _neighbours(table)
     st = _Stage(table, chunk_fn, jax.tree.structure((blocks, shared)), train, to_next,
-                to_prev, _sources_used(table), stage, chunks, shared, act, no_loss)
+                to_prev, _sources_used(table), stage, chunks, shared, act, no_loss,
+                by_chunk=by_chunk)
     # Traced once for all ticks: chunks differ only in the (traced) chunk index.
     zero = jnp.zeros((), jnp.int32)
     split = residuals.split(st.f, st.where_of(zero), st.chunk_params(zero), act, zero) \
@@ -275,7 +283,8 @@ class _Op:
 
     def _accumulate(self, d_p):
         d_block, d_shared = jax.tree.unflatten(self.st.params_def, d_p)
-        d_chunks = jax.tree.map(lambda a, g: a.at[self.v].add(g), self.acc[0], d_block)
+        add = jnp.add if self.st.by_chunk else (lambda a, g: a.at[self.v].add(g))
+        d_chunks = jax.tree.map(add, self.acc[0], d_block)
         return d_chunks, jax.tree.map(jnp.add, self.acc[1], d_shared)
 
 

@@ -26,7 +26,7 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdist.models.names import BLOCKS
+from jdist.models.names import is_blocks
 from jdist.parallel import grad_sync as gs
 from jdist.spmd import axes as ax
 from jdist.spmd.rules import as_candidate, mesh_axes_of
@@ -42,7 +42,7 @@ def split_dims(abstract: dict, shardings: dict, names: dict, mesh) -> dict:
     stages = mesh.shape[ax.STAGE]
 
     def one(path, leaf, sharding, leaf_names):
-        if stages == 1 or path[0].key == BLOCKS or ax.VOCAB not in leaf_names:
+        if stages == 1 or is_blocks(path[0]) or ax.VOCAB not in leaf_names:
             return None
         entries = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
 
@@ -83,7 +83,7 @@ def gather(stored: dict, shardings: dict, syncs: dict) -> dict:
     `stage` (block leaves untouched), on each device's block of the axes GSPMD partitions
     (`grad_sync.on_shards`: left to GSPMD, it gathered a tensor-split table whole first)."""
     def one(path, x, sharding, sync):
-        dim = None if path[0].key == BLOCKS else stage_dim(sharding)
+        dim = None if is_blocks(path[0]) else stage_dim(sharding)
         if dim is None:
             return x
         return gs.on_shards(lambda b: jax.lax.all_gather(b, ax.STAGE, axis=dim, tiled=True),
