@@ -14,6 +14,8 @@ refused with `--target` (`jdist.step.from_flags`).
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -40,11 +42,18 @@ def update(tx, grads, opt_state, params, grad_norm):
     factor = to_host(clip_factor(grad_norm, tx.clip_norm))
     grads = jax.tree.map(to_host, grads)  # the shared parameters' are on the device
 
-    @compute_on("device_host")
-    @jax.jit
-    def on_host(grads, factor, opt_state, params):
+    def step(grads, factor, opt_state, params):
         clipped = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
         updates, opt_state = tx.update(clipped, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    return on_host(grads, factor, opt_state, params)
+    return on_host(jax.jit(step))(grads, factor, opt_state, params)
+
+
+def on_host(fn):
+    """`fn` as a host computation whose outputs stay in host memory. jax 0.12 asks for the
+    outputs' memory spaces; jax 0.10.2's `compute_on` takes the compute type alone."""
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:  # jax 0.12
+        return compute_on(fn, compute_type="device_host",
+                          out_memory_spaces=jax.memory.Space.Host)
+    return compute_on("device_host")(fn)
