@@ -17,13 +17,17 @@ from safetensors.numpy import load_file
 
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
+from jdist.generate import forward, generate, init_cache
+from jdist.generate.weights import inference_plan
 from jdist.hf.config import model_config
 from jdist.hf.export import write_hf
 from jdist.hf.load import load_params
 from jdist.models.config import get_preset
+from jdist.models.context import LOCAL
 from jdist.models.loss import IGNORE
 from jdist.models.moe import route
 from jdist.models.mtp import next_targets, next_tokens
+from jdist.spmd.mesh import build_mesh
 from jdist.step.from_flags import plan_for
 
 DEEPSEEK = Path(__file__).parent / "fixtures" / "hf" / "deepseek-v3"
@@ -131,3 +135,37 @@ def test_mtp_is_refused_with_pipelines_and_context_parallelism():
         with pytest.raises(ConfigError, match="multi-token prediction") as e:
             plan_for(TrainConfig.of(model="deepseek-tiny", mesh=mesh, batch_size=16))
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # 7 s on 2 busy cores
+def test_latent_cache_decoding_equals_the_full_forward():
+    """A prefill of 8 tokens, then 8 decoded one by one over the cache of latents and rope
+    keys: the logits of the full forward over all 16 (rel 1e-5)."""
+    plan, params = loaded()
+    ref = np.load(DEEPSEEK / "reference.npz")
+    tokens = ref["input_ids"][:, :16]
+    with jax.default_matmul_precision("highest"):
+        model = nnx.merge(plan.graphdef, jax.tree.map(np.asarray, params))
+        full = np.asarray(jax.jit(lambda tokens: model(tokens))(tokens))
+        cache = init_cache(plan.model, np.zeros(2, np.int32), 16, jnp.float32,
+                           build_mesh("", jax.devices()[:1]))
+        assert cache.keys.shape == (2, 2, 16, 1, 16) and cache.values.shape == (2, 2, 16, 1, 8)
+        step = jax.jit(lambda tokens, cache: forward(model, tokens, cache, LOCAL))
+        logits, cache = step(tokens[:, :8], cache)
+        pieces = [np.asarray(logits)]
+        for i in range(8, 16):
+            logits, cache = step(tokens[:, i:i + 1], cache)
+            pieces.append(np.asarray(logits))
+    cached = np.concatenate(pieces, axis=1)
+    assert np.linalg.norm(cached - full) / np.linalg.norm(full) < 1e-5
+
+
+@pytest.mark.parametrize("mesh, n", [("", 1), ("tp=2", 2), ("ep=2", 2)])
+def test_greedy_matches_transformers(mesh, n):
+    """transformers' generate(max_new_tokens=32, do_sample=False), token for token."""
+    ref = np.load(DEEPSEEK / "reference.npz")
+    cfg = model_config(DEEPSEEK)
+    params = load_params(DEEPSEEK, inference_plan(cfg, build_mesh(mesh, jax.devices()[:n])))
+    with jax.default_matmul_precision("highest"):
+        out = generate(params, cfg, list(ref["prompt_ids"]), ref["greedy_ids"].shape[1])
+    np.testing.assert_array_equal(np.stack(out), ref["greedy_ids"])

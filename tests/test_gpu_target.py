@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.generate import KVCache, compiled_step
-from jdist.generate.cache import cache_shape, cache_shardings
+from jdist.generate.cache import cache_shapes, cache_shardings
 from jdist.generate.sample import GREEDY
 from jdist.generate.weights import inference_plan
 from jdist.memory import compile_step
@@ -406,7 +406,7 @@ def compile_generation(length: int) -> Program:
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           plan.abstract.params, plan.shardings.params)
     sh = cache_shardings(mesh, DEFAULT_RULES)
-    kv = jax.ShapeDtypeStruct(cache_shape(cfg, BATCH, PROMPT + NEW), jnp.bfloat16,
+    kv = jax.ShapeDtypeStruct(cache_shapes(cfg, BATCH, PROMPT + NEW)[0], jnp.bfloat16,
                               sharding=sh.keys)
     cache = KVCache(kv, kv, jax.ShapeDtypeStruct((), jnp.int32, sharding=sh.length),
                     jax.ShapeDtypeStruct((BATCH,), jnp.int32, sharding=sh.start))

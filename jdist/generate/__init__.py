@@ -25,6 +25,7 @@ from jdist.generate.cache import (
     KVCache,
     attention_window,
     cache_bytes,
+    cache_names,
     cache_shardings,
     init_cache,
 )
@@ -106,7 +107,8 @@ def compiled_step(cfg: ModelConfig, mesh, rules: Rules, dtype, sampling: Samplin
         return sample(logits[:, -1], jax.random.fold_in(key, i), sampling)[:, None], cache
 
     tokens_sh = NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
-    return jax.jit(step, donate_argnums=1, out_shardings=(tokens_sh, cache_shardings(mesh, rules)))
+    cache_sh = cache_shardings(mesh, rules, cache_names(cfg))
+    return jax.jit(step, donate_argnums=1, out_shardings=(tokens_sh, cache_sh))
 
 
 def stream(params: dict, cfg: ModelConfig, prompts: Sequence[np.ndarray],
