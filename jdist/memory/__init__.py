@@ -591,7 +591,7 @@ def measure(plan, batch_size: int, seq_len: int, compiled=None) -> Breakdown:
     grads_fn = jax.jit(lambda params, batch: gradients(plan, params, batch)[2],
                        in_shardings=(plan.shardings.params, batch_sh),
                        out_shardings=plan.grad_shardings)
-    grads = grads_fn.lower(plan.abstract.params, batch).compile(
+    grads = grads_fn.lower(placed(plan).params, batch).compile(
         compiler_options(plan) or None).memory_analysis()
 
     arguments = stats.argument_size_in_bytes + stats.host_argument_size_in_bytes

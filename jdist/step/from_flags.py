@@ -124,8 +124,8 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     check_profile_steps(config)
     model = model_of(config)
     offload = config.memory.offload
-    require(offload != "auto", "--offload auto is resolved by the fit check "
-            "(jdist.train.fit.resolve_offload) before planning; plan with a mode it chose")
+    require(offload != "auto", "--offload auto is chosen by the trainer's fit check "
+            "(python -m jdist.train, --dry-run); here give a mode: none, optimizer or params")
     require(not (config.devices.target and offload != "none"),
             f"--offload {offload} cannot be compiled for --target {config.devices.target}: "
             "jax's "
