@@ -44,6 +44,7 @@ def test_config_json_becomes_the_model():
             cfg.value_dim) == (16, 32, 16, 8, 12)
     assert (cfg.n_experts, cfg.n_expert_groups, cfg.topk_groups, cfg.top_k,
             cfg.routed_scale, cfg.shared_d_ff, cfg.gating) == (8, 4, 2, 2, 2.5, 32, "sigmoid")
+    assert (cfg.n_layers, cfg.first_dense_layers, cfg.dense_d_ff) == (3, 1, 96)
 
 
 def test_logits_equal_transformers():
@@ -80,7 +81,6 @@ def test_round_trip_is_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("changes, says", [
-    ({"first_k_dense_replace": 1}, "first_k_dense_replace=1"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}}, "'yarn'"),
     ({"n_group": 3}, "--n-expert-groups 3 must divide --n-experts 8"),
 ])
@@ -149,7 +149,7 @@ def test_latent_cache_decoding_equals_the_full_forward():
         full = np.asarray(jax.jit(lambda tokens: model(tokens))(tokens))
         cache = init_cache(plan.model, np.zeros(2, np.int32), 16, jnp.float32,
                            build_mesh("", jax.devices()[:1]))
-        assert cache.keys.shape == (2, 2, 16, 1, 16) and cache.values.shape == (2, 2, 16, 1, 8)
+        assert cache.keys.shape == (3, 2, 16, 1, 16) and cache.values.shape == (3, 2, 16, 1, 8)
         step = jax.jit(lambda tokens, cache: forward(model, tokens, cache, LOCAL))
         logits, cache = step(tokens[:, :8], cache)
         pieces = [np.asarray(logits)]

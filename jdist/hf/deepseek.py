@@ -1,7 +1,8 @@
 """DeepSeek-V3's `config.json` <-> `ModelConfig`: MLA (`models.mla`), sigmoid group-limited
 routing with its correction bias (`models.routing`) and one shared expert. Tensor names and
-layouts are `jdist.hf.layout`'s. Fields the model cannot represent are refused in one line:
-dense first layers (first_k_dense_replace > 0) and yarn rope scaling, for now."""
+layouts are `jdist.hf.layout`'s; dense first layers (first_k_dense_replace) are a run of
+their own (`models.runs`). Fields the model cannot represent are refused in one line: yarn
+rope scaling, for now."""
 
 from __future__ import annotations
 
@@ -19,9 +20,6 @@ def model_config(c: dict, where: str, rope: tuple[float, dict]) -> ModelConfig:
     require(c.get("architectures", [ARCHITECTURE]) == [ARCHITECTURE],
             f"{where}: architectures {c.get('architectures')} with model_type {MODEL_TYPE!r}; "
             f"only {ARCHITECTURE} is supported")
-    require(not c.get("first_k_dense_replace", 3), f"{where}: first_k_dense_replace="
-            f"{c.get('first_k_dense_replace', 3)} (dense first layers) is not supported yet; "
-            "every layer must be MoE (first_k_dense_replace 0)")
     theta, scaling = rope
     require(not scaling, f"{where}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r}"
             " is not supported for DeepSeek-V3 yet; use a config without rope scaling")
@@ -36,6 +34,8 @@ def model_config(c: dict, where: str, rope: tuple[float, dict]) -> ModelConfig:
         vocab_size=int(c["vocab_size"]), d_model=int(c["hidden_size"]),
         n_layers=int(c["num_hidden_layers"]), n_heads=heads, n_kv_heads=heads,
         d_ff=int(c["moe_intermediate_size"]), head_dim=nope + rope, rope_theta=theta,
+        first_dense_layers=int(c.get("first_k_dense_replace", 3)),
+        dense_d_ff=int(c["intermediate_size"]),
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         n_experts=int(c["n_routed_experts"]), top_k=int(c["num_experts_per_tok"]),
@@ -62,13 +62,13 @@ def hf_config(cfg: ModelConfig, torch_dtype: str, carried: dict) -> dict:
     return {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff, "moe_intermediate_size": cfg.d_ff,
+        "intermediate_size": cfg.dense_d_ff or cfg.d_ff, "moe_intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_heads, "n_shared_experts": cfg.shared_d_ff // cfg.d_ff,
         "n_routed_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
         "n_group": cfg.n_expert_groups, "topk_group": cfg.topk_groups,
         "routed_scaling_factor": cfg.routed_scale, "norm_topk_prob": cfg.norm_topk_prob,
-        "first_k_dense_replace": 0, "kv_lora_rank": cfg.kv_lora_rank,
+        "first_k_dense_replace": cfg.first_dense_layers, "kv_lora_rank": cfg.kv_lora_rank,
         "q_lora_rank": cfg.q_lora_rank or None, "qk_rope_head_dim": cfg.rope_dim,
         "qk_nope_head_dim": cfg.dim_per_head - cfg.rope_dim, "v_head_dim": cfg.value_dim,
         "rope_interleave": True, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,

@@ -23,7 +23,8 @@ from jdist.hf import layout
 from jdist.hf.config import CONFIG, GENERATION_CONFIG, generation_config, hf_config
 from jdist.hf.load import INDEX
 from jdist.models.config import ModelConfig
-from jdist.models.names import BLOCKS
+from jdist.models.names import is_blocks
+from jdist.models.runs import runs
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30  # as transformers' save_pretrained
@@ -37,15 +38,16 @@ def leaf_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
     return list(layout.tensors(cfg))
 
 
-def hf_tensors(table: dict, path: tuple[str, ...],
-               value: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+def hf_tensors(table: dict, path: tuple[str, ...], value: np.ndarray,
+               first: int = 0) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, HF array) of one jdist parameter in model layer order (`table`:
-    `layout.tensors` of the model); a stack of experts gives one tensor per expert."""
+    `layout.tensors` of the model); a stack of experts gives one tensor per expert. `first`:
+    the model index of a stack's first layer (a later run's, `models.runs`)."""
     _, kind = table[path]
-    if path[0] != BLOCKS:
+    if not is_blocks(path[0]):
         yield layout.hf_name(table, path), layout.write(kind, value)
         return
-    for i, layer in enumerate(value):
+    for i, layer in enumerate(value, start=first):
         hf = layout.write(kind, layer)
         if kind == layout.EXPERTS:
             for e, expert in enumerate(hf):
@@ -168,8 +170,9 @@ def _write_tensors(staging: Path, cfg: ModelConfig, read_leaf, dtype,
             pending, size = {}, 0
 
     table = layout.tensors(cfg)
+    first = {run.key: run.first for run in runs(cfg)}
     for path in leaf_paths(cfg):
-        for name, tensor in hf_tensors(table, path, read_leaf(path)):
+        for name, tensor in hf_tensors(table, path, read_leaf(path), first.get(path[0], 0)):
             tensor = np.ascontiguousarray(tensor.astype(dtype))
             if pending and size + tensor.nbytes > max_shard_bytes:
                 flush()

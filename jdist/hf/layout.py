@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jdist.models.runs import runs
+
 SAME, TRANSPOSE, HEADS_IN, HEADS_OUT = "same", "transpose", "heads_in", "heads_out"
 # (kind, ROPE, n): as `kind`, with the last n entries of the output dimension (DeepSeek's
 # rope dims) interleaved pairs in HF and halves in jdist (`deinterleave`).
@@ -54,21 +56,16 @@ def _experts(module: str, gate: str, up: str, down: str) -> dict:
 
 
 
-def _deepseek_v3(cfg) -> dict:
-    """DeepseekV3's MLA, sigmoid router with its correction bias and shared expert. The
-    rope dims of q_b_proj's heads and of kv_a_proj_with_mqa's rope key are interleaved
-    pairs in HF (`rope_interleave`), rotate-half halves here (`ROPE`)."""
-    attn, mlp = LAYER + "self_attn.", LAYER + "mlp."
+def _deepseek_v3_attention(cfg) -> dict:
+    """DeepseekV3's MLA. The rope dims of q_b_proj's heads and of kv_a_proj_with_mqa's rope
+    key are interleaved pairs in HF (`rope_interleave`), rotate-half halves here (`ROPE`)."""
+    attn = LAYER + "self_attn."
     rope = (ROPE, cfg.rope_dim)
     table = {
         ("blocks", "attn", "wkv_a"): (attn + "kv_a_proj_with_mqa.weight", (TRANSPOSE, *rope)),
         ("blocks", "attn", "kv_norm", "scale"): (attn + "kv_a_layernorm.weight", SAME),
         ("blocks", "attn", "wkv_b"): (attn + "kv_b_proj.weight", HEADS_IN),
         ("blocks", "attn", "wo"): (attn + "o_proj.weight", HEADS_OUT),
-        ("blocks", "mlp", "router_bias"): (mlp + "gate.e_score_correction_bias", SAME),
-        ("blocks", "shared_mlp", "w_gate"): (mlp + "shared_experts.gate_proj.weight", TRANSPOSE),
-        ("blocks", "shared_mlp", "w_up"): (mlp + "shared_experts.up_proj.weight", TRANSPOSE),
-        ("blocks", "shared_mlp", "w_down"): (mlp + "shared_experts.down_proj.weight", TRANSPOSE),
     }
     if cfg.q_lora_rank:
         table |= {("blocks", "attn", "wq_a"): (attn + "q_a_proj.weight", TRANSPOSE),
@@ -79,9 +76,16 @@ def _deepseek_v3(cfg) -> dict:
     return table
 
 
+
+
 LLAMA = _COMMON | _MLP  # a dense Llama's (PEFT adapters name their modules from it)
 _MIXTRAL = _experts("block_sparse_moe", "w1", "w3", "w2")
 _QWEN3_MOE = _experts("mlp", "gate_proj", "up_proj", "down_proj")
+# DeepseekV3's experts (named as Qwen3-MoE's), sigmoid router's correction bias, shared expert.
+_DEEPSEEK_V3_MOE = _QWEN3_MOE | {
+    ("blocks", "mlp", "router_bias"): (LAYER + "mlp.gate.e_score_correction_bias", SAME),
+} | {("blocks", "shared_mlp", w): (LAYER + f"mlp.shared_experts.{hf}.weight", TRANSPOSE)
+     for w, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))}
 
 
 def tensors(cfg) -> dict[tuple[str, ...], tuple[str, str]]:
@@ -91,9 +95,15 @@ def tensors(cfg) -> dict[tuple[str, ...], tuple[str, str]]:
     table = dict(_COMMON)
     if cfg.tie_embeddings:
         del table[("head",)]
-    if cfg.kv_lora_rank:  # DeepSeek-V3
+    if cfg.kv_lora_rank:  # DeepSeek-V3: dense first blocks (a run of their own), then MoE
         table = {k: v for k, v in table.items() if k[:2] != ("blocks", "attn")}
-        return table | _deepseek_v3(cfg) | _QWEN3_MOE
+        table |= _deepseek_v3_attention(cfg)
+        per_run = {k: v for k, v in table.items() if k[0] == "blocks"}
+        table = {k: v for k, v in table.items() if k[0] != "blocks"}
+        for run in runs(cfg):
+            blocks = per_run | (_DEEPSEEK_V3_MOE if run.moe else _MLP)
+            table |= {(run.key, *k[1:]): v for k, v in blocks.items()}
+        return table
     if cfg.qk_norm:
         table |= _QK_NORMS
     if cfg.n_experts:

@@ -20,7 +20,8 @@ from safetensors import safe_open
 from jdist.errors import require
 from jdist.hf import layout
 from jdist.hf.config import model_config
-from jdist.models.names import BLOCKS
+from jdist.models.names import BLOCKS, is_blocks
+from jdist.models.runs import runs
 from jdist.parallel.pipeline.layer_order import order_of
 from jdist.quant import nf4
 
@@ -98,7 +99,7 @@ def _leaf(source: Source, table: dict, path: tuple[str, ...], abstract, sharding
     """One parameter (a stacked one in the stored `order`; or, with `layer`, that layer
     of a stacked one alone) in `abstract`'s dtype, read block by block."""
     _, kind = table[path]
-    stacked = path[0] == BLOCKS and layer is None
+    stacked = is_blocks(path[0]) and layer is None
     shape = abstract.shape[1:] if stacked else abstract.shape
     readers: dict[int | None, object] = {}
     blocks: dict[tuple, np.ndarray] = {}  # devices holding the same block share one read
@@ -160,7 +161,8 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None,
             "run's; drop the model shape flags")
     source = source or Source(hf_dir)
     table = layout.tensors(cfg)
-    order = order_of(plan)
+    # Each run's stack holds its own layers: their model indices, in stored order.
+    order = {run.key: order_of(plan)[run.first:run.first + run.n_layers] for run in runs(cfg)}
     adapters = dict(jax.tree_util.tree_leaves_with_path(adapters or {}))
     is_nf4 = lambda x: isinstance(x, nf4.Nf4)
     # Every NF4 stack starts as zeros, all made by one program, then filled layer by layer.
@@ -176,8 +178,8 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None,
             return adapters[path]
         keys = tuple(k.key for k in path)
         if is_nf4(abstract):  # the plan stores this weight NF4-quantized (QLoRA)
-            return _quantized_leaf(source, table, keys, stacks[path], sharding, order,
-                                   plan.double_quant)
-        return _leaf(source, table, keys, abstract, sharding, order)
+            return _quantized_leaf(source, table, keys, stacks[path], sharding,
+                                   order[BLOCKS], plan.double_quant)
+        return _leaf(source, table, keys, abstract, sharding, order.get(keys[0]))
     return jax.tree_util.tree_map_with_path(one, plan.abstract.params, plan.shardings.params,
                                             is_leaf=is_nf4)
