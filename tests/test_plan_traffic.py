@@ -61,8 +61,11 @@ LAYOUTS = {  # id: (mesh, flags)
     "moe fsdp=2,ep=2,tp=2": ("fsdp=2,ep=2,tp=2", {"model": "moe-tiny"}),
     "moe grouped dp=2,fsdp=2,tp=2": ("dp=2,fsdp=2,tp=2",
                                      {"model": "moe-tiny", "moe_routing": "grouped"}),
-    # Two runs (models.runs): dense blocks' Megatron reductions, then the experts' dispatch.
-    "dense then moe fsdp=2,ep=2,tp=2": ("fsdp=2,ep=2,tp=2", {"model": "dense-moe-tiny"}),
+    # Two runs (models.runs), each two (sliding, full) periods: dense blocks' Megatron
+    # reductions, then the experts' dispatch, per block of a period.
+    "dense then moe, periods fsdp=2,ep=2,tp=2": ("fsdp=2,ep=2,tp=2", {
+        "model": "dense-moe-tiny", "n_layers": 8, "first_dense_layers": 4,
+        "sliding_window": 8, "full_attention_every": 2}),
 }
 
 @pytest.mark.parametrize("mesh,flags", LAYOUTS.values(), ids=LAYOUTS.keys())

@@ -2,6 +2,7 @@
 scanned stack (dense blocks, then a mixture of experts), against one device on every
 layout that splits the blocks differently, and the homogeneous model's tree unchanged."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -93,3 +94,35 @@ def test_bad_runs_are_one_line(args, message):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_repeating_attention_pattern_is_one_run_of_periods():
+    """gpt-oss (sliding and full in turn) and Gemma 3 (five local, one global; 62 layers:
+    ten periods, then two local layers) as runs; with DeepSeek's dense first block, the
+    pattern continues across the two kinds."""
+    gpt_oss = dataclasses.replace(HETERO, first_dense_layers=0, n_layers=24,
+                                  sliding_window=128, full_attention_every=2)
+    assert [(r.first, r.n_layers, r.rows, r.windows) for r in runs(gpt_oss)] == \
+        [(0, 24, 12, (128, None))]
+    gemma = dataclasses.replace(get_preset("tiny"), n_layers=62, sliding_window=1024,
+                                full_attention_every=6)
+    assert [(r.first, r.rows, r.windows) for r in runs(gemma)] == \
+        [(0, 10, (1024,) * 5 + (None,)), (60, 2, (1024,))]
+    mixed = dataclasses.replace(HETERO, n_layers=6, first_dense_layers=1, sliding_window=8,
+                                full_attention_every=2)
+    assert [(r.key, r.first, r.n_layers, r.moe, r.windows) for r in runs(mixed)] == [
+        ("blocks", 0, 1, False, (8,)), ("blocks_1", 1, 1, True, (None,)),
+        ("blocks_2", 2, 4, True, (8, None))]
+
+
+PATTERN = dataclasses.replace(get_preset("tiny"), n_layers=4, sliding_window=8,
+                              full_attention_every=2)
+
+
+@pytest.mark.slow  # 2 compiles
+def test_sliding_and_full_layers_in_turn_match_single_device(corpus, single_device):
+    """One run whose rows are (sliding, full) periods; the window reaches the kernel of
+    each block (the flash kernel here, xla on one device)."""
+    run = train_steps(PATTERN, "fsdp=2,tp=2", corpus.train, config(attention="flash"))
+    assert set(run.grads["blocks"]) == {"layer_0", "layer_1"}
+    assert_matches(run, single_device(PATTERN))

@@ -58,6 +58,8 @@ class ModelFlags:
                                       "itself included (gpt-oss, Gemma 3; default: all)")
     attention_sinks: bool | None = flag(None, "a learned logit per head in every attention "
                                         "softmax's denominator, as gpt-oss has")
+    full_attention_every: int | None = flag(None, "with --sliding-window: every N-th layer "
+                                            "attends to all keys (gpt-oss 2, Gemma 3 6)")
     n_experts: int | None = flag(None, "experts per MoE layer (0: dense MLP); presets "
                                  "moe-tiny, moe-small, mixtral-8x7b, qwen3-30b-a3b")
     top_k: int | None = flag(None, "experts per token (1 or 2 typical)")

@@ -358,7 +358,7 @@ def streamed_bytes(plan) -> int:
     keys = {r.key for r in runs}
     shared = per_device_bytes({k: v for k, v in params.items() if k not in keys},
                               {k: v for k, v in shardings.items() if k not in keys})
-    layer = max(per_device_bytes(params[r.key], shardings[r.key]) // r.n_layers for r in runs)
+    layer = max(per_device_bytes(params[r.key], shardings[r.key]) // r.rows for r in runs)
     return 2 * shared + 2 * layer
 
 
@@ -401,7 +401,7 @@ def prefetches(plan) -> bool:
     from jdist.spmd import axes as ax
     from jdist.step.grads import block_syncs, syncs
 
-    layers = max(r.n_layers for r in model_runs(plan.model))  # the longest run's loop
+    layers = max(r.rows for r in model_runs(plan.model))  # the longest run's loop
     if plan.pipeline is not None:
         layers //= plan.pipeline.table(plan.mesh.shape[ax.STAGE]).chunks
     return prefetch.applies(plan.compute.prefetch, plan.mesh,
@@ -473,7 +473,7 @@ def _gathered_layer(plan, compute_bytes: int) -> tuple[int, int]:
     stages = plan.mesh.shape[ax.STAGE] if plan.pipeline is not None else 1
     params, grad = 0, 0
     for run in model_runs(plan.model):  # one layer at a time: the largest run's counts
-        layers = run.n_layers // stages  # a pipeline stage holds its share of them
+        layers = run.rows // stages  # a pipeline stage holds its share (a row: a period)
         parts = _layer_parts(plan, compute_bytes, run.key)
         params = max(params, sum(_gathered(*part) for part in parts) // layers)
         trained, shardings, _ = parts[0]

@@ -51,6 +51,9 @@ class ModelConfig:
     sliding_window: int | None = None
     # A learned logit per head in every softmax denominator, with no value (gpt-oss `sinks`).
     attention_sinks: bool = False
+    # With sliding_window: every N-th layer attends to all keys, the others to the window
+    # (gpt-oss: 2, Gemma 3: 6; HF's layer_types / sliding_window_pattern); 0: all windowed.
+    full_attention_every: int = 0
     shape_only: bool = False  # too big to allocate on a CPU: planning and AOT compiles only
     # Mixture of experts (n_experts = 0: dense SwiGLU MLP in every block).
     n_experts: int = 0
@@ -200,6 +203,10 @@ class ModelConfig:
         require(self.mtp_weight >= 0, f"--mtp-weight {self.mtp_weight} must not be negative")
         require(self.rope_dim % 2 == 0,
                 f"rotary dimension {self.rope_dim} is odd; rotary embeddings need an even one")
+        require(self.full_attention_every >= 0 and (
+            not self.full_attention_every or self.sliding_window is not None),
+            f"--full-attention-every {self.full_attention_every} alternates full attention "
+            "with a sliding window: give --sliding-window N too (0: every layer windowed)")
         require(self.sliding_window is None or self.sliding_window >= 1,
                 f"--sliding-window {self.sliding_window} must be at least 1 (one key: the "
                 "query's own); leave it out for full attention")

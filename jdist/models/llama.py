@@ -55,7 +55,7 @@ _named = checkpoint_name
 class Attention(nnx.Module):
     """Column-parallel Q/K/V (heads split), row-parallel output projection."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, window: int | None = None):
         d, hd = cfg.d_model, cfg.dim_per_head
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
         self.wq = param(rngs, (d, cfg.n_heads, hd), (EMBED, HEADS, HEAD_DIM))
@@ -65,8 +65,9 @@ class Attention(nnx.Module):
         # Qwen3 normalises each query and key head (its own scale over head_dim) before RoPE.
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        # Static per module, so a stack of layers with another window is another stack.
-        self.window = cfg.sliding_window
+        # Static per module, so a stack of layers with another window is another stack
+        # (`models.runs`: the run's, else the config's).
+        self.window = window
         self.sinks = param(rngs, (cfg.n_heads,), (HEADS,)) if cfg.attention_sinks else None
         # LoRA adapters (None unless cfg.lora targets them), drawn from their own rng stream
         # so the base weights are the same with and without them.
@@ -152,10 +153,13 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, run: Run | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, run: Run | None = None,
+                 window: int | None = None):
         run = run or runs(cfg)[0]
+        window = window if run.windows else cfg.sliding_window
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else Attention(cfg, rngs)
+        self.attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
+            Attention(cfg, rngs, window)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg, rngs) if run.moe else SwiGLU(cfg, rngs, run.d_ff)
         # A shared expert beside the routed ones, for every token.
@@ -194,15 +198,47 @@ class Block(nnx.Module):
         return ctx.constrain(x + out, RESIDUAL), kv
 
 
+class Period(nnx.Module):
+    """One period of a repeating attention pattern (`models.runs`): its blocks, one after
+    another, as one row of a run's stack (`layer_0`, `layer_1`, ... in model order)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, run: Run):
+        self.period = run.period
+        for j, window in enumerate(run.windows):
+            setattr(self, f"layer_{j}", Block(cfg, rngs, run, window))
+
+    def blocks(self) -> list[Block]:
+        return [getattr(self, f"layer_{j}") for j in range(self.period)]
+
+    def __call__(self, x, cos, sin, ctx, segment_ids=None) -> tuple[jax.Array, dict]:
+        """The blocks in turn -> (x, their MoE statistics stacked [period, ...])."""
+        stats = []
+        for block in self.blocks():
+            x, s = block(x, cos, sin, ctx, segment_ids)
+            stats.append(s)
+        return x, jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats[0] else {}
+
+    def decode(self, x, cos, sin, ctx, cache: tuple) -> tuple[jax.Array, tuple]:
+        """`Block.decode` of each block, at its layer of the cache."""
+        keys, values, layer, index, visible = cache
+        for j, block in enumerate(self.blocks()):
+            x, (keys, values) = block.decode(x, cos, sin, ctx,
+                                             (keys, values, layer + j, index, visible))
+        return x, (keys, values)
+
+
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, run: Run | None = None) -> Block:
     """A run's blocks (default: the first run, all `n_layers` of a homogeneous model) as
-    one Block whose parameters have a leading `layers` dimension."""
+    one Block whose parameters have a leading `layers` dimension; a periodic run's as one
+    `Period` a row."""
     run = run or runs(cfg)[0]
 
-    @nnx.split_rngs(splits=run.n_layers)
+    @nnx.split_rngs(splits=run.rows)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-    def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs, run)
+    def make(rngs: nnx.Rngs) -> Block | Period:
+        if run.period > 1:
+            return Period(cfg, rngs, run)
+        return Block(cfg, rngs, run, run.windows[0] if run.windows else None)
 
     return make(rngs)
 
@@ -283,7 +319,9 @@ class Llama(nnx.Module):
                                                   rows.get("sin", sin), ctx, rows["segment_ids"])
 
             x, run_stats = ctx.layer_loop(layer, x, layers, rows, run.key)
-            stats.append(run_stats)
+            # A periodic run's [rows, period, ...]: its layers in model order.
+            stats.append(jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), run_stats)
+                         if run.period > 1 else run_stats)
         return x, _concatenated(stats)
 
     def rotary(self, length: int, positions=None) -> tuple[jax.Array, jax.Array]:
@@ -322,13 +360,13 @@ class Llama(nnx.Module):
         for run in runs(cfg):  # one cache of every layer; i counts the model's layers
             graphdef, layers = nnx.split(getattr(self, run.key))
 
-            def layer(carry, layer_state, graphdef=graphdef):
+            def layer(carry, layer_state, graphdef=graphdef, period=run.period):
                 x, keys, values, i = carry  # the whole stack is carried: written in place
                 block = nnx.merge(graphdef, layer_state)
                 x, (keys, values) = block.decode(x, cos, sin, ctx,
                                                  (keys, values, i, index, visible))
                 return (ctx.constrain(x, RESIDUAL), ctx.constrain(keys, names),
-                        ctx.constrain(values, names), i + 1), None
+                        ctx.constrain(values, names), i + period), None
 
             carry, _ = jax.lax.scan(layer, carry, layers)
         x, keys, values, _ = carry

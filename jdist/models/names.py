@@ -14,6 +14,13 @@ def run_key(i: int) -> str:
     return BLOCKS if i == 0 else f"{BLOCKS}_{i}"
 
 
+def in_block(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """A block parameter's path inside its block (`attn`, `wq`): without the run's key,
+    nor a periodic run's position (`layer_j`, `models.llama.Period`)."""
+    keys = keys[1:]
+    return keys[1:] if keys and keys[0].startswith("layer_") else keys
+
+
 def is_blocks(key) -> bool:
     """Whether a top-level key (a str, or a jax path entry) names a stack of blocks."""
     key = getattr(key, "key", key)

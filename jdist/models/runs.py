@@ -4,7 +4,11 @@ scanned stack (a DeepSeek-style model: dense blocks, then a mixture of experts).
 A homogeneous model is one run, stored under `names.BLOCKS` exactly as before, so its
 parameter tree, checkpoints and Hugging Face files do not change. Run i > 0 is stored
 under `names.run_key(i)`. Blocks of one run share shapes, so one `lax.scan` runs them;
-blocks whose shapes differ (a dense MLP, the experts) need runs of their own.
+blocks whose shapes differ (a dense MLP, the experts) need runs of their own. A sliding
+window is static (the kernels skip the blocks outside it), so layers with other windows
+are other stacks too; a repeating pattern (gpt-oss's sliding and full layers in turn,
+Gemma 3's five local to one global) is one run whose rows are periods (`models.llama.Period`),
+scanned like any stack.
 """
 
 from __future__ import annotations
@@ -17,25 +21,75 @@ from jdist.models.names import run_key
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """`n_layers` consecutive blocks from layer `first`, all dense or all experts."""
+    """`n_layers` consecutive blocks from layer `first`, all dense or all experts. With a
+    repeating attention pattern (`windows` of more than one block: a period) the stack's
+    rows are periods, `n_layers / period` of them, each one block per entry."""
 
     key: str       # its name in the parameter tree
     first: int     # its first block's index in the model
     n_layers: int
     moe: bool      # the MLP is a mixture of experts
     d_ff: int      # the dense MLP's width (a mixture's: the config's d_ff per expert)
+    # Each block's sliding window over one period (None: full attention); (): one block a
+    # row, with the config's window.
+    windows: tuple = ()
+
+    @property
+    def period(self) -> int:
+        """Blocks in one row of the stack."""
+        return max(1, len(self.windows))
+
+    @property
+    def rows(self) -> int:
+        """The stack's length: what its layer loop scans and pipeline stages split."""
+        return self.n_layers // self.period
+
+
+def window_of(cfg: ModelConfig, layer: int) -> int | None:
+    """Layer `layer`'s sliding window: every `full_attention_every`-th layer attends to all
+    keys (gpt-oss: every 2nd, Gemma 3: every 6th), the others to the window."""
+    every = cfg.full_attention_every
+    return None if every and (layer + 1) % every == 0 else cfg.sliding_window
 
 
 def runs(cfg: ModelConfig) -> tuple[Run, ...]:
-    """The config's runs, in model order."""
+    """The config's runs, in model order: its dense blocks, then its experts, each split
+    where the attention pattern asks (`_pieces`)."""
     dense = cfg.first_dense_layers if cfg.n_experts else cfg.n_layers
-    kinds = [(dense, False, cfg.dense_d_ff or cfg.d_ff), (cfg.moe_layers, True, cfg.d_ff)]
-    out, first = [], 0
-    for n, moe, d_ff in kinds:
-        if n:
-            out.append(Run(run_key(len(out)), first, n, moe, d_ff))
-            first += n
+    kinds = [(0, dense, False, cfg.dense_d_ff or cfg.d_ff),
+             (dense, cfg.n_layers, True, cfg.d_ff)]
+    out = []
+    for a, b, moe, d_ff in kinds:
+        for first, n, windows in _pieces(cfg, a, b):
+            out.append(Run(run_key(len(out)), first, n, moe, d_ff, windows))
     return tuple(out)
+
+
+def _pieces(cfg: ModelConfig, a: int, b: int):
+    """(first, n_layers, windows) of the runs of layers a..b-1: whole periods of the
+    attention pattern as one periodic run; layers before and after them, runs of equal
+    windows."""
+    every = cfg.full_attention_every if cfg.sliding_window else 0
+    if every < 2:
+        return [(a, b - a, ())] if b > a else []
+    start = min(b, a + (-a) % every)  # the first layer that starts a period
+    periods = (b - start) // every
+    end = start + periods * every
+    pattern = tuple(window_of(cfg, i) for i in range(start, start + every))
+    body = [(start, end - start, pattern)] if periods else []
+    return _equal_windows(cfg, a, start) + body + _equal_windows(cfg, end, b)
+
+
+def _equal_windows(cfg: ModelConfig, a: int, b: int) -> list:
+    """Layers a..b-1 as runs of one window each."""
+    out = []
+    for i in range(a, b):
+        if out and window_of(cfg, i) == out[-1][2][0]:
+            first, n, windows = out[-1]
+            out[-1] = (first, n + 1, windows)
+        else:
+            out.append((i, 1, (window_of(cfg, i),)))
+    return out
 
 
 def heterogeneous(cfg: ModelConfig) -> bool:

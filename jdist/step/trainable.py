@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jdist.models.lora import TARGETS, is_adapter
 from jdist.models.moe import ROUTER_BIAS, rebalanced_bias
-from jdist.models.names import is_blocks
+from jdist.models.names import in_block, is_blocks
 from jdist.models.runs import moe_offset, runs
 from jdist.quant import nf4
 from jdist.spmd.axes import NF4_BLOCKS
@@ -59,13 +59,21 @@ def rebalanced(model, params: dict, loads, moved) -> dict:
     boolean scalar: the step's gradients were finite); unchanged without the biases."""
     if not model.router_bias_rate:
         return params
+    def move(block: dict, rows) -> dict:
+        bias = rebalanced_bias(block["mlp"][ROUTER_BIAS], rows, model.router_bias_rate)
+        return {**block, "mlp": {**block["mlp"],
+                                 ROUTER_BIAS: jnp.where(moved, bias, block["mlp"][ROUTER_BIAS])}}
+
     params = dict(params)
     for run in (r for r in runs(model) if r.moe):  # its rows of the loads (models.runs)
-        mlp, at = params[run.key]["mlp"], moe_offset(model, run)
-        bias = rebalanced_bias(mlp[ROUTER_BIAS], loads[at:at + run.n_layers],
-                               model.router_bias_rate)
-        mlp = {**mlp, ROUTER_BIAS: jnp.where(moved, bias, mlp[ROUTER_BIAS])}
-        params[run.key] = {**params[run.key], "mlp": mlp}
+        at = moe_offset(model, run)
+        rows = loads[at:at + run.n_layers]
+        if run.period == 1:
+            params[run.key] = move(params[run.key], rows)
+        else:  # a period's j-th blocks: every period-th row from j
+            params[run.key] = {**params[run.key], **{
+                f"layer_{j}": move(params[run.key][f"layer_{j}"], rows[j::run.period])
+                for j in range(run.period)}}
     return params
 
 
@@ -93,7 +101,7 @@ def quantized(path, quantize: str) -> bool:
     """Whether a parameter is stored NF4-quantized (QLoRA): the frozen projection weights
     of the blocks (not norms, embeddings, the head, routers or experts)."""
     keys = tuple(str(getattr(k, "key", k)) for k in path)
-    return quantize == NF4 and is_blocks(keys[0]) and keys[1:] in _PROJECTIONS
+    return quantize == NF4 and is_blocks(keys[0]) and in_block(keys) in _PROJECTIONS
 
 
 def storage_abstract(model, abstract: dict, compute_dtype, quantize: str = NONE,

@@ -53,15 +53,20 @@ def check_pipeline(config: PipelineConfig, model, mesh, batch_size: int,
     if len(model_runs) > 1:  # each run is a chunk of every stage (jdist.step.pipelined)
         require(config.schedule == sched.INTERLEAVED and config.virtual == len(model_runs),
                 f"this model's blocks make {len(model_runs)} runs of different kinds "
-                f"(--first-dense-layers), each a chunk of every stage: use --pp-schedule "
-                f"interleaved --pp-virtual-stages {len(model_runs)}")
+                f"(--first-dense-layers, --full-attention-every), each a chunk of every "
+                f"stage: use --pp-schedule interleaved --pp-virtual-stages {len(model_runs)}")
         for run in model_runs:
-            require(run.n_layers % stages == 0,
-                    f"a run of {run.n_layers} {'expert' if run.moe else 'dense'} blocks does "
-                    f"not split over pp={stages} stages; make each run a multiple of {stages}")
-    # Equal chunks: of the stack, or (heterogeneous) of each run, checked above.
+            require(run.rows % stages == 0,
+                    f"a run of {run.rows} rows of {'expert' if run.moe else 'dense'} blocks "
+                    f"(layers {run.first}..{run.first + run.n_layers - 1}) does not split over "
+                    f"pp={stages} stages; make each run a multiple of {stages} rows")
+    elif model_runs[0].period > 1:  # rows of periods, stored in model order
+        require(config.virtual == 1, f"--pp-schedule {config.schedule} stores the layers "
+                "permuted by chunk, which a stack of periods (--full-attention-every) is not; "
+                "use --pp-schedule 1f1b, gpipe or zb-h1")
+    # Equal chunks: of the stack's rows, or (heterogeneous) of each run's, checked above.
     sched.check(config.schedule, stages, micro, config.virtual,
-                stages * config.virtual if len(model_runs) > 1 else model.n_layers)
+                stages * config.virtual if len(model_runs) > 1 else model_runs[0].rows)
     require(grad_accum == 1, f"--grad-accum {grad_accum} with pp={stages}: the pipeline "
                              "already accumulates over --microbatches; use that instead")
     axes, ways = batch_split(mesh.shape, rules)

@@ -100,7 +100,7 @@ def finish(st: Step, leaf: Leaf, layers: int) -> list[Collective]:
 def finish_all(st: Step, stages: int = 1) -> list[Collective]:
     """`finish` of every leaf, each run's stack of blocks of its layers (a pipeline stage's
     share of them: 1 / `stages`)."""
-    layers = {r.key: r.n_layers // stages for r in runs(st.model)}
+    layers = {r.key: r.rows // stages for r in runs(st.model)}  # a periodic run's periods
     return [c for leaf in st.leaves for c in finish(st, leaf, layers.get(leaf.key, 1))]
 
 

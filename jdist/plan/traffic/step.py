@@ -62,7 +62,15 @@ def layer_forward(st: Step, gathers: bool = True) -> list[Collective]:
     """A layer's forward: its parameters gathered, Megatron's activation collectives, the
     context-parallel kernel's, the MoE dispatch's."""
     out = layer_gathers(st) if gathers else []
-    return out + partitioner.tensor_forward(st) + attention_forward(st) + moe_forward(st)
+    return out + kernels(st, partitioner.tensor_forward(st) + attention_forward(st)
+                         + moe_forward(st))
+
+
+def kernels(st: Step, collectives: list[Collective]) -> list[Collective]:
+    """A block's activation collectives, once per block of a row of the stack (a periodic
+    run's period, `models.runs`); its parameters' gathers and reductions are the row's."""
+    period = st.run.period if st.run is not None else 1
+    return [c.times(period) for c in collectives]
 
 
 def layer_backward(st: Step, defer: bool, merged: Callable[[Leaf], bool] = lambda _: False,
@@ -73,7 +81,8 @@ def layer_backward(st: Step, defer: bool, merged: Callable[[Leaf], bool] = lambd
     reductions."""
     out = [c for leaf in st.blocks() if regather and partitioner.regathers(st, leaf)
            and not merged(leaf) for c in gather(st, leaf, "grad_sync.gather (backward)")]
-    out += partitioner.tensor_backward(st) + attention_backward(st) + moe_backward(st)
+    out += kernels(st, partitioner.tensor_backward(st) + attention_backward(st)
+                   + moe_backward(st))
     for leaf in st.blocks():
         out += partitioner.token_partials(st, leaf) + reduce(st, leaf, defer)
     return out
@@ -87,7 +96,7 @@ def plain_step(st: Step) -> list[Collective]:
     """jdist.step.grads: the replica shard_map, `grad_accum` micro-batches scanned."""
     defer, per_micro, once = st.micro > 1, [], []
     for run in st.runs():  # each run of blocks is its own layer loop (models.runs)
-        layers = run.run.n_layers
+        layers = run.run.rows  # a periodic run's rows are periods: `kernels` count its blocks
         pre = prefetched(run, layers)
         per_micro += [c.times(layers) for c in layer_forward(run, gathers=not pre)
                       + layer_backward(run, defer, regather=not pre)]
