@@ -73,9 +73,9 @@ def resolve_offload(config):
         if not budget or need <= budget:
             choice = mode
             break
-    fits = f"predicted {need / 2**30:.2f} GiB" if need is not None else "nothing fits"
+    fits = f"predicted {gib(need).strip()}" if need is not None else "nothing fits"
     print(f"--offload auto: {choice} ({fits} per device"
-          + (f", budget {budget / 2**30:.2f} GiB)" if budget else ", no device budget)"),
+          + (f", budget {gib(budget).strip()})" if budget else ", no device budget)"),
           flush=True)
     return config.replace(offload=choice)
 
