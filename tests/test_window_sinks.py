@@ -96,10 +96,10 @@ def test_flash_with_window_and_sinks_matches_dense(window, tiles):
 
 
 def test_flash_with_a_window_skips_the_tiles_outside_it(monkeypatch):
-    # 32 keys in tiles of 4, window 8: query tile i sees key tiles (4i - 7) // 4 .. i, so
-    # 1 + 2 + 3 x 6 = 21 blocks where causal alone computes 36, in the forward and the
-    # backward alike (both loops count `block_mask` calls).
-    q, k, v, sinks, _ = inputs(b=1, s=32, h=1, kv=1, d=8)
+    # 64 keys in tiles of 4, window 8: each query tile runs a fixed 4 key tiles (the most
+    # that 4 + 8 - 1 positions can touch), each key tile 4 query tiles in the backward:
+    # 16 x 4 blocks each way, where causal alone computes 136 (proportional to the length).
+    q, k, v, sinks, _ = inputs(b=1, s=64, h=1, kv=1, d=8)
     calls = []
     mask = bw.block_mask
 
@@ -116,7 +116,7 @@ def test_flash_with_a_window_skips_the_tiles_outside_it(monkeypatch):
         jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
         jax.effects_barrier()
         counts.append(len(calls))
-    assert counts == [2 * 21, 2 * 36]
+    assert counts == [2 * 64, 2 * 136]
 
 
 def mesh_of(text: str):

@@ -140,8 +140,8 @@ def attend_tiled(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, offset=None
             k_j, v_j = (lax.dynamic_slice_in_dim(x, j * tk, tk, 1) for x in (k, v))
             mask = block_mask(offset, i * tq, tq, j * tk, tk, segments, window)
             return attend(acc_i, q_i, k_j, v_j, mask)
-        first, n_keys = _key_tiles(offset, i, tq, tk, t, window)
-        return lax.fori_loop(first, n_keys, k_block, _varying_acc(acc_i, q_i, k))
+        return _tile_loop(_key_tiles(offset, i, tq, tk, t, window), k_block,
+                          _varying_acc(acc_i, q_i, k))
 
     if tq == s:
         return q_block(0, acc, q)
@@ -198,9 +198,9 @@ def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
             dq = lax.dynamic_update_slice_in_dim(dq, rows(dq, i) + dq_i, i * tq, 1)
             return dq, dk + dk_i, dv + dv_i
 
-        first, end = _query_tiles(offset, j, tq, tk, s, window)
         dkv = _zeros_like_all(k_j.shape, q, k, dout)
-        dq, dk, dv = lax.fori_loop(first, end, q_block, (dq, dkv, dkv))
+        dq, dk, dv = _tile_loop(_query_tiles(offset, j, tq, tk, s, window), q_block,
+                                (dq, dkv, dkv))
         return dq, (dk, dv)
 
     dq0 = _zeros_like_all(q.shape, q, k, dout)
@@ -209,27 +209,44 @@ def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
 
 
 def _key_tiles(offset, i, tq: int, tk: int, t: int, window):
-    """[first, end) of the key tiles query tile i sees: all without a causal mask; causal,
-    up to the tile of its last query, and with a window from the tile of its first
-    query's first key."""
+    """(first, end, count) of the key tiles query tile i sees: all without a causal mask;
+    causal, up to the tile of its last query. With a window, the `count` (static) tiles
+    from the one holding its first query's first key: a static trip count, so the
+    compiler counts the FLOPs a window costs (`_tiles_spanned`)."""
     if offset is None:
-        return 0, t // tk
+        return 0, t // tk, None
     end = jnp.clip((offset + (i + 1) * tq - 1) // tk + 1, 0, t // tk)
-    if window is None:
-        return 0, end
-    return jnp.clip((offset + i * tq - window + 1) // tk, 0, end), end
+    count = None if window is None else _tiles_spanned(tq + window - 1, tk)
+    if count is None or count >= t // tk:
+        return 0, end, None
+    return jnp.clip((offset + i * tq - window + 1) // tk, 0, t // tk - count), None, count
 
 
 def _query_tiles(offset, j, tq: int, tk: int, s: int, window):
-    """[first, end) of the query tiles that see key tile j (the transpose of `_key_tiles`):
-    from the tile of the first query at or after its first key, and with a window up to
-    the tile of the last query whose window reaches its last key."""
+    """(first, end, count) of the query tiles that see key tile j (the transpose of
+    `_key_tiles`): from the tile of the first query at or after its first key; with a
+    window, `count` (static) tiles reaching the last query whose window holds its last key."""
     if offset is None:
-        return 0, s // tq
+        return 0, s // tq, None
     first = jnp.clip((j * tk - offset) // tq, 0, s // tq)
-    if window is None:
-        return first, s // tq
-    return first, jnp.clip(((j + 1) * tk - 1 + window - 1 - offset) // tq + 1, first, s // tq)
+    count = None if window is None else _tiles_spanned(tk + window - 1, tq)
+    if count is None or count >= s // tq:
+        return first, s // tq, None
+    return jnp.minimum(first, s // tq - count), None, count
+
+
+def _tiles_spanned(length: int, tile: int) -> int:
+    """The most tiles `length` consecutive positions can touch, however they are aligned."""
+    return (length + tile - 2) // tile + 1
+
+
+def _tile_loop(tiles: tuple, body, init):
+    """`body(tile, carry)` over tiles (first, end, count): first..end-1, or, with a static
+    `count`, first..first+count-1 (tiles the window misses inside them are masked)."""
+    first, end, count = tiles
+    if count is None:
+        return lax.fori_loop(first, end, body, init)
+    return lax.fori_loop(0, count, lambda u, carry: body(first + u, carry), init)
 
 
 def row_delta(out: jax.Array, dout: jax.Array) -> jax.Array:
