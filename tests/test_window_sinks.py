@@ -2,24 +2,29 @@
 written out here, every kernel against the dense reference, and the work a window skips."""
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 from jdist.generate import forward, init_cache, left_pad
 from jdist.models import get_preset
 from jdist.models.context import LOCAL as LOCAL_CONTEXT
 from jdist.models.layers import dot_product_attention
 from jdist.parallel.attention import blockwise as bw
+from jdist.parallel.attention import cudnn_attention
 from jdist.parallel.attention.context import ALL_GATHER, RING, ULYSSES, ContextParallel
 from jdist.parallel.attention.flash import flash_attention
 from jdist.parallel.attention.load_balance import ring_work
+from jdist.runtime import target
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step.state import build_model
+from jdist.tools import gpu_report
 from jdist.tools.equivalence import assert_matches, config, train_steps
 
 RTOL = 1e-5  # max |error| / max |reference|
@@ -95,10 +100,25 @@ def test_flash_with_window_and_sinks_matches_dense(window, tiles):
         q, k, v, True, q_tile=tiles[0], k_tile=tiles[1], window=window, sinks=sinks), window)
 
 
+def test_flash_with_a_window_at_a_traced_offset_attends_like_the_tail():
+    # What all-gather context parallelism runs at long lengths: local queries at a traced
+    # position, a fixed count of key tiles (12 tiles of 4; 3 per query tile), unaligned.
+    q, k, v, sinks, cotangent = inputs()
+    tail = lambda q, k, v, sinks: jax.jit(partial(flash_attention, q_tile=4, k_tile=4,
+                                                  window=5, sinks=sinks))(
+        q[:, 30:], k, v, query_offset=jnp.int32(30))
+    with jax.default_matmul_precision("highest"):
+        got = out_and_grads(tail, q, k, v, sinks, cotangent[:, 30:])
+        ref = out_and_grads(lambda q, k, v, sinks: dot_product_attention(
+            q, k, v, True, window=5, sinks=sinks)[:, 30:], q, k, v, sinks, cotangent[:, 30:])
+    errors = [rel_err(a, b) for a, b in zip(got, ref)]
+    assert max(errors) <= RTOL, errors
+
+
 def test_flash_with_a_window_skips_the_tiles_outside_it(monkeypatch):
-    # 64 keys in tiles of 4, window 8: each query tile runs a fixed 4 key tiles (the most
-    # that 4 + 8 - 1 positions can touch), each key tile 4 query tiles in the backward:
-    # 16 x 4 blocks each way, where causal alone computes 136 (proportional to the length).
+    # 64 keys in tiles of 4, window 8: each query tile runs a fixed 3 key tiles (its own
+    # and the two holding the 7 keys before its first query), each key tile 3 query tiles
+    # in the backward: 16 x 3 blocks each way, where causal alone computes 136.
     q, k, v, sinks, _ = inputs(b=1, s=64, h=1, kv=1, d=8)
     calls = []
     mask = bw.block_mask
@@ -116,7 +136,7 @@ def test_flash_with_a_window_skips_the_tiles_outside_it(monkeypatch):
         jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
         jax.effects_barrier()
         counts.append(len(calls))
-    assert counts == [2 * 64, 2 * 136]
+    assert counts == [2 * 48, 2 * 136]
 
 
 def mesh_of(text: str):
@@ -199,3 +219,41 @@ def test_cached_prefill_and_decode_equal_the_full_forward():
             cached = jnp.concatenate([prefill[row, tokens.shape[1] - len(prompt):],
                                       jnp.stack(decoded, 1)[row]])
             assert rel_err(cached, full[:len(text[0])]) <= RTOL
+
+
+def test_cudnn_call_takes_the_window_as_jax_defines_it():
+    # The arguments cuDNN gets, run through jax's own XLA implementation of the same call.
+    q, k, v, _, _ = inputs(s=32)
+    with jax.default_matmul_precision("highest"):
+        got = cudnn_attention(q, k, v, True, window=6, implementation="xla")
+        ref = dot_product_attention(q, k, v, True, window=6)
+    assert rel_err(got, ref) <= RTOL
+
+
+def h100_attention(kernel, seq: int, window: int) -> str:
+    """The GPU program (H100, compile-only) of one attention's forward and backward."""
+    sharding = SingleDeviceSharding(target.devices("h100-80gb", 1)[0])
+    q = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, seq, 1, 64), jnp.bfloat16, sharding=sharding)
+    loss = lambda q, k, v: kernel(q, k, v, True, window=window).astype(jnp.float32).sum()
+    grad = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kv, kv)
+    return grad.compile(dict(target.COMPILER_OPTIONS)).as_text()
+
+
+@pytest.mark.gpu_compiler
+def test_windowed_flash_flops_grow_with_the_window_not_the_square_of_the_length():
+    # Tiles of 128: a window of 128 runs 2 key tiles per query tile (and 2 query tiles per
+    # key tile backward), one of 384 runs 4; twice the tokens, twice the tiles.
+    mesh = build_mesh("dp=1", list(target.devices("h100-80gb", 1)))
+    flash = partial(flash_attention, q_tile=128, k_tile=128)
+    flops = {(seq, w): gpu_report.report(h100_attention(flash, seq, w), mesh).executed_flops
+             for seq, w in ((2048, 128), (2048, 384), (4096, 128))}
+    assert flops[2048, 384] == 2 * flops[2048, 128] > 0
+    assert flops[4096, 128] == 2 * flops[2048, 128]
+
+
+@pytest.mark.gpu_compiler
+def test_cudnn_fused_attention_gets_the_window():
+    text = h100_attention(cudnn_attention, 1024, 128)
+    # Forward and backward fused calls, each told the window (its own left size + 1).
+    assert text.count('"sliding_window_length": 128') == 2 and "__cudnn$fmha" in text

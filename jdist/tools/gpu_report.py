@@ -18,10 +18,10 @@ in the order XLA's latency-hiding scheduler runs them. Per device and per step:
   It is a deterministic proxy for the overlap a profile would measure, not a timing.
 - **Executed FLOPs**: the matmuls' FLOPs as compiled (2 x output elements x contracted
   size for each gemm and dot; cuDNN attention as its two forward / five backward batched
-  matmuls over the score matrix, half of it under a causal mask, whose masked tiles cuDNN
-  skips), weighted like the bytes. Remat and pipeline recompute show up here and not in
-  the model FLOPs (`jdist.tools.throughput`, PaLM's convention). Elementwise work is not
-  counted.
+  matmuls over the score matrix, half of it under a causal mask, the window's pairs under
+  a sliding window, whose masked tiles cuDNN skips), weighted like the bytes. Remat and
+  pipeline recompute show up here and not in the model FLOPs (`jdist.tools.throughput`,
+  PaLM's convention). Elementwise work is not counted.
 """
 
 from __future__ import annotations
@@ -251,9 +251,19 @@ def _flops(i: hlo.Instruction, types: dict[str, str]) -> float:
                            .get("dimensions", []))
         head_dim = _dims(i.type)[0][-1]
         matmuls = 5 if "Backward" in name else 2
-        causal = 0.5 if fmha.get("mask_type") == "CAUSAL" else 1.0
-        return 2.0 * matmuls * scores * head_dim * causal
+        return 2.0 * matmuls * scores * head_dim * _cudnn_share(fmha)
     return 0.0
+
+
+def _cudnn_share(fmha: dict) -> float:
+    """The share of the score matrix a cuDNN attention call computes: all of it, half under
+    a causal mask, and under a sliding window of W keys the W * T - W (W - 1) / 2 pairs of
+    the T x T scores it keeps."""
+    if fmha.get("mask_type") != "CAUSAL":
+        return 1.0
+    t = int(fmha.get("intermediate_tensor_shape", {}).get("dimensions", ["1"])[-1])
+    w = int(fmha.get("sliding_window_length", 0))
+    return 0.5 if not 0 < w < t else (w * t - w * (w - 1) / 2) / (t * t)
 
 
 def _backend_config(rest: str) -> dict:

@@ -34,6 +34,17 @@ MASKED = float(jnp.finfo(jnp.float32).min)
 # head (memory linear in the sequence) while each matmul stays large.
 KEY_TILE = 512
 Q_TILE = 512
+# The smallest tile a sliding window gets (`window_tile`): a matmul's worth of work.
+MIN_WINDOW_TILE = 128
+
+
+def window_tile(window: int | None) -> int:
+    """Queries and keys per tile under a sliding window: the window rounded up to a power
+    of two, from MIN_WINDOW_TILE to Q_TILE. A window of 128 in 512-key tiles would compute
+    mostly masked scores (gpt-oss's window is 128)."""
+    if window is None:
+        return Q_TILE
+    return min(Q_TILE, max(MIN_WINDOW_TILE, 1 << (window - 1).bit_length()))
 
 
 class Acc(NamedTuple):
@@ -122,14 +133,15 @@ def attend(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array |
 
 def attend_tiled(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, offset=None,
                  q_tile: int = Q_TILE, k_tile: int = KEY_TILE, segments=None,
-                 window: int | None = None) -> Acc:
+                 window: int | None = None, aligned: bool = False) -> Acc:
     """`attend` over [q_tile, k_tile] score blocks, so only one such block is ever live.
 
     `offset` None: no causal mask. Else causal: query i sits at position `offset + i` (a
     traced integer is fine), key j at position j; key tiles entirely after a query tile's
     last position are never computed (the loop over them stops early). `segments`: packed
     documents' (query, key) segment ids, see `block_mask`. `window` (causal only): key
-    tiles wholly before every window of the query tile are skipped too. A row whose keys in
+    tiles wholly before every window of the query tile are skipped too, `aligned` saying
+    that `offset` is a multiple of the tiles (one tile fewer per window). A row whose keys in
     a block are all masked takes exp(0) weights there, but every row sees its own token
     somewhere, and that block's larger max rescales them by exp(MASKED - max) = 0."""
     s, t = q.shape[1], k.shape[1]
@@ -140,7 +152,7 @@ def attend_tiled(acc: Acc, q: jax.Array, k: jax.Array, v: jax.Array, offset=None
             k_j, v_j = (lax.dynamic_slice_in_dim(x, j * tk, tk, 1) for x in (k, v))
             mask = block_mask(offset, i * tq, tq, j * tk, tk, segments, window)
             return attend(acc_i, q_i, k_j, v_j, mask)
-        return _tile_loop(_key_tiles(offset, i, tq, tk, t, window), k_block,
+        return _tile_loop(_key_tiles(offset, i, tq, tk, t, window, aligned), k_block,
                           _varying_acc(acc_i, q_i, k))
 
     if tq == s:
@@ -177,8 +189,8 @@ def block_grads(q, k, v, dout, lse, delta, mask) -> tuple[jax.Array, jax.Array, 
 
 
 def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
-                k_tile: int = KEY_TILE, segments=None,
-                window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                k_tile: int = KEY_TILE, segments=None, window: int | None = None,
+                aligned: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`block_grads` over [q_tile, k_tile] blocks (masking and skipping as `attend_tiled`):
     an outer loop over key tiles, whose dk/dv accumulate in the inner loop over the query
     tiles that see them, and dq accumulated in place."""
@@ -199,7 +211,7 @@ def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
             return dq, dk + dk_i, dv + dv_i
 
         dkv = _zeros_like_all(k_j.shape, q, k, dout)
-        dq, dk, dv = _tile_loop(_query_tiles(offset, j, tq, tk, s, window), q_block,
+        dq, dk, dv = _tile_loop(_query_tiles(offset, j, tq, tk, s, window, aligned), q_block,
                                 (dq, dkv, dkv))
         return dq, (dk, dv)
 
@@ -208,36 +220,48 @@ def grads_tiled(q, k, v, dout, lse, delta, offset=None, q_tile: int = Q_TILE,
     return dq, _untile(dk), _untile(dv)
 
 
-def _key_tiles(offset, i, tq: int, tk: int, t: int, window):
+def _key_tiles(offset, i, tq: int, tk: int, t: int, window, aligned: bool):
     """(first, end, count) of the key tiles query tile i sees: all without a causal mask;
     causal, up to the tile of its last query. With a window, the `count` (static) tiles
     from the one holding its first query's first key: a static trip count, so the
-    compiler counts the FLOPs a window costs (`_tiles_spanned`)."""
+    compiler counts the FLOPs a window costs (`_tiles_spanned`); a window too wide to
+    save work that way runs first..end (both ends dynamic) instead."""
     if offset is None:
         return 0, t // tk, None
     end = jnp.clip((offset + (i + 1) * tq - 1) // tk + 1, 0, t // tk)
-    count = None if window is None else _tiles_spanned(tq + window - 1, tk)
-    if count is None or count >= t // tk:
+    if window is None:
         return 0, end, None
-    return jnp.clip((offset + i * tq - window + 1) // tk, 0, t // tk - count), None, count
+    first = (offset + i * tq - window + 1) // tk
+    count = _tiles_spanned(tq, tk, window, aligned)
+    if 2 * count >= t // tk + 1:  # not under causal's mean: skip both sides, dynamically
+        return jnp.clip(first, 0, end), end, None
+    return jnp.clip(first, 0, t // tk - count), None, count
 
 
-def _query_tiles(offset, j, tq: int, tk: int, s: int, window):
+def _query_tiles(offset, j, tq: int, tk: int, s: int, window, aligned: bool):
     """(first, end, count) of the query tiles that see key tile j (the transpose of
     `_key_tiles`): from the tile of the first query at or after its first key; with a
     window, `count` (static) tiles reaching the last query whose window holds its last key."""
     if offset is None:
         return 0, s // tq, None
     first = jnp.clip((j * tk - offset) // tq, 0, s // tq)
-    count = None if window is None else _tiles_spanned(tk + window - 1, tq)
-    if count is None or count >= s // tq:
+    if window is None:
         return first, s // tq, None
+    count = _tiles_spanned(tk, tq, window, aligned)
+    if 2 * count >= s // tq + 1:  # not under causal's mean: skip both sides, dynamically
+        last = ((j + 1) * tk - 1 + window - 1 - offset) // tq
+        return first, jnp.clip(last + 1, first, s // tq), None
     return jnp.minimum(first, s // tq - count), None, count
 
 
-def _tiles_spanned(length: int, tile: int) -> int:
-    """The most tiles `length` consecutive positions can touch, however they are aligned."""
-    return (length + tile - 2) // tile + 1
+def _tiles_spanned(own: int, tile: int, window: int, aligned: bool) -> int:
+    """The most tiles of `tile` positions that the windows of a tile of `own` positions
+    (own + window - 1 consecutive positions) touch: however they are aligned, or, when
+    `aligned` (equal tiles starting at a multiple of the tile), the tile itself and
+    ceil((window - 1) / tile) before it."""
+    if aligned and own == tile:
+        return 1 + -(-(window - 1) // tile)
+    return (own + window - 1 + tile - 2) // tile + 1
 
 
 def _tile_loop(tiles: tuple, body, init):
