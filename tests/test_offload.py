@@ -5,9 +5,11 @@ refused in one line, and resumable onto another mesh."""
 
 import re
 
+import jax
 import numpy as np
 import pytest
 
+from jdist import checkpoint as ckpt
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.memory import lower_step, predict
@@ -47,8 +49,6 @@ def test_streamed_state_lives_in_host_memory():
     hlo = compiled.as_text()
     args = entry_arguments(hlo)
     on_host = [a for a in args if HOST in a]
-    import jax
-
     state = len(jax.tree.leaves(plan.abstract.params)) + len(
         jax.tree.leaves(plan.abstract.opt_state))
     assert len(args) == state + 3 and len(on_host) == state, args  # + step, inputs, targets
@@ -98,7 +98,8 @@ def test_auto_picks_the_smallest_offload_that_fits(capsys):
 def test_resume_onto_another_mesh(tmp_path):
     """Saved under --offload params on fsdp=2 at step 2, resumed on dp=2,tp=2 without
     offload: step 3 repeats within 1e-5 (another mesh sums in another order; on the same
-    mesh, resuming repeated the losses bitwise by hand)."""
+    mesh, resuming repeated the losses bitwise by hand); the saved state restores onto
+    either layout bitwise."""
     common = dict(model="tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
                   log_every=100, steps=3)
     losses = lambda history: {r["step"]: r["loss"] for r in history if r["step"] > 2}
@@ -109,3 +110,14 @@ def test_resume_onto_another_mesh(tmp_path):
                                         run_dir=str(tmp_path / "c"))))
     assert sorted(other) == [3]
     np.testing.assert_allclose(other[3], first[3], rtol=1e-5)
+    # The saved state itself lands on the other mesh bitwise, and in host memory again
+    # under --offload params.
+    restored = {}
+    for mesh, offload in [("dp=2,tp=2", "none"), ("fsdp=2", "params")]:
+        plan = plan_for(TrainConfig.of(**common, mesh=mesh, offload=offload))[1]
+        restored[offload], _ = ckpt.restore(tmp_path / "a" / "checkpoints" / "2",
+                                            plan.abstract, plan.shardings)
+    assert {a.sharding.memory_kind for a in jax.tree.leaves(restored["params"]["params"])} \
+        == {"pinned_host"}
+    for a, b in zip(*(jax.tree.leaves(restored[k]) for k in ("none", "params"))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
