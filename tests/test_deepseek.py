@@ -130,11 +130,13 @@ def test_mtp_targets_are_the_token_after_next_within_a_document():
     assert next_tokens(jnp.array([[1, 2, 3]])).tolist() == [[2, 3, 3]]
 
 
-def test_mtp_is_refused_with_pipelines_and_context_parallelism():
-    for mesh in ("pp=2", "cp=2"):
-        with pytest.raises(ConfigError, match="multi-token prediction") as e:
-            plan_for(TrainConfig.of(model="deepseek-tiny", mesh=mesh, batch_size=16))
-        assert "\n" not in str(e.value)
+@pytest.mark.parametrize("flags, says", [({"mesh": "pp=2"}, "multi-token prediction"),
+                                         ({"mesh": "cp=2"}, "multi-token prediction"),
+                                         ({"fp8": "tensorwise"}, "--fp8 is not supported")])
+def test_what_deepseek_tiny_cannot_run_is_refused(flags, says):
+    with pytest.raises(ConfigError, match=says) as e:
+        plan_for(TrainConfig.of(**{"model": "deepseek-tiny", "batch_size": 16, **flags}))
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow  # 7 s on 2 busy cores

@@ -119,16 +119,23 @@ class ModelConfig:
     def value_dim(self) -> int:
         return self.v_head_dim if self.kv_lora_rank else self.dim_per_head
 
-    def attention_params(self) -> int:
+    def attention_matmuls(self) -> int:
+        """One layer's attention weights that multiply activations (q, k, v, output; MLA's
+        down and up projections)."""
         d, h, hd = self.d_model, self.n_heads, self.dim_per_head
-        sinks = h * self.attention_sinks
         if not self.kv_lora_rank:
-            return d * hd * (2 * h + 2 * self.n_kv_heads) + (2 * hd if self.qk_norm else 0) \
-                + sinks
+            return d * hd * (2 * h + 2 * self.n_kv_heads)
         r, rq = self.kv_lora_rank, self.q_lora_rank
-        q = rq * (d + 1 + h * hd) if rq else d * h * hd
-        kv = d * (r + self.rope_dim) + r + r * h * (hd - self.rope_dim + self.value_dim)
-        return q + kv + h * self.value_dim * d + sinks
+        q = rq * (d + h * hd) if rq else d * h * hd
+        kv = d * (r + self.rope_dim) + r * h * (hd - self.rope_dim + self.value_dim)
+        return q + kv + h * self.value_dim * d
+
+    def attention_params(self) -> int:
+        """`attention_matmuls`, with the norms' scales (Qwen3's q/k, MLA's latents) and
+        the sinks."""
+        norms = self.kv_lora_rank + self.q_lora_rank if self.kv_lora_rank else \
+            2 * self.dim_per_head * self.qk_norm
+        return self.attention_matmuls() + norms + self.n_heads * self.attention_sinks
 
     def block_params(self, moe: bool) -> int:
         """One block's parameters: routed (with any shared expert) or dense."""

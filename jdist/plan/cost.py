@@ -53,7 +53,7 @@ from jdist.plan.traffic import group_size
 from jdist.spmd import axes as ax
 from jdist.step.muon_cost import newton_schulz_per_device
 from jdist.tools.comm import Row, transfer_time
-from jdist.tools.throughput import attention_params, flops_per_token
+from jdist.tools.throughput import attention_params, flops_per_token, score_flops
 
 
 @dataclasses.dataclass
@@ -102,9 +102,11 @@ def executed_flops(model, seq_len: int, tokens: float, attention: str, remat: st
     `experts`: the MoE experts' executed over routed FLOPs (`expert_factor`)."""
     per_token = flops_per_token(model, seq_len)
     head = 6.0 * model.d_model * model.vocab_size
-    scores = 12.0 * model.n_layers * model.n_heads * model.dim_per_head * seq_len
+    # Executed: MLA's values are padded to head_dim for the kernels (models.mla).
+    scores = 12.0 * (model.n_layers + model.mtp_depth) * model.n_heads * model.dim_per_head \
+        * seq_len
     routed = 3.0 * routed_forward(model)
-    blocks_matmul = per_token - head - scores + routed * (experts - 1)
+    blocks_matmul = per_token - head - score_flops(model, seq_len) + routed * (experts - 1)
     if model.lora is not None:  # a frozen base needs no weight gradient: 4 of the 6
         blocks_matmul *= 4 / 6
     scores *= attention_fraction(attention, seq_len)

@@ -154,6 +154,9 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
             "multi-token prediction reads the next token beside each position of the whole "
             "sequence after the last block: not with pp or cp yet; drop them from --mesh or "
             "pass --mtp-depth 0")
+    require(not model.kv_lora_rank or config.memory.fp8 == "off",
+            "--fp8 is not supported with multi-head latent attention yet (its latent "
+            "projections stay in the compute dtype); drop --fp8")
     tx, schedule = optimizer_of(config, model, mesh)
     if config.checkpoint.on_nan == "skip":
         tx = skip_nonfinite(tx)

@@ -3,9 +3,10 @@
 Training FLOPs per token are 6 x the parameters each token multiplies (forward 2, backward
 4; for MoE only the top-k experts it is routed to; the output head included, the embedding
 lookup not) plus the attention scores and context, 12 x layers x heads x head_dim x length
-(full, not halved for causality: PaLM's convention, so numbers compare with MaxText and
-torchtitan). Recomputation (--remat, pipeline recompute) is not counted: it is overhead, so
-it lowers MFU. MFU is achieved FLOP/s over the accelerator's dense bf16 peak.
+(6 x (head_dim + v_head_dim) under MLA; full, not halved for causality: PaLM's convention,
+so numbers compare with MaxText and torchtitan). Recomputation (--remat, pipeline
+recompute) is not counted: it is overhead, so it lowers MFU. MFU is achieved FLOP/s over
+the accelerator's dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -16,13 +17,21 @@ PEAK_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100": 989.0, "NVIDIA A100": 312.0,
 
 
 def attention_params(model) -> int:
-    """One layer's q, k, v and output projection weights."""
-    return model.d_model * model.dim_per_head * (2 * model.n_heads + 2 * model.n_kv_heads)
+    """One layer's q, k, v and output projection weights (MLA's latent projections)."""
+    return model.attention_matmuls()
+
+
+def score_flops(model, seq_len: int) -> float:
+    """Training FLOPs per token of attention's scores (q.k, head_dim wide) and context
+    (p.v, MLA's v_head_dim wide), in every block and the MTP module's."""
+    layers = model.n_layers + model.mtp_depth
+    return 6.0 * layers * model.n_heads * (model.dim_per_head + model.value_dim) * seq_len
 
 
 def flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token of `model` at sequence length `seq_len`."""
-    d, hd = model.d_model, model.dim_per_head
+    """Training FLOPs per token of `model` at sequence length `seq_len`; with multi-token
+    prediction, its block, its projection and its pass through the head too."""
+    d = model.d_model
     attention = attention_params(model)
     # A block with experts: the routed k, the router, a shared expert; a dense block (all of
     # a dense model's, a heterogeneous stack's first ones): its SwiGLU.
@@ -31,8 +40,8 @@ def flops_per_token(model, seq_len: int) -> float:
     dense = 3 * d * (model.dense_d_ff or model.d_ff)
     matmul_params = model.n_layers * attention + model.moe_layers * moe \
         + (model.n_layers - model.moe_layers) * dense + d * model.vocab_size  # + head
-    scores = 12 * model.n_layers * model.n_heads * hd * seq_len
-    return 6.0 * matmul_params + scores
+    matmul_params += model.mtp_depth * (attention + dense + 2 * d * d + d * model.vocab_size)
+    return 6.0 * matmul_params + score_flops(model, seq_len)
 
 
 def peak_tflops(device_kind: str, override: float = 0.0) -> float:
