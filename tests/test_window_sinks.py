@@ -11,10 +11,12 @@ import pytest
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
+from jdist.config import TrainConfig
 from jdist.generate import forward, init_cache, left_pad
 from jdist.models import get_preset
 from jdist.models.context import LOCAL as LOCAL_CONTEXT
 from jdist.models.layers import dot_product_attention
+from jdist.parallel import attention as attn
 from jdist.parallel.attention import blockwise as bw
 from jdist.parallel.attention import cudnn_attention
 from jdist.parallel.attention.context import ALL_GATHER, RING, ULYSSES, ContextParallel
@@ -23,6 +25,7 @@ from jdist.parallel.attention.load_balance import ring_work
 from jdist.runtime import target
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES
+from jdist.step.from_flags import plan_for
 from jdist.step.state import build_model
 from jdist.tools import gpu_report
 from jdist.tools.equivalence import assert_matches, config, train_steps
@@ -257,3 +260,20 @@ def test_cudnn_fused_attention_gets_the_window():
     text = h100_attention(cudnn_attention, 1024, 128)
     # Forward and backward fused calls, each told the window (its own left size + 1).
     assert text.count('"sliding_window_length": 128') == 2 and "__cudnn$fmha" in text
+
+
+def test_sinks_run_flash_where_cudnn_would_run():
+    pick = lambda requested, sinks: attn.choose(
+        requested, backend="cuda", capability=(9, 0), dtype=jnp.bfloat16, head_dim=64,
+        seq_len=4096, context_parallel=False, sinks=sinks)
+    assert [pick("auto", False), pick("cudnn", False)] == ["cudnn", "cudnn"]
+    assert [pick("auto", True), pick("cudnn", True)] == ["flash", "flash"]
+
+
+@pytest.mark.gpu_compiler
+def test_cudnn_requested_with_sinks_says_flash_runs_in_one_line(capsys):
+    config = TrainConfig.of(model="tiny", attention_sinks=True, attention="cudnn",
+                            compute_dtype="bfloat16", target="h100-80gb", mesh="dp=1")
+    _, plan, _ = plan_for(config)
+    assert plan.compute.attention == "flash"
+    assert capsys.readouterr().err.splitlines() == [f"jdist: {attn.SINKS_ON_CUDNN}"]
