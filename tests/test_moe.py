@@ -16,11 +16,11 @@ from jdist.config import TrainConfig
 from jdist.models import get_preset, grouped
 from jdist.models import loss as objective
 from jdist.models.moe import local_moe, rebalanced_bias, route
-from jdist.parallel.moe import moe_ffn
+from jdist.parallel.moe import OVERLAP_PIECES, moe_ffn
 from jdist.spmd.mesh import build_mesh
 from jdist.spmd.rules import DEFAULT_RULES
 from jdist.step import make_train_step
-from jdist.tools.equivalence import assert_matches, plan_of, train_steps
+from jdist.tools.equivalence import assert_matches, config, plan_of, train_steps
 from jdist.tools.gpu_report import report
 from jdist.tools.hlo import collective_counts, loop_bodies
 from jdist.train.loop import train
@@ -231,6 +231,31 @@ def test_low_capacity_drops_tokens_and_they_skip_the_mlp():
 @pytest.mark.parametrize("mesh", ["ep=2", "ep=4", "dp=2,ep=4", "ep=2,tp=2", "fsdp=2,ep=4"])
 def test_matches_single_device(corpus, single_device, mesh):
     assert_matches(train_steps(MOE, mesh, corpus.train), single_device(MOE))
+
+
+@pytest.mark.parametrize("mesh, routing", [("fsdp=2,ep=2,tp=2", "grouped"),
+                                           ("fsdp=2,ep=4", "dropless")])
+def test_overlapped_exchanges_match_single_device(corpus, single_device, mesh, routing):
+    """`--moe-overlap on`: each exchange in pieces (what NVIDIA GPUs get by default) computes
+    what one device computes, and the step really runs the pieces: OVERLAP_PIECES times
+    the all-to-alls of the unsplit step."""
+    model = dataclasses.replace(MOE, moe_routing=routing)
+    run = train_steps(model, mesh, corpus.train, config(moe_overlap="on"))
+    assert_matches(run, single_device(MOE))
+    plan = plan_of(mesh, model="moe-tiny", moe_routing=routing, moe_overlap="off")
+    tokens = jax.ShapeDtypeStruct((16, 32), jnp.int32)  # the harness's batch
+    whole = make_train_step(plan).lower(plan.abstract, {"inputs": tokens, "targets": tokens})
+    assert expert_exchanges(run.lowered, plan.mesh) == \
+        OVERLAP_PIECES * expert_exchanges(whole, plan.mesh) > 0
+
+
+def expert_exchanges(lowered, mesh) -> int:
+    """All-to-alls over the `expert` axis in a lowered step (groups as positions in the mesh)."""
+    ids = np.moveaxis(np.arange(mesh.devices.size).reshape(mesh.devices.shape),
+                      mesh.axis_names.index("expert"), -1)
+    groups = f"replica_groups = dense<{json.dumps(ids.reshape(-1, ids.shape[-1]).tolist())}>"
+    return sum(groups in line for line in lowered.as_text().splitlines()
+               if "stablehlo.all_to_all" in line)
 
 
 def test_expert_parallelism_uses_all_to_all():

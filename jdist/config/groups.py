@@ -216,6 +216,10 @@ class MemoryFlags:
                            "so one half's tensor-parallel collectives overlap the other's "
                            "matmuls (dense models; at least 4 rows per device and "
                            "micro-batch)")
+    moe_overlap: Literal["auto", "on", "off"] = flag(
+        "auto", "under expert parallelism, send each MoE layer's all-to-alls in pieces, so one "
+        "piece's transfer runs beside another's expert matmuls: on, off, or auto (on NVIDIA "
+        "GPUs: benchmarks/moe.py)")
     collective_matmul: Literal["auto", "on", "off"] = flag(
         "auto", "under sequence parallelism, bring the residual stream's length chunks to "
         "the tensor-parallel projections (and their partial sums away) by point-to-point "
@@ -244,7 +248,7 @@ class MemoryFlags:
                 "or 3")
         require(self.grad_accum >= 1, f"--grad-accum {self.grad_accum} must be at least 1")
         remat_policies.check(self.remat)
-        for name in ("prefetch", "collective_matmul"):  # the auto/on/off switches
+        for name in ("prefetch", "collective_matmul", "moe_overlap"):  # auto/on/off switches
             value = getattr(self, name)
             require(value in ("auto", "on", "off"),
                     f"unknown --{name.replace('_', '-')} {value!r}; use auto, on or off")

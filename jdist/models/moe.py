@@ -131,14 +131,36 @@ def grouped_group(x, weights, experts, w, tp_axes=(), experts_run=local_experts)
     return jax.lax.psum(y, tp_axes) if tp_axes else y
 
 
+def padded_experts(buf, w, ep_axes=(), tp_axes=(), n_ep: int = 1, fp8=None) -> jax.Array:
+    """Buffers [E, C, d] -> the experts' outputs in the same slots: with `ep_axes` the
+    buffers travel to their experts' devices and back by all-to-all."""
+    capacity = buf.shape[1]
+    if n_ep > 1:  # [E, C, d] -> my experts' tokens from every source: [n*E_local, C, d]
+        buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
+    local = buf.shape[0] // n_ep
+    h = buf.reshape(n_ep, local, capacity, -1).swapaxes(0, 1).reshape(local, n_ep * capacity, -1)
+    out = swiglu(h, w["w_gate"], w["w_up"], w["w_down"], fp8)
+    if tp_axes:  # expert hidden units are split over tensor: row-parallel down projection
+        out = jax.lax.psum(out, tp_axes)
+    out = out.reshape(local, n_ep, capacity, -1).swapaxes(0, 1).reshape(n_ep * local, capacity, -1)
+    return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True) if n_ep > 1 else out
+
+
+def even_pieces(n: int, pieces: int) -> int:
+    """The most pieces, up to `pieces`, that split `n` slots or tokens evenly."""
+    return max(p for p in range(1, pieces + 1) if n % p == 0)
+
+
 def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=local_experts,
-              fp8=None):
+              fp8=None, pieces: int = 1):
     """One group of tokens x [T, d] through the MoE; returns (y [T, d], balance sums).
     With `ep_axes` (inside a shard_map over them) each device holds E/n_ep experts and
     tokens travel to their experts' devices and back by all-to-all; with `tp_axes` the
     experts' hidden units are split and the down projection is summed over them. Grouped
     routing runs its experts with `experts_run` (the expert-parallel kernel passes its own);
-    the padded routings run theirs in FP8 with `fp8` (a `jdist.quant.fp8.ExpertDots`)."""
+    the padded routings run theirs in FP8 with `fp8` (a `jdist.quant.fp8.ExpertDots`), their
+    buffers' slots in up to `pieces` independent exchanges (each slot is computed alone, so
+    the same function) that the GPU scheduler overlaps with each other's matmuls."""
     n_experts = cfg.n_experts
     weights, experts, probs, logits = route(x, w["router"], cfg, w.get(ROUTER_BIAS))
     if cfg.moe_routing == GROUPED:
@@ -148,16 +170,9 @@ def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=loca
     capacity = capacity_of(x.shape[0], cfg, dropless)
     slots = positions_in_experts(experts, n_experts)
     buf = dispatch(x, experts, slots, capacity, n_experts)
-    if n_ep > 1:  # [E, C, d] -> my experts' tokens from every source: [n*E_local, C, d]
-        buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
-    local = buf.shape[0] // n_ep
-    h = buf.reshape(n_ep, local, capacity, -1).swapaxes(0, 1).reshape(local, n_ep * capacity, -1)
-    out = swiglu(h, w["w_gate"], w["w_up"], w["w_down"], fp8)
-    if tp_axes:  # expert hidden units are split over tensor: row-parallel down projection
-        out = jax.lax.psum(out, tp_axes)
-    out = out.reshape(local, n_ep, capacity, -1).swapaxes(0, 1).reshape(n_ep * local, capacity, -1)
-    if n_ep > 1:
-        out = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
+    parts = jnp.split(buf, even_pieces(capacity, pieces), axis=1)
+    out = jnp.concatenate([padded_experts(b, w, ep_axes, tp_axes, n_ep, fp8) for b in parts],
+                          axis=1)
     y = combine(out, experts, slots, weights, capacity)
     return y, balance_sums(probs, experts, logits, jnp.sum(slots >= capacity), n_experts)
 

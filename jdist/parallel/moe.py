@@ -2,7 +2,9 @@
 
 Each device routes its own tokens, sends every token to the device that owns its expert
 with an all-to-all over the `expert` axis, runs its local experts (hidden units split over
-`tensor`), and sends the results back with a second all-to-all. Load-balancing statistics
+`tensor`), and sends the results back with a second all-to-all. With
+`pieces` (`--moe-overlap`) each exchange travels in pieces the GPU scheduler overlaps with
+each other's expert matmuls (`OVERLAP_PIECES`). Load-balancing statistics
 are summed over every axis of the kernel that splits tokens; the step sums them over the
 data replicas (`jdist.models.loss`), so the auxiliary losses are the global ones whatever the mesh.
 """
@@ -13,6 +15,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jdist.models.grouped import blocks_for
@@ -23,6 +26,7 @@ from jdist.models.moe import (
     ROUTER_BIAS,
     STATS,
     capacity_of,
+    even_pieces,
     local_experts,
     moe_group,
 )
@@ -32,15 +36,20 @@ from jdist.quant.fp8 import expert_dots
 from jdist.spmd import axes as ax
 from jdist.spmd.rules import Rules, mesh_axes_of, resolve
 
+# Four pieces left 12.5% of ep=8's all-to-all bytes exposed on the H100 compiler, two 50%,
+# eight 25% (docs/measurements.md#expert-exchange).
+OVERLAP_PIECES = 4
 X_NAMES = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
 WEIGHT_NAMES = {"router": (None, None), ROUTER_BIAS: (None,), "w_gate": (ax.EXPERTS, None, ax.MLP),
                 "w_up": (ax.EXPERTS, None, ax.MLP), "w_down": (ax.EXPERTS, ax.MLP, None)}
 
 
-def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off"):
+def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off",
+            pieces: int = 1):
     """x [B, S, d] -> (y [B, S, d], balance sums over the kernel's tokens): one shard_map
     over the mesh axes the rules give tokens and experts; the experts' matmuls in FP8
-    unless `fp8` is off (`jdist.quant.fp8.ExpertDot`)."""
+    unless `fp8` is off (`jdist.quant.fp8.ExpertDot`); under expert parallelism each
+    exchange in `pieces`."""
     d = x.shape[-1]
     x_spec = resolve(X_NAMES, rules, mesh)
     w_specs = {k: resolve(WEIGHT_NAMES[k], rules, mesh) for k in w}
@@ -48,15 +57,20 @@ def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off")
     ep_axes = mesh_axes_of(w_specs["w_gate"][0])
     tp_axes = mesh_axes_of(w_specs["w_gate"][2])
     n_ep = math.prod(mesh.shape[a] for a in ep_axes)
+    pieces = pieces if n_ep > 1 else 1  # nothing travels: nothing to overlap
     dots = None if fp8 == "off" else expert_dots(fp8, tp_axes)
     run = functools.partial(local_experts, fp8=dots)
     if n_ep > 1 and cfg.moe_routing == GROUPED:
         def run(x, experts, w):
-            return routed_rounds(x, w, experts, ep_axes, n_ep, dots).reshape(*experts.shape, d)
+            n = even_pieces(x.shape[0], pieces)
+            parts = zip(jnp.split(x, n), jnp.split(experts, n))
+            return jnp.concatenate([routed_rounds(a, w, e, ep_axes, n_ep, dots)
+                                    for a, e in parts]).reshape(*experts.shape, d)
 
     def kernel(x, w):
         lb, ls, _ = x.shape
-        y, sums = moe_group(x.reshape(lb * ls, d), w, cfg, ep_axes, tp_axes, n_ep, run, dots)
+        y, sums = moe_group(x.reshape(lb * ls, d), w, cfg, ep_axes, tp_axes, n_ep, run, dots,
+                           pieces)
         if token_axes:
             sums = jax.lax.psum(sums, token_axes)
         return y.reshape(lb, ls, d), sums
@@ -66,16 +80,28 @@ def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off")
                          **kernel_mesh(mesh))(x, w)
 
 
-def expert_dispatch(mesh, rules: Rules, fp8: str = "off"):
-    """`ModelContext.moe` for a step on `mesh` under `rules` (`--fp8`: `fp8`)."""
-    return functools.partial(moe_ffn, mesh=mesh, rules=rules, fp8=fp8)
+def overlap_pieces(setting: str, mesh) -> int:
+    """Pieces of each expert exchange under `--moe-overlap setting` on `mesh`: auto splits
+    on NVIDIA GPUs, whose scheduler overlaps asynchronous collectives (on the CPU the
+    pieces only cost ops)."""
+    from jdist.runtime.target import overlap_by_default
+
+    on = setting == "on" or (setting == "auto" and overlap_by_default(mesh))
+    return OVERLAP_PIECES if on else 1
 
 
-def expert_factor(model, group_tokens: float, n_ep: int) -> float:
+def expert_dispatch(mesh, rules: Rules, fp8: str = "off", pieces: int = 1):
+    """`ModelContext.moe` for a step on `mesh` under `rules` (`--fp8`: `fp8`; exchanges in
+    `pieces`)."""
+    return functools.partial(moe_ffn, mesh=mesh, rules=rules, fp8=fp8, pieces=pieces)
+
+
+def expert_factor(model, group_tokens: float, n_ep: int, pieces: int = 1) -> float:
     """What the experts' matmuls execute over the routed FLOPs, for `group_tokens` tokens
     per device and micro-batch: the padded dropless path computes every expert over every
     token (E / k), capacity its buffers (E x capacity slots), grouped its blocked rows
-    (`models.grouped`; under ep, one round of `jdist.parallel.expert_rounds`)."""
+    (`models.grouped`; under ep, one round of `jdist.parallel.expert_rounds`, blocked per
+    piece)."""
     e, k = model.n_experts, model.top_k
     t = max(1, int(group_tokens))
     if not e:
@@ -84,6 +110,10 @@ def expert_factor(model, group_tokens: float, n_ep: int) -> float:
         return e / k
     if model.moe_routing == CAPACITY:
         return e * capacity_of(t, model, dropless=False) / (t * k)
-    rows = n_ep * round_capacity(t * k, n_ep) if n_ep > 1 else t * k
+    if n_ep == 1:
+        shape = blocks_for(t * k, e, model.d_model * model.d_ff * 2)
+        return shape.n_blocks * shape.block / (t * k)
+    n = even_pieces(t, pieces)  # each piece's tokens in their own rounds, blocked alone
+    rows = n_ep * round_capacity(t * k // n, n_ep)
     shape = blocks_for(rows, e // n_ep, model.d_model * model.d_ff * 2)
-    return shape.n_blocks * shape.block / (t * k)
+    return n * shape.n_blocks * shape.block / (t * k)

@@ -19,6 +19,7 @@ from jdist.models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
 from jdist.parallel import attention as attn
 from jdist.parallel import collective_matmul
 from jdist.parallel.attention.context import check_context_parallel
+from jdist.parallel.moe import overlap_pieces
 from jdist.parallel.pipeline import pipeline_for
 from jdist.runtime.distributed import mesh_devices
 from jdist.runtime.target import overlap_by_default
@@ -223,7 +224,8 @@ def compute_of(config: TrainConfig, plan: Plan, pipelined: bool) -> Compute:
     attention = attention_of(dataclasses.replace(plan, compute=compute), seq_len)
     if memory.attention == attn.CUDNN and attention != attn.CUDNN:  # sinks: flash instead
         print(f"jdist: {attn.SINKS_ON_CUDNN}", file=sys.stderr)
-    return dataclasses.replace(compute, attention=attention)
+    overlap = overlap_pieces(memory.moe_overlap, plan.mesh) > 1
+    return dataclasses.replace(compute, attention=attention, moe_overlap=on_off(overlap))
 
 
 def on_off(value: bool) -> str:

@@ -62,6 +62,7 @@ class Compute:
     loss: str = CHUNKED            # jdist.models.loss.LOSSES
     cp_strategy: str = "ring"      # attention over a sharded sequence (parallel.attention)
     eod_id: int | None = None      # packed documents split at this id (jdist.data.packing)
+    moe_overlap: str = "auto"      # expert exchanges in pieces (parallel.moe.overlap_pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +180,8 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     batch_sharding = jax.sharding.NamedSharding(mesh, resolve((ax.BATCH, ax.LENGTH), rules, mesh))
     compute = Compute(compute_dtype, memory.remat, memory.prefetch, memory.tp_halves,
                       memory.collective_matmul, memory.fp8, memory.grad_accum,
-                      memory.attention, memory.loss, parallel.cp_strategy, eod_id)
+                      memory.attention, memory.loss, parallel.cp_strategy, eod_id,
+                      memory.moe_overlap)
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
                 zero, grads_sh, opt_device, quantize=quantize,
                 double_quant=double_quant, compute=compute)
