@@ -15,6 +15,12 @@ def test_flops_per_token_counts_what_each_token_multiplies():
     per_layer = 64 * 8 * (2 * 8 + 2 * 4) + 3 * 64 * 128
     want = 6 * (2 * per_layer + 64 * 256) + 12 * 2 * 8 * 8 * 32
     assert flops_per_token(tiny, 32) == want
+    # A sliding window of 8: its layers' queries attend to 8 keys, not 32 (gpt-oss's
+    # alternation: the first layer windowed, the second full).
+    local = get_preset("tiny", sliding_window=8)
+    assert flops_per_token(local, 32) == want - 12 * 2 * 8 * 8 * (32 - 8)
+    alternating = get_preset("tiny", sliding_window=8, full_attention_every=2)
+    assert flops_per_token(alternating, 32) == want - 12 * 8 * 8 * (32 - 8)
     # MoE: only the top-k experts a token is routed to (and the router) count.
     moe = get_preset("moe-tiny")
     dense_like = get_preset("moe-tiny", n_experts=0, d_ff=moe.d_ff * moe.top_k)

@@ -4,12 +4,15 @@ Training FLOPs per token are 6 x the parameters each token multiplies (forward 2
 4; for MoE only the top-k experts it is routed to; the output head included, the embedding
 lookup not) plus the attention scores and context, 12 x layers x heads x head_dim x length
 (6 x (head_dim + v_head_dim) under MLA; full, not halved for causality: PaLM's convention,
-so numbers compare with MaxText and torchtitan). Recomputation (--remat, pipeline
+so numbers compare with MaxText and torchtitan; a sliding window's layers count the window
+instead of the length). Recomputation (--remat, pipeline
 recompute) is not counted: it is overhead, so it lowers MFU. MFU is achieved FLOP/s over
 the accelerator's dense bf16 peak.
 """
 
 from __future__ import annotations
+
+from jdist.models.runs import window_of
 
 # Dense bf16 peak TFLOP/s per device, by jax `device_kind` prefix (vendor data sheets).
 PEAK_TFLOPS = {"NVIDIA H200": 989.0, "NVIDIA H100": 989.0, "NVIDIA A100": 312.0,
@@ -23,9 +26,11 @@ def attention_params(model) -> int:
 
 def score_flops(model, seq_len: int) -> float:
     """Training FLOPs per token of attention's scores (q.k, head_dim wide) and context
-    (p.v, MLA's v_head_dim wide), in every block and the MTP module's."""
-    layers = model.n_layers + model.mtp_depth
-    return 6.0 * layers * model.n_heads * (model.dim_per_head + model.value_dim) * seq_len
+    (p.v, MLA's v_head_dim wide), in every block and the MTP module's: each query against
+    `seq_len` keys, or a sliding window's (`models.runs.window_of`) where it is shorter."""
+    keys = sum(min(seq_len, window_of(model, i) or seq_len) for i in range(model.n_layers))
+    keys += model.mtp_depth * seq_len
+    return 6.0 * model.n_heads * (model.dim_per_head + model.value_dim) * keys
 
 
 def flops_per_token(model, seq_len: int) -> float:
