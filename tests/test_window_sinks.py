@@ -86,11 +86,11 @@ def out_and_grads(attention, q, k, v, sinks, cotangent):
     return [out, *grads]
 
 
-def assert_matches_dense(attention, window, s=48, **shape):
+def assert_matches_dense(attention, window, s=48, segment_ids=None, **shape):
     q, k, v, sinks, cotangent = inputs(s=s, **shape)
     with jax.default_matmul_precision("highest"):
         ref = out_and_grads(lambda q, k, v, sinks: dot_product_attention(
-            q, k, v, True, window=window, sinks=sinks), q, k, v, sinks, cotangent)
+            q, k, v, True, segment_ids, window=window, sinks=sinks), q, k, v, sinks, cotangent)
         got = out_and_grads(attention, q, k, v, sinks, cotangent)
     errors = [rel_err(a, b) for a, b in zip(got, ref)]
     assert max(errors) <= RTOL, errors
@@ -288,3 +288,10 @@ def test_ring_inside_pipeline_stages_with_window_and_sinks_matches_single_device
     run = train_steps(deep, mesh_of("pp=2,sp=2"), corpus.train, config(cp_strategy=RING),
                       pipeline=PipelineConfig("1f1b", 4, 1))
     assert_matches(run, single_device(deep))
+
+
+def test_flash_with_window_sinks_and_packed_documents_matches_dense():
+    segments = jnp.repeat(jnp.array([[0, 1, 2], [0, 0, 1]]), 16, axis=1)  # [2, 48]
+    assert_matches_dense(lambda q, k, v, sinks: flash_attention(
+        q, k, v, True, q_tile=8, k_tile=8, window=11, sinks=sinks, segment_ids=segments),
+        11, segment_ids=segments)
