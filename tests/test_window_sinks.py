@@ -295,3 +295,13 @@ def test_flash_with_window_sinks_and_packed_documents_matches_dense():
     assert_matches_dense(lambda q, k, v, sinks: flash_attention(
         q, k, v, True, q_tile=8, k_tile=8, window=11, sinks=sinks, segment_ids=segments),
         11, segment_ids=segments)
+
+
+def test_hugging_face_export_refuses_a_window_or_sinks_in_one_line():
+    from jdist.errors import ConfigError
+    from jdist.hf.config import hf_config
+
+    for cfg in (dataclasses.replace(LOCAL, attention_sinks=False),
+                dataclasses.replace(LOCAL, sliding_window=None)):
+        with pytest.raises(ConfigError, match="^export to Hugging Face of sliding-window"):
+            hf_config(cfg)
