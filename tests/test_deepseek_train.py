@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from jdist.models import get_preset
-from jdist.tools.equivalence import assert_matches, train_steps
+from jdist.parallel.pipeline import PipelineConfig
+from jdist.tools.equivalence import assert_matches, config, train_steps
 
 DEEPSEEK = get_preset("deepseek-tiny")
-# 30 s for the one-device reference on 2 busy cores, 35 s more for fsdp x tp, 30 s for ep.
+# 30 s for the one-device reference on 2 busy cores, 35 s more for fsdp x tp, 30 s for ep;
+# ring cp and pp=2 (MLA without MTP) 60-100 s each with their references.
 pytestmark = pytest.mark.slow
 
 
@@ -51,3 +53,22 @@ def test_cost_model_counts_mla_and_mtp_flops():
     predicted = cost.executed_flops(plan.model, seq, tokens, "xla", plan.compute.remat, False,
                                     plan.compute.loss, 1, cost.expert_factor(plan.model, tokens, 1))
     assert 0.9 <= measured / predicted <= 1.05, (measured, predicted)
+
+
+# MLA and DeepSeek routing without the MTP module (which pp and cp refuse).
+MLA = dataclasses.replace(DEEPSEEK, mtp_depth=0)
+
+
+def test_mla_on_ring_context_parallelism_matches_single_device(corpus, single_device):
+    """The ring kernel over MLA's keys and zero-padded values, sequence split in two."""
+    run = train_steps(MLA, "cp=2,fsdp=2", corpus.train, config(cp_strategy="ring"))
+    assert_matches(run, single_device(MLA))
+
+
+def test_mla_on_pipeline_stages_matches_single_device(corpus, single_device):
+    """pp=2 over two dense MLA blocks, then two MoE ones (each run a chunk of every stage),
+    against one device accumulating the same micro-batches."""
+    model = dataclasses.replace(MLA, n_layers=4, first_dense_layers=2)
+    run = train_steps(model, "pp=2,dp=2,ep=2", corpus.train, config(batch_size=16),
+                      pipeline=PipelineConfig("interleaved", 4, 2))
+    assert_matches(run, single_device(model, batch_size=16, grad_accum=4))
