@@ -104,6 +104,16 @@ def test_pipeline_branches_count_once_per_micro_batch_and_chunk():
     assert 2 < gathers <= 4
 
 
+@pytest.mark.slow  # one compile, 8 s
+def test_heterogeneous_pipeline_counts_each_runs_branch():
+    """Dense blocks then experts on pp=2 (jdist.step.pipelined: each run a chunk of every
+    stage, the chunk a `lax.switch` over the runs): the report counts each run's branch
+    once, and the embedding and loss, traced in every branch, once per run."""
+    plan = plan_of("pp=2,fsdp=4", 16, model="dense-moe-tiny", pp_schedule="interleaved",
+                   pp_virtual_stages=2)
+    assert_matches(traffic.reported_traffic(plan, 16, 32), measured(plan, 16, 32))
+
+
 def _compile_with_partitioned(plan, batch: int, seq: int) -> tuple[str, str]:
     """(compiled HLO text, HLO right after SPMD partitioning) from one compile."""
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)

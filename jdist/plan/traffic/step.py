@@ -136,6 +136,20 @@ def chunk_recompute(st: Step, k: int, gathers: bool = True) -> list[Collective]:
     return out + ([] if partitioner.ring_merges(st) else attention_forward(st)) + moe_forward(st)
 
 
+def chunk_kinds(st: Step, table, executed: bool) -> list[tuple[Step, int, int]]:
+    """(the chunk's layers, rows of the stack in one chunk, times a chunk runs): the
+    stack's P x V equal chunks, or a heterogeneous stack's, one per run and stage
+    (`jdist.step.pipelined`: chunk v is run v's, under a `lax.switch`, each branch counted
+    once by the report)."""
+    model_runs = st.runs()
+    if len(model_runs) > 1:
+        return [(r, r.run.rows // table.stages, table.micro if executed else 1)
+                for r in model_runs]
+    one = model_runs[0]
+    return [(one, one.run.rows // (table.stages * table.virtual),
+             table.micro * table.virtual if executed else 1)]
+
+
 def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     """jdist.step.pipelined + stage_program: per tick a forward or backward of one chunk
     of k = L / (P V) layers inside a `lax.switch`, then two permutes; under `--remat full`
@@ -146,18 +160,24 @@ def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     once."""
     table = st.plan.pipeline.table(st.n[ax.STAGE])
     redo = not stashes(st.plan.compute.remat)
-    k = st.model.n_layers // (table.stages * table.virtual)
-    chunk_runs = table.micro * table.virtual if executed else 1
-    end_runs = table.micro if executed else 1
-    pre = prefetched(st, k)
-    forward = [c.times(k) for c in layer_forward(st, gathers=not pre)]
-    forward += [c.times(k + 1) for c in layer_gathers(st)] if pre else []
-    # A one-layer chunk's backward regathers what its recomputed forward just gathered:
-    # XLA merges the two where no automatic axis splits the leaf (fitted, jax 0.10.2).
-    again = chunk_recompute(st, k, gathers=not pre) if redo else []
-    backward = [c.times(k) for c in again + layer_backward(
-        st, True, merged=lambda leaf: redo and k == 1 and not leaf.auto, regather=not pre)]
-    backward += [c.times(sum(prefetch_gathers(k))) for c in layer_gathers(st)] if pre else []
+    chunks = chunk_kinds(st, table, executed)
+    # The embedding and the loss run in the first and last chunk; a heterogeneous stack's
+    # chunk traces them in each run's branch, which the report counts once each.
+    end_runs = table.micro if executed else len(chunks)
+    out = []
+    for chunk, k, chunk_runs in chunks:
+        pre = prefetched(chunk, k)
+        forward = [c.times(k) for c in layer_forward(chunk, gathers=not pre)]
+        forward += [c.times(k + 1) for c in layer_gathers(chunk)] if pre else []
+        # A one-layer chunk's backward regathers what its recomputed forward just gathered:
+        # XLA merges the two where no automatic axis splits the leaf (fitted, jax 0.10.2).
+        again = chunk_recompute(chunk, k, gathers=not pre) if redo else []
+        backward = [c.times(k) for c in again + layer_backward(
+            chunk, True, merged=lambda leaf, k=k: redo and k == 1 and not leaf.auto,
+            regather=not pre)]
+        backward += [c.times(sum(prefetch_gathers(k))) for c in layer_gathers(chunk)] \
+            if pre else []
+        out += [c.times(chunk_runs) for c in forward + backward]
     extras = partitioner.extras(st)
     first = exact.embedding_forward(st) + extras.embed_forward
     first_back = (first if redo else []) + exact.embedding_backward(st, True) \
@@ -175,7 +195,6 @@ def pipelined_step(st: Step, executed: bool) -> list[Collective]:
     last += extras.loss_forward
     last_back += exact.final_norm_grad(st, True) + extras.loss_recompute \
         + extras.loss_backward + extras.loss_backward_again
-    out = [c.times(chunk_runs) for c in forward + backward]
     out += [c.times(end_runs) for c in first + first_back + last + last_back]
     out += extras.per_step + exact.stage_permutes(st, table.ticks) + exact.stage_sums(st)
     out += exact.finish_all(st, table.stages)
