@@ -45,6 +45,9 @@ def test_config_json_becomes_the_model():
     assert (cfg.n_experts, cfg.n_expert_groups, cfg.topk_groups, cfg.top_k,
             cfg.routed_scale, cfg.shared_d_ff, cfg.gating) == (8, 4, 2, 2, 2.5, 32, "sigmoid")
     assert (cfg.n_layers, cfg.first_dense_layers, cfg.dense_d_ff) == (3, 1, 96)
+    rope = cfg.rope_scaling
+    assert (rope.rope_type, rope.factor, rope.original_max_position, rope.mscale_all_dim) == \
+        ("yarn", 4.0, 16, 1.0)
 
 
 def test_logits_equal_transformers():
@@ -81,8 +84,13 @@ def test_round_trip_is_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("changes, says", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}}, "'yarn'"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}},
+     "'linear'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "mscale": 1.0,
+                          "mscale_all_dim": 0.5, "original_max_position_embeddings": 16}},
+     "mscale 1.0 != mscale_all_dim 0.5"),
     ({"n_group": 3}, "--n-expert-groups 3 must divide --n-experts 8"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantized \\(fp8"),
 ])
 def test_unsupported_configs_are_refused(tmp_path, changes, says):
     d = tmp_path / "hf"

@@ -1,13 +1,13 @@
 """DeepSeek-V3's `config.json` <-> `ModelConfig`: MLA (`models.mla`), sigmoid group-limited
 routing with its correction bias (`models.routing`) and one shared expert. Tensor names and
 layouts are `jdist.hf.layout`'s; dense first layers (first_k_dense_replace) are a run of
-their own (`models.runs`). Fields the model cannot represent are refused in one line: yarn
-rope scaling, for now."""
+their own (`models.runs`). YaRN rope scaling is DeepSeek's (`models.yarn`). Fields the model
+cannot represent are refused in one line."""
 
 from __future__ import annotations
 
 from jdist.errors import require
-from jdist.models.config import ModelConfig
+from jdist.models.config import ModelConfig, RopeScaling
 
 MODEL_TYPE, ARCHITECTURE = "deepseek_v3", "DeepseekV3ForCausalLM"
 # DeepSeek-V3's bias update speed (gamma, paper section 2.1.2); HF configs do not carry it.
@@ -21,8 +21,9 @@ def model_config(c: dict, where: str, rope: tuple[float, dict]) -> ModelConfig:
             f"{where}: architectures {c.get('architectures')} with model_type {MODEL_TYPE!r}; "
             f"only {ARCHITECTURE} is supported")
     theta, scaling = rope
-    require(not scaling, f"{where}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r}"
-            " is not supported for DeepSeek-V3 yet; use a config without rope scaling")
+    require("quantization_config" not in c, f"{where}: the weights are quantized "
+            f"({c.get('quantization_config', {}).get('quant_method', '?')}: the published "
+            "checkpoint's FP8 blocks); dequantize them to bfloat16 first")
     require(not c.get("attention_bias", False) and c.get("hidden_act", "silu") == "silu",
             f"{where}: attention_bias or a hidden_act other than silu is not supported")
     require(c.get("topk_method", "noaux_tc") == "noaux_tc" and
@@ -36,6 +37,7 @@ def model_config(c: dict, where: str, rope: tuple[float, dict]) -> ModelConfig:
         d_ff=int(c["moe_intermediate_size"]), head_dim=nope + rope, rope_theta=theta,
         first_dense_layers=int(c.get("first_k_dense_replace", 3)),
         dense_d_ff=int(c["intermediate_size"]),
+        rope_scaling=yarn_scaling(scaling, where) if scaling else None,
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         n_experts=int(c["n_routed_experts"]), top_k=int(c["num_experts_per_tok"]),
@@ -50,6 +52,33 @@ def model_config(c: dict, where: str, rope: tuple[float, dict]) -> ModelConfig:
         mtp_depth=0)  # HF's DeepseekV3ForCausalLM has no MTP module (layer 61 is skipped)
     cfg.validate()
     return cfg
+
+
+def yarn_scaling(s: dict, where: str) -> RopeScaling:
+    """DeepSeek-V3's YaRN rope scaling from config.json's dict; only with cos and sin left
+    unscaled (HF's attention_factor 1: mscale equal to mscale_all_dim, as published)."""
+    kind = s.get("rope_type", s.get("type"))
+    require(kind == "yarn", f"{where}: rope scaling {kind!r} is not supported for DeepSeek-V3; "
+            "only yarn (or none) is")
+    mscale, all_dim = float(s.get("mscale") or 0), float(s.get("mscale_all_dim") or 0)
+    require(s.get("attention_factor", 1.0 if mscale == all_dim else None) == 1.0,
+            f"{where}: yarn with mscale {mscale} != mscale_all_dim {all_dim} (cos and sin "
+            "scaled) is not supported; DeepSeek-V3 publishes them equal")
+    return RopeScaling(factor=float(s["factor"]), rope_type="yarn",
+                       original_max_position=int(s["original_max_position_embeddings"]),
+                       beta_fast=float(s.get("beta_fast") or 32),
+                       beta_slow=float(s.get("beta_slow") or 1), mscale_all_dim=all_dim)
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """config.json's rope_parameters of `cfg` (YaRN's, or plain)."""
+    plain = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if (s := cfg.rope_scaling) is None:
+        return plain
+    return plain | {"rope_type": "yarn", "factor": s.factor, "beta_fast": s.beta_fast,
+                    "beta_slow": s.beta_slow, "mscale": s.mscale_all_dim,
+                    "mscale_all_dim": s.mscale_all_dim,
+                    "original_max_position_embeddings": s.original_max_position}
 
 
 def hf_config(cfg: ModelConfig, torch_dtype: str, carried: dict) -> dict:
@@ -72,7 +101,7 @@ def hf_config(cfg: ModelConfig, torch_dtype: str, carried: dict) -> dict:
         "q_lora_rank": cfg.q_lora_rank or None, "qk_rope_head_dim": cfg.rope_dim,
         "qk_nope_head_dim": cfg.dim_per_head - cfg.rope_dim, "v_head_dim": cfg.value_dim,
         "rope_interleave": True, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_parameters": rope_parameters(cfg),
         "max_position_embeddings": 4096, "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
         "num_nextn_predict_layers": 0, "use_cache": True, "dtype": torch_dtype,

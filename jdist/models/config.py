@@ -20,16 +20,23 @@ from jdist.models.lora import LoraConfig, lora_from_dict
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.x rotary frequency scaling (HF `rope_scaling` with rope_type "llama3").
+    """Rotary frequency scaling: Llama 3.x's (HF `rope_scaling` with rope_type "llama3"), or
+    YaRN's (rope_type "yarn", DeepSeek-V3's; `models.yarn`).
 
-    Frequencies whose wavelength exceeds original_max_position / low_freq_factor are divided
-    by `factor`; those with a wavelength under original_max_position / high_freq_factor are
-    kept; the ones in between are blended smoothly.
+    llama3: frequencies whose wavelength exceeds original_max_position / low_freq_factor are
+    divided by `factor`; those with a wavelength under original_max_position /
+    high_freq_factor are kept; the ones in between are blended smoothly.
     """
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192  # HF original_max_position_embeddings
+    rope_type: str = "llama3"
+    # YaRN: the ramp between kept and interpolated frequencies (in rotations), and the
+    # softmax scale's factor (0.1 x mscale_all_dim x ln(factor) + 1, squared; 0: none).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +226,10 @@ class ModelConfig:
                 "query's own); leave it out for full attention")
         require(self.rope_theta > 1, f"rope_theta={self.rope_theta} must be greater than 1")
         if (rs := self.rope_scaling) is not None:
+            require(rs.rope_type in ("llama3", "yarn"), f"rope scaling type {rs.rope_type!r}: "
+                    "use llama3 or yarn")
+            require(rs.rope_type == "llama3" or self.kv_lora_rank, "yarn rope scaling is "
+                    "supported with multi-head latent attention (DeepSeek) only")
             require(rs.factor >= 1, f"rope scaling factor={rs.factor} must be at least 1")
             require(rs.low_freq_factor > 0,
                     f"rope low_freq_factor={rs.low_freq_factor} must be positive")
@@ -311,14 +322,17 @@ PRESETS: dict[str, ModelConfig] = {
                                    n_kv_heads=4, d_ff=1536, head_dim=128,
                                    rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
                                    n_experts=128, top_k=8, shape_only=True),
-    # DeepSeek-V3's published shape (HF config.json, 671B + the 14B MTP module), for
-    # planning only; its yarn rope scaling (factor 40) is left out: no shape depends on it.
+    # DeepSeek-V3's published shape (HF config.json, 671B; its MTP module here is a dense
+    # block, where the published one routes to experts), for planning only.
     "deepseek-v3": ModelConfig(vocab_size=129_280, d_model=7168, n_layers=61, n_heads=128,
                                n_kv_heads=128, d_ff=2048, head_dim=192, norm_eps=1e-6,
                                n_experts=256, top_k=8, first_dense_layers=3,
                                dense_d_ff=18_432, **_DEEPSEEK, n_expert_groups=8,
                                topk_groups=4, shared_d_ff=2048, kv_lora_rank=512,
                                q_lora_rank=1536, rope_head_dim=64, v_head_dim=128,
+                               rope_scaling=RopeScaling(factor=40.0, rope_type="yarn",
+                                                        original_max_position=4096,
+                                                        mscale_all_dim=1.0),
                                shape_only=True),
     # Public Llama shapes (HF config.json), for planning only. HF's head_dim (64 for
     # llama3.2-1b, 128 for the rest) is d_model // n_heads, so it is left to the default.

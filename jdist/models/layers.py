@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jdist.models import yarn
 from jdist.models.config import RopeScaling
 from jdist.models.precision import accumulator
 from jdist.spmd.axes import NORM
@@ -44,7 +45,9 @@ def rope_inv_freq(head_dim: int, theta: float,
     """Inverse frequencies [head_dim/2] of rotary embeddings, float64 (read-only), with the
     Llama 3.x scaling (HF rope_type "llama3") when `scaling` is given."""
     inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is not None:
+    if scaling is not None and scaling.rope_type == "yarn":
+        inv_freq = yarn.inv_freq(head_dim, theta, scaling)
+    elif scaling is not None:
         s = scaling
         wavelen = 2 * np.pi / inv_freq
         smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jdist.models import remat
+from jdist.models import remat, yarn
 from jdist.models.config import ModelConfig
 from jdist.models.layers import RMSNorm, apply_rotary, dot_product_attention, param, weight
 from jdist.models.projection import project
@@ -46,6 +46,8 @@ class LatentAttention(nnx.Module):
         d, h, hd, r, rope = (cfg.d_model, cfg.n_heads, cfg.dim_per_head, cfg.kv_lora_rank,
                              cfg.rope_dim)
         self.rank, self.rope, self.value_dim = r, rope, cfg.value_dim
+        # YaRN's larger softmax scale, on the queries: the kernels apply head_dim ** -0.5.
+        self.q_scale = yarn.softmax_scale(cfg.rope_scaling)
         if cfg.q_lora_rank:
             self.wq_a = param(rngs, (d, cfg.q_lora_rank), (EMBED, None))
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
@@ -68,7 +70,8 @@ class LatentAttention(nnx.Module):
             a = self.q_norm(ctx.constrain(a, LATENT_NAMES))
             q = project("bsr,rhd->bshd", a, weight(self.wq_b, a))
         q = ctx.constrain(checkpoint_name(q, remat.QUERY), Q_NAMES)
-        return rotate_tail(q, cos, sin, self.rope)
+        q = rotate_tail(q, cos, sin, self.rope)
+        return q if self.q_scale == 1 else q * jnp.asarray(self.q_scale, q.dtype)
 
     def latent(self, x, cos, sin, ctx) -> tuple[jax.Array, jax.Array]:
         """(normed latent [batch, length, rank], rotated rope key [batch, length, 1, rope])."""
