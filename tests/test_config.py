@@ -22,7 +22,7 @@ OLD_CONFIG_JSON = {
     "attention": "auto", "loss": "chunked", "microbatches": 0, "pp_schedule": "1f1b",
     "pp_virtual_stages": 1, "pp_show_schedule": False, "zero": 2, "grad_accum": 2,
     "remat": "none", "prefetch": "auto", "tp_halves": False, "collective_matmul": "auto",
-    "fp8": "off", "offload": "none",
+    "fp8": "off", "offload": "none", "offload_dir": "",
     "dry_run": False,
     "device_memory_gb": 0.0,
     "text_column": "text",

@@ -225,11 +225,15 @@ class MemoryFlags:
         "the tensor-parallel projections (and their partial sums away) by point-to-point "
         "transfers, each beside a chunk's matmul: on, off, or auto (on NVIDIA GPUs: "
         "benchmarks/overlap.py)")
-    offload: Literal["none", "optimizer", "params", "auto"] = flag(
+    offload: Literal["none", "optimizer", "params", "disk", "auto"] = flag(
         "none", "what lives in pinned host memory: none; optimizer (its state between "
         "steps); params (parameters, gradients and optimizer state: each layer streamed to "
         "the device in the layer loop, one ahead, its gradient written back, the update "
-        "on the host); auto (the smallest of these the memory model says fits)")
+        "on the host); disk (the optimizer's moments in files under --offload-dir, read, "
+        "updated and written back a layer at a time); auto (the smallest of none, "
+        "optimizer and params the memory model says fits)")
+    offload_dir: str = flag("", "--offload disk: where the moments' files live (default: "
+                            "RUN_DIR/optimizer_state; a local NVMe disk)")
     attention: Attention = flag("auto", "attention kernel: auto (cudnn on NVIDIA GPUs in bf16, "
                                 "else flash from 1024 tokens, else xla), xla (dense "
                                 "reference), flash (pure-JAX blockwise, O(S) memory), cudnn")

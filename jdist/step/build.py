@@ -67,7 +67,14 @@ def make_train_step(plan: Plan, schedule: optax.Schedule | None = None, *,
       metrics.jsonl) runs its forward and backward on NaN parameters, so its loss and
       gradients are non-finite; the stored parameters are kept as they were and the
       optimizer state goes where the update puts it (the `--on-nan` policy decides next).
+    `--offload disk` (`plan.on_disk`) returns a `jdist.step.disk_step.DiskStep`: the
+    update reads and writes the moments' files between layers, outside any one program.
     """
+    if plan.on_disk:
+        from jdist.step.disk_step import DiskStep
+
+        assert not inject_nan_at_step, "--offload disk refuses --inject-nan-at-step"
+        return DiskStep(plan, gradients, schedule, return_grads)
 
     def step(state: TrainState, batch: Batch):
         params = state.params

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import jax
 import jax.numpy as jnp
 
 from jdist import data
@@ -151,6 +152,7 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
             "--sequence-parallel with tensor parallelism is not supported for MoE models; "
             "drop --sequence-parallel or tp")
     check_streaming(config, model, mesh)
+    check_disk(config, model, mesh)
     require(not model.mtp_depth or mesh.shape[ax.STAGE] == mesh.shape[ax.SEQUENCE] == 1,
             "multi-token prediction reads the next token beside each position of the whole "
             "sequence after the last block: not with pp or cp yet; drop them from --mesh or "
@@ -184,6 +186,26 @@ def check_streaming(config: TrainConfig, model: ModelConfig, mesh) -> None:
                 "optimizer, or drop it")
 
 
+def check_disk(config: TrainConfig, model: ModelConfig, mesh) -> None:
+    """What `--offload disk` (moments in files, updated a layer at a time by the host:
+    `jdist.step.disk_update`) cannot run, refused in one line each."""
+    if config.memory.offload != "disk":
+        return
+    why = {
+        "several processes (each would need its own shards' files)":
+            jax.process_count() > 1,
+        "--mesh with pp (the stages' layers are split over devices)": mesh.shape[ax.STAGE] > 1,
+        "--optimizer muon (it orthogonalises whole matrices across devices)":
+            config.optim.optimizer == "muon",
+        "--on-nan skip (its test wraps the whole-tree update)":
+            config.checkpoint.on_nan == "skip",
+        "--inject-nan-at-step": bool(config.checkpoint.inject_nan_at_step),
+        "LoRA (its frozen base needs no offload)": model.lora is not None}
+    for what, refused in why.items():
+        require(not refused, f"--offload disk does not run with {what}; use --offload "
+                "optimizer, or drop it")
+
+
 def optimizer_of(config: TrainConfig, model: ModelConfig, mesh=None):
     """(transformation, schedule) from the optimizer flags; Muon reads the parameters'
     logical names to tell matrices from the rest, and lays them out on `mesh`."""
@@ -192,7 +214,7 @@ def optimizer_of(config: TrainConfig, model: ModelConfig, mesh=None):
     return make_optimizer(optim.lr, optim.steps, optim.warmup, optim.weight_decay,
                           optim.clip_norm, optimizer=optim.optimizer, schedule=optim.schedule,
                           decay_fraction=optim.decay_fraction, names=names, mesh=mesh,
-                          host=config.memory.offload == "params")
+                          host=config.memory.offload in ("params", "disk"))
 
 
 def with_compute(plan: Plan, config: TrainConfig) -> Plan:

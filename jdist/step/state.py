@@ -29,7 +29,7 @@ from jdist.step import trainable
 from jdist.step.optim import HostUpdate
 
 # `--offload` modes that move state (`auto` is resolved before a plan: jdist.train.fit).
-OPTIMIZER_STATE, PARAMS = "optimizer", "params"
+OPTIMIZER_STATE, PARAMS, DISK = "optimizer", "params", "disk"
 HOST = "pinned_host"
 
 
@@ -104,6 +104,12 @@ class Plan:
         return jax.tree.leaves(self.shardings.params)[0].memory_kind == HOST
 
     @property
+    def on_disk(self) -> bool:
+        """`--offload disk`: the moments live in files, updated a layer at a time
+        (`jdist.step.disk_update`) by the optimizer `HostUpdate` (the clip outside)."""
+        return isinstance(self.tx, HostUpdate) and not self.streams
+
+    @property
     def device_shardings(self) -> TrainState:
         """`shardings` with the optimizer state in device memory (as during an update)."""
         return self.shardings._replace(opt_state=self.opt_device_shardings)
@@ -167,8 +173,8 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     opt_device = sh.optimizer_shardings(tx, trained, trainable.select(cfg, pick(OPTIMIZER)),
                                         mesh)
     streams = memory.offload == PARAMS
-    require(not streams or isinstance(tx, HostUpdate),
-            "--offload params updates on the host: plan with the optimizer "
+    require((memory.offload in (PARAMS, DISK)) == isinstance(tx, HostUpdate),
+            f"--offload {memory.offload}: plan with the optimizer "
             "jdist.step.from_flags.optimizer_of makes for it")
     opt_rest = host(opt_device) if memory.offload in (OPTIMIZER_STATE, PARAMS) else opt_device
     params_sh, grads_sh = pick(PARAMETERS), trainable.select(cfg, pick(GRADIENTS))

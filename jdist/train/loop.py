@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jdist.errors import require_writable_dir
+from jdist.errors import require, require_writable_dir
 from jdist.parallel.pipeline import show_schedule
 from jdist.runtime.distributed import is_main_process
 from jdist.step.build import compiler_options, make_eval_step, make_train_step
@@ -42,6 +42,10 @@ def train(config) -> list[dict]:
         return []
     with clock("setup"):
         setup = prepare(config)
+        require(config.memory.offload != "disk", "--offload disk runs through the Python "
+                "API (jdist.tools.equivalence.train_steps) but not the trainer yet: its "
+                "checkpoints do not carry the moments' files; use --offload optimizer or "
+                "params")
         fit.check_fits(config, setup.plan)
         data_id = setup.fingerprint()
         found = resume.find(config, setup.model, run_dir, data_id,  # before anything is written

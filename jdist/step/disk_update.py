@@ -1,0 +1,162 @@
+"""The optimizer update of `--offload disk`, one layer at a time: for each layer (then once
+for the parameters outside the stacks) its moments are read from their files
+(`jdist.step.moment_files`), put on the devices in that layer's sharding, updated by the
+project's optimizer (the elementwise `HostUpdate` chain, `jdist.step.optim`, on the layer's
+slice of every tree: the same transform, so the same numbers as the whole-tree update) with
+the gradients clipped by the global norm the step took, and written back; the parameters
+stay on the devices and are updated in place. The next layer's read runs on a thread while
+the current one updates."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+from jax.tree_util import keystr, tree_flatten_with_path
+
+from jdist.errors import require
+from jdist.spmd.sharding import replicated
+from jdist.step.moment_files import param_key, stacked_keys
+
+
+def nest(flat: dict) -> dict:
+    """{path of DictKeys: leaf} as the nested dict those paths name."""
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k.key, {})
+        node[path[-1].key] = leaf
+    return out
+
+
+def clipped(g, norm, max_norm: float):
+    """`optax.clip_by_global_norm`'s formula (optax 0.2.8, with jax 0.10.2 and 0.12), given
+    the norm: divided by it, then multiplied, so a layer's clipped gradient rounds as the
+    whole tree's does (a factor clip / norm differs in the last bit, which AdamW's first
+    steps carry to the parameters)."""
+    return jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm)
+
+
+def groups(plan) -> list[tuple[int | None, tuple[str, ...]]]:
+    """The update's walk: (layer, the stacked parameters that have it) for each layer, then
+    (None, the parameters outside the stacks)."""
+    stacked = stacked_keys(plan)
+    rest = tuple(keystr(p) for p, _ in tree_flatten_with_path(plan.abstract.params)[0]
+                 if keystr(p) not in stacked)
+    layers = max(stacked.values(), default=0)
+    return [(i, tuple(k for k, n in stacked.items() if n > i)) for i in range(layers)] + \
+        [(None, rest)]
+
+
+def slice_sharding(sharding: NamedSharding) -> NamedSharding:
+    """A stacked leaf's sharding without its layer dimension (which must not be split)."""
+    spec = tuple(sharding.spec) + (None,)
+    require(spec[0] is None, "--offload disk reads the optimizer state a layer at a time, "
+            "so the layer dimension cannot be split over devices; drop the rule that splits "
+            "it (or pp from --mesh)")
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec[1:-1]))
+
+
+class LayerUpdate:
+    """`update(params, grads, opt_state, grad_norm) -> params`: the walk, on `plan`."""
+
+    def __init__(self, plan):
+        self.plan, self.walk = plan, groups(plan)
+        self.stacked = stacked_keys(plan)
+        leaves = tree_flatten_with_path(plan.opt_device_shardings)[0]
+        self.shardings = {keystr(p): s for p, s in leaves}
+        self.param_of = {keystr(p): param_key(p) for p, _ in leaves}
+        self.io = {"read_bytes": 0, "read_s": 0.0, "write_bytes": 0, "write_s": 0.0}
+        self.programs: dict = {}
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="jdist-moments")
+
+    def moment_keys(self, members) -> list[str]:
+        return [k for k, p in self.param_of.items() if p in members]
+
+    def read(self, files: dict, layer, members) -> dict:
+        start = time.perf_counter()
+        rows = {k: np.array(files[k] if layer is None else files[k][layer])
+                for k in self.moment_keys(members)}
+        self.io["read_s"] += time.perf_counter() - start
+        self.io["read_bytes"] += sum(r.nbytes for r in rows.values())
+        return rows
+
+    def to_devices(self, rows: dict, layer) -> dict:
+        pick = (lambda s: s) if layer is None else slice_sharding
+        return {k: jax.device_put(r, pick(self.shardings[k])) for k, r in rows.items()}
+
+    def update(self, params, grads, opt_state, grad_norm):
+        flat = tree_flatten_with_path(opt_state)[0]
+        files = {keystr(p): x for p, x in flat if isinstance(x, np.memmap)}
+        counts = {keystr(p): x for p, x in flat if not isinstance(x, np.memmap)}
+        pending = self.reader.submit(self.read, files, *self.walk[0])
+        for n, (layer, members) in enumerate(self.walk):
+            rows = pending.result()
+            if n + 1 < len(self.walk):
+                pending = self.reader.submit(self.read, files, *self.walk[n + 1])
+            fn = self.compiled(layer is None, members)
+            index = jnp.int32(layer or 0)
+            params, moments, new_counts = fn(params, grads, self.to_devices(rows, layer),
+                                             counts, grad_norm, index)
+            self.write(files, layer, moments)
+        for f in files.values():
+            f.flush()
+        done = {**counts, **new_counts}
+        return params, jax.tree_util.tree_map_with_path(
+            lambda p, x: files.get(keystr(p), done.get(keystr(p))), opt_state)
+
+    def write(self, files: dict, layer, moments: dict) -> None:
+        start = time.perf_counter()
+        for k, m in moments.items():
+            rows = np.asarray(m)
+            if layer is None:
+                files[k][...] = rows
+            else:
+                files[k][layer] = rows
+            self.io["write_bytes"] += rows.nbytes
+        self.io["write_s"] += time.perf_counter() - start
+
+    def compiled(self, whole: bool, members: tuple[str, ...]):
+        """The jitted update of one group: `members`' rows at a traced layer index (each
+        layer compiles once), or the parameters outside the stacks whole."""
+        if (whole, members) not in self.programs:
+            self.programs[whole, members] = self.program(whole, members)
+        return self.programs[whole, members]
+
+    def program(self, whole: bool, members: tuple[str, ...]):
+        tx = self.plan.tx
+        paths = {keystr(p): p for p, _ in tree_flatten_with_path(self.plan.abstract.params)[0]}
+
+        def get(tree, key):
+            for k in paths[key]:
+                tree = tree[k.key]
+            return tree
+
+        def update(params, grads, moments, counts, norm, i):
+            take = (lambda x: x) if whole else (lambda x: x[i])
+            sub_p = nest({paths[k]: take(get(params, k)) for k in members})
+            sub_g = nest({paths[k]: clipped(take(get(grads, k)), norm, tx.clip_norm)
+                          for k in members})
+            given = {**moments, **counts}
+            state = jax.tree_util.tree_map_with_path(
+                lambda p, _: given[keystr(p)], jax.eval_shape(tx.init, sub_p))
+            updates, state = tx.update(sub_g, state, sub_p)
+            new_sub = optax.apply_updates(sub_p, updates)
+            new = dict(tree_flatten_with_path(new_sub)[0])
+            flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+            out = [new[p] if whole and p in new else
+                   (x.at[i].set(new[p]) if p in new else x) for p, x in flat]
+            out_state = {keystr(p): x for p, x in tree_flatten_with_path(state)[0]}
+            return (treedef.unflatten(out), {k: out_state[k] for k in moments},
+                    {k: v for k, v in out_state.items() if k not in moments})
+
+        moment_sh = {k: (s if whole else slice_sharding(s)) for k, s in self.shardings.items()
+                     if self.param_of[k] in members}
+        return jax.jit(update, donate_argnums=(0,), out_shardings=(
+            self.plan.shardings.params, moment_sh, replicated(self.plan.mesh)))

@@ -1,0 +1,71 @@
+"""`--offload disk`: the optimizer's moments in `.npy` files on local disk (`np.memmap`), one
+file per moment leaf, global shape (single process). Between steps the state's `opt_state`
+is the optimizer's own tree whose moment leaves are these memmaps and whose scalars (the
+update counts) are device arrays: the tree, and so checkpoints, match every other mode's.
+The update reads and writes one layer's rows at a time (`jdist.step.disk_update`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.tree_util import DictKey, keystr, tree_flatten_with_path
+
+from jdist.spmd import axes as ax
+
+DIR_NAME = "optimizer_state"  # under the run directory unless --offload-dir says where
+
+
+def param_key(state_path) -> str | None:
+    """The parameter a moment leaf belongs to (`keystr` of its dict path: the optimizer
+    state holds one tree shaped like the parameters per moment), None for a scalar leaf."""
+    first = next((n for n, k in enumerate(state_path) if isinstance(k, DictKey)), None)
+    return None if first is None else keystr(state_path[first:])
+
+
+def stacked_keys(plan) -> dict[str, int]:
+    """Parameters stacked over layers (their first logical axis `layers`): key -> layers."""
+    names = dict(tree_flatten_with_path(plan.names, is_leaf=lambda x: isinstance(x, tuple))[0])
+    shapes = tree_flatten_with_path(plan.abstract.params)[0]
+    return {keystr(p): s.shape[0] for p, s in shapes if names[p][:1] == (ax.LAYERS,)}
+
+
+def file_name(state_key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", ".", state_key).strip(".") + ".npy"
+
+
+def to_disk(opt_state, directory: Path, stacked: dict[str, int]):
+    """`opt_state` (device arrays) with each moment leaf written to its file under
+    `directory` (a layer's rows at a time for stacked parameters) and replaced by the file's
+    memmap; the scalars stay as they are. Written to `NAME.tmp` and renamed, so a file that
+    exists is whole."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def one(path, leaf):
+        key = param_key(path)
+        if key is None:
+            return leaf
+        final = directory / file_name(keystr(path))
+        tmp = final.with_suffix(".tmp")
+        out = np.lib.format.open_memmap(tmp, "w+", np.dtype(leaf.dtype), leaf.shape)
+        for rows in (range(leaf.shape[0]) if key in stacked else [Ellipsis]):
+            out[rows] = np.asarray(leaf[rows])
+        out.flush()
+        del out
+        tmp.rename(final)
+        return np.lib.format.open_memmap(final, "r+")
+    return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def moments(opt_state) -> dict[str, np.memmap]:
+    """state key -> memmap of every moment leaf."""
+    return {keystr(p): x for p, x in tree_flatten_with_path(opt_state)[0]
+            if isinstance(x, np.memmap)}
+
+
+def snapshot(opt_state):
+    """The state with each memmap read into memory (what a checkpoint saves: the files go
+    on being rewritten by the next steps while an asynchronous save still reads)."""
+    return jax.tree.map(lambda x: np.array(x) if isinstance(x, np.memmap) else x, opt_state)
