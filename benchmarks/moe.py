@@ -16,9 +16,14 @@
    device (ep=8 computes the same: tests/test_moe.py) without balancing, with the Switch
    aux loss, and with DeepSeek-V3's routing biases (aux-loss-free) at two rates; the mean
    over the last 10 steps, batches of 16 x 64.
+6. Qwen3-30B-A3B with 2 layers on the GPU compiler (`--scale-layouts`, none skips; slow: a
+   few minutes per compile on 2 cores): the exposed share of the all-to-all bytes on ep=8,
+   the planner's best 16-GPU layout and fsdp=2,ep=8, grouped and padded, before and after
+   `--moe-overlap`, and the memory model against the compiled peak under none, selective
+   and full remat (benchmarks/moe_at_scale.py).
 
     python benchmarks/moe.py [--batch-size 32] [--seq-len 128] [--target h100-80gb]
-                             [--balance-steps 100] [--json]
+                             [--balance-steps 100] [--scale-layouts ep8,best16,fsdp-ep] [--json]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import dataclasses
 
 import common
 import expert_matmuls
+import moe_at_scale
 from common import Column, MiB
 
 common.setup_devices(8, cpu_only=True)  # the GPU target compiles without a GPU backend
@@ -114,6 +120,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--target", default="h100-80gb")
     parser.add_argument("--balance-steps", type=int, default=100)
+    parser.add_argument("--scale-layouts", default="ep8,best16,fsdp-ep")
     args = parser.parse_args()
     base = get_preset("moe-small")
     corpus = data.load_corpus(None, args.seq_len)
@@ -128,9 +135,12 @@ def main() -> None:
     scale = [] if args.target == "none" else [
         r for name in expert_matmuls.SHAPES for r in expert_matmuls.measure(name, args.target)]
     balanced = balance(base, corpus, args.balance_steps) if args.balance_steps else []
+    layouts = [] if args.target == "none" or args.scale_layouts == "none" else \
+        args.scale_layouts.split(",")
+    at_scale = moe_at_scale.measure(args.target, layouts) if layouts else None
     result = {"all_to_all": volume, "ep_steps_per_sec": ep, "replicated_steps_per_sec": replicated,
               "ep_vs_replicated": ep / replicated, "dropped": drops, "at_scale": scale,
-              "balancing": balanced}
+              "balancing": balanced, "qwen3_30b_a3b": at_scale}
     common.emit(result, args.json, lambda: [
         f"moe-small: E={base.n_experts}, k={base.top_k}, {N} devices, batch "
         f"{args.batch_size} x {args.seq_len}", "", *common.table(volume, VOLUME),
@@ -139,7 +149,8 @@ def main() -> None:
         *([f"\nexperts of one layer on one {args.target} (GPU compiler), forward + backward:",
            *common.table(scale, expert_matmuls.COLUMNS)] if scale else []),
         *([f"\nbalancing, {args.balance_steps} steps on one device (mean of the last 10):",
-           *common.table(balanced, BALANCE)] if balanced else [])])
+           *common.table(balanced, BALANCE)] if balanced else []),
+        *(["", *moe_at_scale.lines(at_scale, args.target)] if at_scale else [])])
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import dataclasses
 from jdist.models.loss import CHUNKED
 from jdist.models.runs import runs as model_runs
 from jdist.parallel.attention.blockwise import KEY_TILE, Q_TILE
-from jdist.parallel.moe import expert_factor
+from jdist.parallel.moe import expert_factor, overlap_pieces
 from jdist.parallel.vocab import chunk_size
 from jdist.spmd.sharding import per_device_bytes
 from jdist.step import muon_cost, trainable
@@ -242,9 +242,15 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int, run=None) -> _Siz
     tokens = b * s
     x = tokens * d * c // sp
     q, k, hidden = tokens * heads * hd * c, tokens * kv * hd * c, tokens * f * c
+    dispatch = 0
     if run.moe:  # each expert row of the routing path holds a hidden activation
-        rows = cfg.top_k * expert_factor(cfg, tokens, m[ax.EXPERT])
+        rows = cfg.top_k * expert_factor(cfg, tokens, m[ax.EXPERT],
+                                         overlap_pieces(plan.compute.moe_overlap, plan.mesh))
         hidden = int(hidden * rows)
+        # and, d wide, the rows the experts read (blocked in expert order, or the padded
+        # buffers) and each assignment's output, which the router-weighted sum's backward
+        # reads (the GPU-compiled forward loop's saved stacks, qwen3-30b-a3b ep=8).
+        dispatch = int(tokens * d * c * (rows + cfg.top_k))
     scores = b * heads * s * seq_len * 4
     attention = _attention(plan, seq_len)
     if attention == "xla":
@@ -270,7 +276,7 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int, run=None) -> _Siz
     # rotated q and k, v, the attention context; silu's pieces for SwiGLU (gate, up,
     # sigmoid(gate), its derivative, silu(gate), silu(gate) * up).
     normed = tokens * d * 4 // sp
-    every = 2 * x + 2 * normed + 2 * tokens * d * c + 2 * q + 2 * k + kept + 6 * hidden
+    every = 2 * x + 2 * normed + 2 * tokens * d * c + 2 * q + 2 * k + kept + 6 * hidden + dispatch
     logits = tokens * (cfg.vocab_size // tp) * 4 * 2                # float32 logits + grad
     if plan.compute.loss == CHUNKED:  # a few [tokens, chunk] float32 blocks, dh in float32
         chunk = chunk_size(tokens, cfg.vocab_size // tp)

@@ -1,0 +1,123 @@
+"""Qwen3-30B-A3B's MoE steps on the GPU compiler (deviceless, `--target`): the exposed share
+of the all-to-all bytes before and after `--moe-overlap` (its exchanges in pieces,
+`jdist.parallel.moe`), and the memory model against the compiled peak under every remat.
+
+The model with 2 layers, bf16, 4096 tokens per sequence, on three layouts: ep=8 (8 x 4096);
+the planner's best 16-GPU layout of this model (`jdist.plan.search`, 16 x 4096 on 2 hosts);
+fsdp=2,ep=8 (16 x 4096) for fsdp x ep. Each with grouped and padded dropless routing.
+Exposed shares count each MoE layer's first round of `jdist.parallel.expert_rounds` (its
+later rounds run only when routing overflows 1.2x the even share; `exposed 1 later` counts
+one later round each, as `jdist.tools.gpu_report.step_report` does). Imported by
+benchmarks/moe.py (section 6), or run alone:
+
+    python benchmarks/moe_at_scale.py [--json] [--target h100-80gb] [--layouts ep8,best16,fsdp-ep]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import common
+from common import Column, GiB
+
+MODEL, LAYERS, SEQ = "qwen3-30b-a3b", 2, 4096
+FIXED = {"ep8": (["--mesh", "ep=8"], 8, 1), "fsdp-ep": (["--mesh", "fsdp=2,ep=8"], 16, 2)}
+ROUTINGS, REMATS = ("grouped", "dropless"), ("none", "selective", "full")
+EXPOSED = (Column("layout", "30"), Column("routing", "9"),
+           Column("exposed before", "15.1%", "exposed_before"),
+           Column("after", "6.1%", "exposed_after"),
+           Column("exposed 1 later: before", "24.1%", "exposed_later_before"),
+           Column("after", "6.1%", "exposed_later_after"),
+           Column("a2a GiB", "8.2f", "a2a_bytes", GiB))
+MEMORY = (Column("layout", "30"), Column("routing", "9"), Column("remat", "10"),
+          Column("predicted GiB", "13.2f", "predicted", GiB),
+          Column("compiled GiB", "12.2f", "compiled", GiB), Column("comp/pred", "9.3f", "ratio"))
+
+
+def best_16(target: str) -> tuple[list[str], int, int]:
+    """The planner's first layout of the 2-layer model on 16 GPUs (2 hosts), as flags."""
+    from jdist.config import TrainConfig
+    from jdist.plan.profiles import load_profile
+    from jdist.plan.search import search
+
+    base = TrainConfig.of(model=MODEL, n_layers=LAYERS, batch_size=16, seq_len=SEQ,
+                          compute_dtype="bfloat16", moe_routing="grouped", target=target)
+    best = search(base, 16, 2, load_profile(target)).ranked[0].layout.label()
+    return ["--mesh", *best.split()], 16, 2
+
+
+def compiled(flags: list[str], more: list[str], *, batch: int, hosts: int, target: str) -> dict:
+    """The step with `flags` and `more` compiled for `target`: its peak, the prediction and
+    the all-to-all rows."""
+    flags = [*flags, *more]
+    from jdist.config import parse_args
+    from jdist.memory import compile_step, peak, predict
+    from jdist.step.from_flags import plan_for
+    from jdist.tools import gpu_report, progress
+
+    config = parse_args(["--model", MODEL, "--n-layers", str(LAYERS), "--batch-size", str(batch),
+                         "--seq-len", str(SEQ), "--compute-dtype", "bfloat16", "--target",
+                         target, "--hosts", str(hosts), *flags])
+    _, plan, _ = plan_for(config)
+    with progress.phase(f"compiling {' '.join(flags)}", "compiled"):
+        text = (step := compile_step(plan, batch, SEQ)).as_text()
+    a2a = [[r for r in gpu_report.report(text, plan.mesh, 0, None, trips).rows
+            if r.kind == "all-to-all"] for trips in (0.0, 1.0)]
+    row = {"compiled": peak(step), "predicted": predict(plan, batch, SEQ).total,
+           "exposed": a2a[0][0].exposed if a2a[0] else 0.0,
+           "exposed_later": a2a[1][0].exposed if a2a[1] else 0.0,
+           "a2a_bytes": a2a[0][0].bytes if a2a[0] else 0.0}
+    print(json.dumps({"flags": flags, **row}), file=sys.stderr, flush=True)  # a long run
+    return row
+
+
+def measure(target: str, layouts: list[str]) -> dict:
+    """{"exposed": rows, "memory": rows} over `layouts` (keys of FIXED, or best16)."""
+    exposed, memory = [], []
+    for name in layouts:
+        flags, batch, hosts = best_16(target) if name == "best16" else FIXED[name]
+        label = " ".join(flags[1:])
+        for routing in ROUTINGS:
+            run = functools.partial(compiled, [*flags, "--moe-routing", routing],
+                                    batch=batch, hosts=hosts, target=target)
+            before = run(["--remat", "none", "--moe-overlap", "off"])
+            for remat in REMATS:
+                after = run(["--remat", remat, "--moe-overlap", "on"])
+                memory.append({"layout": label, "routing": routing, "remat": remat,
+                               "predicted": after["predicted"], "compiled": after["compiled"],
+                               "ratio": after["compiled"] / after["predicted"]})
+                if remat == "none":
+                    exposed.append({"layout": label, "routing": routing,
+                                    "exposed_before": before["exposed"],
+                                    "exposed_after": after["exposed"],
+                                    "exposed_later_before": before["exposed_later"],
+                                    "exposed_later_after": after["exposed_later"],
+                                    "a2a_bytes": after["a2a_bytes"]})
+    return {"exposed": exposed, "memory": memory}
+
+
+def lines(result: dict, target: str) -> list[str]:
+    return [f"{MODEL}, {LAYERS} layers, bf16, x {SEQ} tokens, {target} GPU compiler: "
+            "all-to-all bytes exposed, --remat none, --moe-overlap off (before) / on (after)",
+            *common.table(result["exposed"], EXPOSED),
+            "\nmemory model against the compiled peak (--moe-overlap on)",
+            *common.table(result["memory"], MEMORY)]
+
+
+def main() -> None:
+    parser = common.make_parser(__doc__)
+    parser.add_argument("--target", default="h100-80gb")
+    parser.add_argument("--layouts", default="ep8,best16,fsdp-ep")
+    args = parser.parse_args()
+    from jdist.runtime.target import prepare_target
+
+    prepare_target(args.target)
+    result = measure(args.target, args.layouts.split(","))
+    common.emit(result, args.json, lambda: lines(result, args.target))
+
+
+if __name__ == "__main__":
+    common.setup_devices(1, cpu_only=True)
+    main()
