@@ -56,13 +56,23 @@ def test_resume_onto_another_mesh(tmp_path):
 @pytest.mark.slow  # a compile and a planner search: 16 s of CPU
 def test_memory_model_and_planner_take_the_runs(capsys, monkeypatch, tmp_path):
     """The memory model counts both runs' stacks (the state within test_memory's 5% of the
-    CPU-compiled step), and the planner plans the model: expert layouts among its rows."""
+    CPU-compiled step) and a periodic run's rows (its activations within 5%), and the
+    planner plans the model: expert layouts among its rows."""
     plan = plan_of("fsdp=2,ep=2,tp=2", model="dense-moe-tiny", zero=2, batch_size=16,
                    seq_len=32)
     predicted, measured = predict(plan, 16, 32), measure(plan, 16, 32)
     for key in ("params", "grads", "optimizer"):
         a, b = getattr(predicted, key), getattr(measured, key)
         assert abs(a - b) <= 0.05 * b, (key, a, b)
+    # A row of (sliding, full) blocks is one checkpoint: under `full` its input is kept and
+    # its backward holds both blocks' residuals (47% under the compiled bytes when a row
+    # was counted as a block).
+    periods = plan_of("fsdp=2,tp=2", model="tiny", n_layers=8, d_ff=128, sliding_window=8,
+                      full_attention_every=2, zero=2, batch_size=16, seq_len=64, remat="full")
+    predicted, measured = predict(periods, 16, 64), measure(periods, 16, 64)
+    for key in ("activations", "total"):
+        ratio = getattr(measured, key) / getattr(predicted, key)
+        assert abs(ratio - 1) <= 0.05, (key, ratio)  # test_memory's ACTIVATIONS_RTOL
     monkeypatch.setenv("JDIST_CALIBRATION", str(tmp_path / "none.toml"))
     assert plan_main(["--model", "dense-moe-tiny", "--devices", "8", "--accelerator",
                       "cpu-sim", "--batch-size", "16", "--seq-len", "32", "--fix",

@@ -140,6 +140,13 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     else:
         working = a.every - per_layer + max(2 * a.f, a.blocks)
     working += 2 * a.x
+    # A periodic run's row (`models.runs`) is one checkpointed iteration of `period` blocks:
+    # its backward also holds each further block's residuals (recomputed, or sliced out of
+    # the stacks: copies on XLA CPU), and under `full` only each row's input is kept
+    # (fitted on XLA CPU, jax 0.10.2: tiny, 8 layers in (sliding, full) rows, within 4%
+    # under none, selective and full).
+    further, rows = _periods(plan, layers)
+    working += further * a.every
     # Dense attention's causal mask broadcast to [b, kv, group, s, t] booleans: the same in
     # every layer, so XLA hoists it out of the layer loop (inside the checkpoint under a
     # remat policy, rebuilt per layer).
@@ -149,7 +156,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     # stores it, the backward's read of its slot, and about half a micro-batch's worth of
     # the loss's and XLA's own (fitted on XLA CPU, jax 0.10.2: how closely, in
     # docs/measurements.md#memory-model-fits).
-    chunk = layers * per_layer
+    chunk = (rows if remat == "full" else layers) * per_layer
     weights_read, handover = _for_weights(a, saves_all) if awaiting else (0, 0)
     # Split, hand-overs beside those in slots: the backward branch's output and the weight
     # branch's read of its slot, on the GPU compiler one more (fitted as the 7/2 chunks, on
@@ -159,6 +166,14 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
                       + handover * (handed + copies)) + (chunk * 7 // 2 if held else chunk)
     return (stash + max(working, a.loss) + mask
             + (stashed + ticks) * a.x + accumulator + (transposed_stacks(plan) if gpu else 0))
+
+
+def _periods(plan, layers: int) -> tuple[int, int]:
+    """(blocks in the longest row beyond the first, the rows of stacks that `layers` of the
+    model's layers make): a stack's rows are its blocks, a periodic run's its periods."""
+    runs = model_runs(plan.model)
+    rows = sum(r.rows for r in runs) * layers // plan.model.n_layers
+    return max(r.period for r in runs) - 1, rows
 
 
 def _for_weights(a: _Sizes, saves_all: bool) -> tuple[int, int]:
