@@ -8,12 +8,16 @@ import jax
 import numpy as np
 import pytest
 
+from jdist import checkpoint as ckpt
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.models import get_preset
+from jdist.step import moment_files
 from jdist.step.from_flags import plan_for
 from jdist.tools.equivalence import assert_matches, config, train_steps
 from jdist.train.__main__ import main
+from jdist.train.loop import train
+from jdist.train.resume import start_state
 
 TINY = get_preset("tiny")
 
@@ -50,3 +54,25 @@ def test_refusal_is_one_line_and_exit_2(capsys, tmp_path):
                  "muon", "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--offload disk does not run with" in err[0], err
+
+
+def test_resume_carries_the_moments(tmp_path):
+    """Saved at step 2 under --offload disk on fsdp=2,tp=2 and resumed there: steps 3 and 4
+    repeat bitwise (step 4's update reads the moments the checkpoint carried). The last
+    checkpoint, restored for dp=2,tp=2, rewrites the files bitwise as the run left them."""
+    common = dict(model="tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
+                  log_every=100, steps=4, offload="disk")
+    losses = lambda history: {r["step"]: r["loss"] for r in history if r["step"] > 2}
+    first = losses(train(TrainConfig.of(**common, mesh="fsdp=2,tp=2", checkpoint_every=2,
+                                        run_dir=str(tmp_path / "a"))))
+    again = losses(train(TrainConfig.of(**common, mesh="fsdp=2,tp=2",
+                                        resume=str(tmp_path / "a" / "checkpoints" / "2"),
+                                        run_dir=str(tmp_path / "b"))))
+    assert again == first and sorted(first) == [3, 4], (first, again)
+    plan = plan_for(TrainConfig.of(**common, mesh="dp=2,tp=2"))[1]
+    found = ckpt.resolve_explicit(str(tmp_path / "a" / "checkpoints" / "4"), full=False)
+    start_state(plan, 0, found, offload_dir=tmp_path / "c")
+    left = sorted((tmp_path / "a" / moment_files.DIR_NAME).iterdir())
+    assert [p.name for p in left] == sorted(p.name for p in (tmp_path / "c").iterdir())
+    for path in left:
+        np.testing.assert_array_equal(np.load(path), np.load(tmp_path / "c" / path.name))

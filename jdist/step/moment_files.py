@@ -18,6 +18,17 @@ from jdist.spmd import axes as ax
 DIR_NAME = "optimizer_state"  # under the run directory unless --offload-dir says where
 
 
+def directory(offload_dir: str, run_dir) -> Path:
+    """`--offload-dir`, else RUN_DIR/optimizer_state."""
+    return Path(offload_dir) if offload_dir else Path(run_dir) / DIR_NAME
+
+
+def on_devices(tree):
+    """`tree` without its files (None in their place): what lives on the devices, e.g. for
+    the replica check (a file has one copy)."""
+    return jax.tree.map(lambda x: None if isinstance(x, np.memmap) else x, tree)
+
+
 def param_key(state_path) -> str | None:
     """The parameter a moment leaf belongs to (`keystr` of its dict path: the optimizer
     state holds one tree shaped like the parameters per moment), None for a scalar leaf."""
@@ -33,7 +44,7 @@ def stacked_keys(plan) -> dict[str, int]:
 
 
 def file_name(state_key: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", ".", state_key).strip(".") + ".npy"
+    return re.sub(r"[^A-Za-z0-9_]+", ".", state_key).strip(".") + ".npy"
 
 
 def to_disk(opt_state, directory: Path, stacked: dict[str, int]):
@@ -65,7 +76,7 @@ def moments(opt_state) -> dict[str, np.memmap]:
             if isinstance(x, np.memmap)}
 
 
-def snapshot(opt_state):
-    """The state with each memmap read into memory (what a checkpoint saves: the files go
-    on being rewritten by the next steps while an asynchronous save still reads)."""
-    return jax.tree.map(lambda x: np.array(x) if isinstance(x, np.memmap) else x, opt_state)
+def as_arrays(tree):
+    """`tree` with each memmap seen as a plain array over the same file (no copy), as
+    Orbax saves it: a save of it must finish before the next step rewrites the files."""
+    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, np.memmap) else x, tree)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jdist.errors import require, require_writable_dir
+from jdist.errors import require_writable_dir
 from jdist.parallel.pipeline import show_schedule
 from jdist.runtime.distributed import is_main_process
+from jdist.step import moment_files
 from jdist.step.build import compiler_options, make_eval_step, make_train_step
 from jdist.step.from_flags import model_of, plan_for
 from jdist.step.state import TrainState
@@ -42,10 +43,6 @@ def train(config) -> list[dict]:
         return []
     with clock("setup"):
         setup = prepare(config)
-        require(config.memory.offload != "disk", "--offload disk runs through the Python "
-                "API (jdist.tools.equivalence.train_steps) but not the trainer yet: its "
-                "checkpoints do not carry the moments' files; use --offload optimizer or "
-                "params")
         fit.check_fits(config, setup.plan)
         data_id = setup.fingerprint()
         found = resume.find(config, setup.model, run_dir, data_id,  # before anything is written
@@ -59,7 +56,8 @@ def train(config) -> list[dict]:
         clock.lost_before_resume = log.dropped_s
         sinks = [TensorBoardLog(run_dir)] if config.observe.tensorboard and main else []
     with clock("checkpoint" if found else "init"):
-        state = resume.start_state(setup.plan, config.data.seed, found, config.model.init_from)
+        state = resume.start_state(setup.plan, config.data.seed, found, config.model.init_from,
+                                   offload_dir(config, run_dir))
     with clock("compile"):
         step_fn = compile_step(setup, state)
         eval_fn = make_eval_step(setup.plan)
@@ -69,11 +67,23 @@ def train(config) -> list[dict]:
     return run.train_from(first)
 
 
+def offload_dir(config, run_dir: Path) -> Path:
+    """Where `--offload disk` keeps the moments' files."""
+    return moment_files.directory(config.memory.offload_dir, run_dir)
+
+
 def compile_step(setup: Setup, state: TrainState):
-    """The train step (with `--inject-nan-at-step`, if asked), compiled ahead of time."""
+    """The train step (with `--inject-nan-at-step`, if asked), compiled ahead of time;
+    `--offload disk`'s programs compile as its first step runs them (one per layer group,
+    `jdist.step.disk_update`)."""
     start = time.perf_counter()
     step_fn = make_train_step(setup.plan, setup.schedule,
                               inject_nan_at_step=setup.config.checkpoint.inject_nan_at_step)
+    if setup.plan.on_disk:
+        if is_main_process() and setup.config.observe.recompute_check_every:
+            print("jdist: --offload disk: no --recompute-check-every (the update rewrites the "
+                  "moments' files in place, so a step cannot run twice)", flush=True)
+        return step_fn
     # jdist's GPU flags (jdist.runtime.target)
     options = compiler_options(setup.plan)
     step_fn = step_fn.lower(state, setup.batch(0)).compile(options or None)

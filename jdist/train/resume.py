@@ -13,7 +13,7 @@ from jdist import checkpoint as ckpt
 from jdist.config import result_flags
 from jdist.errors import require
 from jdist.parallel.pipeline.layer_order import CHECKPOINT_KEY, restore_order
-from jdist.step import trainable
+from jdist.step import moment_files, trainable
 from jdist.step.state import Plan, TrainState, init_adapters, init_state, state_from_params
 
 # Flags that decide *what* is computed (their fields' "result" metadata). A resumed run must
@@ -205,13 +205,25 @@ def schedule_change(found: ckpt.Found | None, config, schedule) -> str | None:
             f"{float(schedule(found.step)):.3g} at step {found.step + 1})")
 
 
-def start_state(plan: Plan, seed: int, found: ckpt.Found | None,
-                init_from: str = "") -> TrainState:
+def start_state(plan: Plan, seed: int, found: ckpt.Found | None, init_from: str = "",
+                offload_dir: Path | None = None) -> TrainState:
+    """`initial_or_restored`; under `--offload disk` its moments then (re)written to their
+    files under `offload_dir` (`jdist.step.moment_files`): a resume rewrites them from the
+    checkpoint, so files left by a run that stopped mid-step are never read."""
+    state = initial_or_restored(plan, seed, found, init_from)
+    if not plan.on_disk:
+        return state
+    return state._replace(opt_state=moment_files.to_disk(state.opt_state, offload_dir,
+                                                         moment_files.stacked_keys(plan)))
+
+
+def initial_or_restored(plan: Plan, seed: int, found: ckpt.Found | None,
+                        init_from: str = "") -> TrainState:
     """The initial state (random, or the Hugging Face checkpoint `init_from`), or the state
     restored from `found` laid out for this plan's mesh (and its stored layer order). A
     checkpoint of adapters only takes its frozen base from the initial state."""
     if found is not None and not found.meta.get(BASE_SAVED, True):
-        base = start_state(plan, seed, None, init_from).params
+        base = initial_or_restored(plan, seed, None, init_from).params
         abstract, shardings = (saved_state(plan, t, save_base=False)
                                for t in (plan.abstract, plan.shardings))
         tree, _ = ckpt.restore(found.path, abstract, shardings)

@@ -18,6 +18,7 @@ from jdist import checkpoint as ckpt
 from jdist import data
 from jdist.config.fields import parse_steps
 from jdist.parallel.pipeline.layer_order import order_of
+from jdist.step import moment_files
 from jdist.step.state import TrainState
 from jdist.tools import profile
 from jdist.train import faults, goodput, hardware, health, resume, straggler
@@ -171,7 +172,8 @@ class Run:
         traced = (self.tracer.step(done, pending=self.state) if self.tracer is not None
                   else contextlib.nullcontext())
         with traced:
-            if _every(self.config.observe.recompute_check_every, done):
+            if _every(self.config.observe.recompute_check_every, done) and \
+                    not self.plan.on_disk:  # its files are rewritten in place: said at compile
                 with self.clock("checks"):
                     state, metrics, mismatch = health.recompute_check(self.step_fn, self.state,
                                                                       batch)
@@ -190,7 +192,8 @@ class Run:
         if not self.config.observe.check_replicas_every:
             return
         with self.clock("checks"):
-            mismatch = health.check_replicas(self.state._replace(step=None), self.plan.mesh)
+            mismatch = health.check_replicas(moment_files.on_devices(
+                self.state._replace(step=None)), self.plan.mesh)
         if mismatch is not None:
             raise faults.Corruption(f"after step {done}: {mismatch.message()}")
 
@@ -279,7 +282,10 @@ class Run:
         meta = resume.run_meta(self.config, self.setup.model, self.plan.mesh, step, self.data_id,
                                order_of(self.plan), self.hf_source)
         with self.clock("checkpoint"):
-            self.checkpoints.save(step, state, {**meta, resume.BASE_SAVED: state is self.state})
+            self.checkpoints.save(step, moment_files.as_arrays(state),
+                                  {**meta, resume.BASE_SAVED: state is self.state})
+            if self.plan.on_disk:  # Orbax reads the files until the save is committed
+                self.checkpoints.wait()
 
     def roll_back(self, bad_step: int) -> int:
         """Restore the newest good checkpoint (or the initial state) and from now on pass over
@@ -300,7 +306,9 @@ class Run:
             good = origin  # resumed from elsewhere; nothing as recent saved here yet
         with self.clock("checkpoint" if good else "init"):
             self.state = resume.start_state(self.plan, self.config.data.seed, good,
-                                             self.config.model.init_from)
+                                             self.config.model.init_from,
+                                             moment_files.directory(
+                                                 self.config.memory.offload_dir, self.run_dir))
         first = good.step if good else 0
         self.clock.redo_after(first)
         self.passed_over.add(bad_step - 1)
