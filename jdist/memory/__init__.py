@@ -112,17 +112,11 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
         if on_gpu(plan) and remat == "full":  # the peak is in the forward, inside the
             # accumulation loop: one more gradient tree, of a ZeRO-2 gradient's size (fitted)
             accumulator += _grad_bytes(plan) // (m[ax.DATA] if plan.zero < 2 else 1)
-    a = _per_layer(plan, micro_batch, seq_len, compute_bytes)
-    # What each layer's checkpoint keeps (jdist.models.remat), stacked over the layer scan by the
-    # forward's loop. The compiler drops what the backward never reads (the last
-    # projection's output) and keeps XLA's own intermediates of the rest.
-    kept = {"full": a.x,
-            "selective": a.x + a.q + 2 * a.k + a.x + 2 * a.f,  # +attention_out, gate, up
-            "dots_with_no_batch_dims_saveable": a.x + a.q + 2 * a.k + a.x + 2 * a.f,
-            "dots_saveable": a.x + 2 * a.q + 2 * a.k + a.x + 2 * a.f + a.scores,
-            "offload_selective": a.x,  # the projections wait in host memory
-            "everything_saveable": a.every + _gathered_layer(plan, compute_bytes)[0]}
-    per_layer = kept.get(remat, a.every)
+    # The average layer's sizes for what the layers keep; the largest run's for one layer's
+    # backward (a heterogeneous stack's peak is in its widest blocks: `_per_layer`).
+    a, largest = _per_layer(plan, micro_batch, seq_len, compute_bytes)
+    gathered = _gathered_layer(plan, compute_bytes)[0]
+    per_layer = _kept(a, remat, gathered)
     # One layer's backward holds, besides the cotangents of the block's input and output:
     # keeping every residual, the largest of their slices read out of the stacks (copies
     # on XLA CPU; a loop of one layer is unrolled and reads them in place), the MLP
@@ -133,20 +127,21 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     # cotangents and those score blocks (the attention's backward comes after the MLP's).
     saves_all = remat in ("none", "everything_saveable")
     gpu = on_gpu(plan) and plan.pipeline is None
+    w = largest
     if saves_all:
-        working = max(a.every if layers > 1 else 0, 4 * a.f, a.blocks)
+        working = max(w.every if layers > 1 else 0, 4 * w.f, w.blocks)
     elif gpu and remat == "full":  # the GPU's fused layer holds the MLP's pieces (fitted)
-        working = max(GPU_FULL_MLP_PIECES * a.f, a.blocks)
+        working = max(GPU_FULL_MLP_PIECES * w.f, w.blocks)
     else:
-        working = a.every - per_layer + max(2 * a.f, a.blocks)
-    working += 2 * a.x
+        working = w.every - _kept(w, remat, gathered) + max(2 * w.f, w.blocks)
+    working += 2 * w.x
     # A periodic run's row (`models.runs`) is one checkpointed iteration of `period` blocks:
     # its backward also holds each further block's residuals (recomputed, or sliced out of
     # the stacks: copies on XLA CPU), and under `full` only each row's input is kept
     # (fitted on XLA CPU, jax 0.10.2: tiny, 8 layers in (sliding, full) rows, within 4%
     # under none, selective and full).
     further, rows = _periods(plan, layers)
-    working += further * a.every
+    working += further * w.every
     # Dense attention's causal mask broadcast to [b, kv, group, s, t] booleans: the same in
     # every layer, so XLA hoists it out of the layer loop (inside the checkpoint under a
     # remat policy, rebuilt per layer).
@@ -222,15 +217,30 @@ class _Sizes:
     loss: int
 
 
-def _per_layer(plan, micro_batch: int, seq_len: int, c: int) -> _Sizes:
-    """`_Sizes` of the average layer: of a heterogeneous stack's runs (`models.runs`: dense
-    blocks, then experts), weighted by their layers, so that the layers' stacked residuals
-    sum as the runs' do; the one run's of a homogeneous model."""
+def _per_layer(plan, micro_batch: int, seq_len: int, c: int) -> tuple[_Sizes, _Sizes]:
+    """`_Sizes` of the average layer and of the largest: of a heterogeneous stack's runs
+    (`models.runs`: dense blocks, then experts), the average weighted by their layers, so
+    that the layers' stacked residuals sum as the runs' do, the largest term by term; both
+    the one run's of a homogeneous model."""
     runs = model_runs(plan.model)
     sizes = [dataclasses.astuple(_activations(plan, micro_batch, seq_len, c, r)) for r in runs]
     mean = [sum(r.n_layers * v[i] for r, v in zip(runs, sizes)) // plan.model.n_layers
             for i in range(len(sizes[0]))]
-    return _Sizes(*mean)
+    return _Sizes(*mean), _Sizes(*(max(v) for v in zip(*sizes)))
+
+
+def _kept(a: _Sizes, remat: str, gathered: int) -> int:
+    """What each layer's checkpoint keeps (jdist.models.remat), stacked over the layer scan
+    by the forward's loop. The compiler drops what the backward never reads (the last
+    projection's output) and keeps XLA's own intermediates of the rest. `gathered`: one
+    layer's parameters as gathered (`everything_saveable` keeps them)."""
+    kept = {"full": a.x,
+            "selective": a.x + a.q + 2 * a.k + a.x + 2 * a.f,  # +attention_out, gate, up
+            "dots_with_no_batch_dims_saveable": a.x + a.q + 2 * a.k + a.x + 2 * a.f,
+            "dots_saveable": a.x + 2 * a.q + 2 * a.k + a.x + 2 * a.f + a.scores,
+            "offload_selective": a.x,  # the projections wait in host memory
+            "everything_saveable": a.every + gathered}
+    return kept.get(remat, a.every)
 
 
 def _activations(plan, micro_batch: int, seq_len: int, c: int, run=None) -> _Sizes:
