@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from jdist.errors import require
-from jdist.hf import deepseek
+from jdist.hf import deepseek, gemma
 from jdist.models.config import ModelConfig, RopeScaling
 
 CONFIG = "config.json"
@@ -99,6 +99,8 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
     where = str(Path(hf_dir) / CONFIG)
     if c.get("model_type") == deepseek.MODEL_TYPE:
         return deepseek.model_config(c, where, rope_fields(c))
+    if c.get("model_type") == gemma.MODEL_TYPE:
+        return gemma.model_config(c, where)
     _refuse_unsupported(c, where)
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "intermediate_size"):
@@ -167,6 +169,8 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
     carried = {k: v for k, v in (carried or {}).items() if k in CARRIED}
     if cfg.kv_lora_rank:
         return deepseek.hf_config(cfg, torch_dtype, carried)
+    if cfg.sandwich_norms:
+        return gemma.hf_config(cfg, torch_dtype, carried)
     rope = None
     if (s := cfg.rope_scaling) is not None:
         rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,

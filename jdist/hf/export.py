@@ -24,7 +24,6 @@ from jdist.hf.config import CONFIG, GENERATION_CONFIG, generation_config, hf_con
 from jdist.hf.load import INDEX
 from jdist.models.config import ModelConfig
 from jdist.models.names import is_blocks
-from jdist.models.runs import runs
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30  # as transformers' save_pretrained
@@ -39,15 +38,17 @@ def leaf_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
 
 
 def hf_tensors(table: dict, path: tuple[str, ...], value: np.ndarray,
-               first: int = 0) -> Iterator[tuple[str, np.ndarray]]:
+               first: int = 0, every: int = 1) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, HF array) of one jdist parameter in model layer order (`table`:
     `layout.tensors` of the model); a stack of experts gives one tensor per expert. `first`:
-    the model index of a stack's first layer (a later run's, `models.runs`)."""
+    the model index of a stack's first layer (a later run's, `models.runs`); `every`: the
+    step between its rows' layers (a periodic run's, `layout.numbering`)."""
     _, kind = table[path]
     if not is_blocks(path[0]):
         yield layout.hf_name(table, path), layout.write(kind, value)
         return
-    for i, layer in enumerate(value, start=first):
+    for row, layer in enumerate(value):
+        i = first + row * every
         hf = layout.write(kind, layer)
         if kind == layout.EXPERTS:
             for e, expert in enumerate(hf):
@@ -170,9 +171,9 @@ def _write_tensors(staging: Path, cfg: ModelConfig, read_leaf, dtype,
             pending, size = {}, 0
 
     table = layout.tensors(cfg)
-    first = {run.key: run.first for run in runs(cfg)}
     for path in leaf_paths(cfg):
-        for name, tensor in hf_tensors(table, path, read_leaf(path), first.get(path[0], 0)):
+        at = layout.numbering(cfg, path) if is_blocks(path[0]) else (0, 1)
+        for name, tensor in hf_tensors(table, path, read_leaf(path), *at):
             tensor = np.ascontiguousarray(tensor.astype(dtype))
             if pending and size + tensor.nbytes > max_shard_bytes:
                 flush()

@@ -88,6 +88,34 @@ _DEEPSEEK_V3_MOE = _QWEN3_MOE | {
      for w, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))}
 
 
+# Gemma 3's blocks: four norms (HF's post_attention_layernorm is the attention output's,
+# not the MLP input's as in Llama), q/k norms, a dense MLP.
+_GEMMA3 = {k: v for k, v in (_COMMON | _QK_NORMS | _MLP).items() if k[0] == "blocks"} | {
+    ("blocks", "attn_out_norm", "scale"): (LAYER + "post_attention_layernorm.weight", SAME),
+    ("blocks", "mlp_norm", "scale"): (LAYER + "pre_feedforward_layernorm.weight", SAME),
+    ("blocks", "mlp_out_norm", "scale"): (LAYER + "post_feedforward_layernorm.weight", SAME),
+}
+
+
+def _per_run(cfg, table: dict, blocks: dict) -> dict:
+    """`table`'s model-wide entries, then `blocks`' entries for each run's stack; a periodic
+    run's under each position of its period (`layer_j`, `models.llama.Period`)."""
+    table = {k: v for k, v in table.items() if k[0] != "blocks"}
+    for run in runs(cfg):
+        within = [(f"layer_{j}",) for j in range(run.period)] if run.period > 1 else [()]
+        table |= {(run.key, *j, *k[1:]): v for j in within for k, v in blocks.items()}
+    return table
+
+
+def numbering(cfg, path: tuple[str, ...]) -> tuple[int, int]:
+    """(the HF layer index of a block stack's first row, the step between rows) for the
+    stacked parameter at `path`: a periodic run's j-th block of each row is every
+    `period`-th layer from its first + j."""
+    run = next(r for r in runs(cfg) if r.key == path[0])
+    j = int(path[1][len("layer_"):]) if run.period > 1 else 0
+    return run.first + j, run.period
+
+
 def tensors(cfg) -> dict[tuple[str, ...], tuple[str, str]]:
     """The HF tensor name and layout of each parameter of `cfg` (a `ModelConfig`), in the
     order an export writes them. Its HF family follows from the config: experts with q/k
@@ -104,6 +132,8 @@ def tensors(cfg) -> dict[tuple[str, ...], tuple[str, str]]:
             blocks = per_run | (_DEEPSEEK_V3_MOE if run.moe else _MLP)
             table |= {(run.key, *k[1:]): v for k, v in blocks.items()}
         return table
+    if cfg.sandwich_norms:
+        return _per_run(cfg, table, _GEMMA3)
     if cfg.qk_norm:
         table |= _QK_NORMS
     if cfg.n_experts:

@@ -163,6 +163,15 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None,
     table = layout.tensors(cfg)
     # Each run's stack holds its own layers: their model indices, in stored order.
     order = {run.key: order_of(plan)[run.first:run.first + run.n_layers] for run in runs(cfg)}
+
+    def stored(keys, abstract):
+        """The HF layers of a stack's stored rows: a periodic run's j-th blocks are every
+        period-th layer (`layout.numbering`), its rows in model order."""
+        if not is_blocks(keys[0]):
+            return None
+        first, every = layout.numbering(cfg, keys)
+        return order[keys[0]] if every == 1 else first + every * np.arange(abstract.shape[0])
+
     adapters = dict(jax.tree_util.tree_leaves_with_path(adapters or {}))
     is_nf4 = lambda x: isinstance(x, nf4.Nf4)
     # Every NF4 stack starts as zeros, all made by one program, then filled layer by layer.
@@ -180,6 +189,6 @@ def load_params(hf_dir: str | Path, plan, source: Source | None = None,
         if is_nf4(abstract):  # the plan stores this weight NF4-quantized (QLoRA)
             return _quantized_leaf(source, table, keys, stacks[path], sharding,
                                    order[BLOCKS], plan.double_quant)
-        return _leaf(source, table, keys, abstract, sharding, order.get(keys[0]))
+        return _leaf(source, table, keys, abstract, sharding, stored(keys, abstract))
     return jax.tree_util.tree_map_with_path(one, plan.abstract.params, plan.shardings.params,
                                             is_leaf=is_nf4)

@@ -61,6 +61,19 @@ class ModelConfig:
     # With sliding_window: every N-th layer attends to all keys, the others to the window
     # (gpt-oss: 2, Gemma 3: 6; HF's layer_types / sliding_window_pattern); 0: all windowed.
     full_attention_every: int = 0
+    # Gemma 3's differences from Llama, each off by default. RMSNorm scales by (1 + weight),
+    # the weight starting at 0 (`norm_plus_one`); each block also normalises its attention's
+    # and its MLP's output before adding them to the residual stream (`sandwich_norms`); the
+    # gated MLP's activation (`mlp_activation`: silu, or gelu_tanh); the embedded tokens are
+    # scaled by sqrt(d_model) (`embed_scale`); scores scaled by query_pre_attn_scalar**-0.5
+    # instead of head_dim**-0.5 (0: head_dim); the sliding-window layers' own rope base
+    # (`rope_local_theta`, 0: rope_theta).
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    mlp_activation: str = "silu"
+    embed_scale: bool = False
+    query_pre_attn_scalar: float = 0.0
+    rope_local_theta: float = 0.0
     shape_only: bool = False  # too big to allocate on a CPU: planning and AOT compiles only
     # Mixture of experts (n_experts = 0: dense SwiGLU MLP in every block).
     n_experts: int = 0
@@ -146,7 +159,7 @@ class ModelConfig:
 
     def block_params(self, moe: bool) -> int:
         """One block's parameters: routed (with any shared expert) or dense."""
-        d, norms = self.d_model, 2 * self.d_model
+        d, norms = self.d_model, (4 if self.sandwich_norms else 2) * self.d_model
         if not moe:
             return self.attention_params() + 3 * d * (self.dense_d_ff or self.d_ff) + norms
         shared = 3 * d * self.shared_d_ff + d * self.shared_gate
@@ -225,6 +238,7 @@ class ModelConfig:
                 f"--sliding-window {self.sliding_window} must be at least 1 (one key: the "
                 "query's own); leave it out for full attention")
         require(self.rope_theta > 1, f"rope_theta={self.rope_theta} must be greater than 1")
+        validate_gemma(self)
         if (rs := self.rope_scaling) is not None:
             require(rs.rope_type in ("llama3", "yarn"), f"rope scaling type {rs.rope_type!r}: "
                     "use llama3 or yarn")
@@ -249,6 +263,21 @@ def validate_routing(cfg: ModelConfig) -> None:
     require(cfg.top_k <= kg * e // g, f"--top-k {cfg.top_k} is more than the {kg * e // g} "
             f"experts of {kg} groups; raise --topk-groups")
     require(cfg.routed_scale > 0, f"--routed-scale {cfg.routed_scale} must be positive")
+
+
+def validate_gemma(cfg: ModelConfig) -> None:
+    require(cfg.mlp_activation in ("silu", "gelu_tanh"), f"unknown MLP activation "
+            f"{cfg.mlp_activation!r}; use silu or gelu_tanh")
+    require(cfg.mlp_activation == "silu" or not cfg.n_experts, "experts run SwiGLU (silu) "
+            f"only; a mixture of experts cannot take the {cfg.mlp_activation} activation")
+    require(cfg.query_pre_attn_scalar >= 0, f"query_pre_attn_scalar "
+            f"{cfg.query_pre_attn_scalar} must be 0 (head_dim) or positive")
+    require(cfg.rope_local_theta == 0 or (cfg.rope_local_theta > 1 and cfg.sliding_window),
+            f"rope_local_theta {cfg.rope_local_theta} is the rope base of sliding-window "
+            "layers: give a value above 1 and --sliding-window N, or 0")
+    require(not cfg.kv_lora_rank or not (cfg.norm_plus_one or cfg.sandwich_norms or
+                                         cfg.query_pre_attn_scalar or cfg.rope_local_theta),
+            "MLA takes none of Gemma 3's norms, query scale or local rope base; drop them")
 
 
 def validate_mla(cfg: ModelConfig) -> None:

@@ -28,15 +28,19 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(NORM,),
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
+        # Gemma's scales by (1 + scale), the stored scale starting at 0 (as HF stores it, so
+        # its files round-trip bitwise).
+        start = jnp.zeros if plus_one else jnp.ones
+        self.scale = nnx.Param(start((dim,), jnp.float32), out_sharding=(NORM,),
                                eager_sharding=False)
-        self.eps = eps
+        self.eps, self.plus_one = eps, plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(accumulator(x))
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(x32.dtype)).astype(x.dtype)
+        scale = self.scale[...].astype(x32.dtype)
+        return (normed * (1 + scale if self.plus_one else scale)).astype(x.dtype)
 
 
 @functools.lru_cache(maxsize=64)

@@ -47,6 +47,9 @@ from jdist.spmd.axes import (
 )
 
 RESIDUAL = (BATCH, LENGTH, ACT_EMBED)
+# The gated MLP's activations (`ModelConfig.mlp_activation`): gelu_tanh is HF's
+# gelu_pytorch_tanh (Gemma 3).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 # Keys (or values) of every layer while decoding: [layers, batch, max_len, kv_heads, head_dim].
 KV_CACHE = (LAYERS, BATCH, KV_LENGTH, KV_HEADS, HEAD_DIM)
 _named = checkpoint_name
@@ -63,11 +66,18 @@ class Attention(nnx.Module):
         self.wv = param(rngs, (d, cfg.n_kv_heads, hd), (EMBED, KV_HEADS, HEAD_DIM))
         self.wo = param(rngs, (cfg.n_heads, hd, d), (HEADS, HEAD_DIM, EMBED), std=out_std)
         # Qwen3 normalises each query and key head (its own scale over head_dim) before RoPE.
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_plus_one) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps, cfg.norm_plus_one) if cfg.qk_norm else None
         # Static per module, so a stack of layers with another window is another stack
         # (`models.runs`: the run's, else the config's).
         self.window = window
+        # Which rotary tables of `rotary_of` this layer turns q and k by: a sliding-window
+        # layer's own (Gemma 3's local rope base), else the model's.
+        self.rope_half = (1 if window is not None else 0) if cfg.rope_local_theta else None
+        # Kernels scale scores by head_dim**-0.5; Gemma 3's query_pre_attn_scalar**-0.5 is
+        # that times this factor, applied to q so every kernel (and the cache) gets it.
+        scalar = cfg.query_pre_attn_scalar
+        self.q_scale = (hd / scalar) ** 0.5 if scalar and scalar != hd else None
         self.sinks = param(rngs, (cfg.n_heads,), (HEADS,)) if cfg.attention_sinks else None
         # LoRA adapters (None unless cfg.lora targets them), drawn from their own rng stream
         # so the base weights are the same with and without them.
@@ -89,7 +99,11 @@ class Attention(nnx.Module):
         v = c(_named(adapted(x, v, self.v_lora), remat.VALUE), kv_names)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_half is not None:
+            cos, sin = (jnp.split(t, 2, axis=-1)[self.rope_half] for t in (cos, sin))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_scale is not None:
+            q = q * jnp.asarray(self.q_scale, q.dtype)
         if cache is not None:
             return self.cached_attention(q, k, v, cache, ctx)
         attend = ctx.attention or dot_product_attention
@@ -140,6 +154,7 @@ class SwiGLU(nnx.Module):
         self.gate_lora = adapter(cfg.lora, "gate", self.w_gate, 1, rngs)
         self.up_lora = adapter(cfg.lora, "up", self.w_up, 1, rngs)
         self.down_lora = adapter(cfg.lora, "down", self.w_down, 1, rngs)
+        self.activation = cfg.mlp_activation
 
     def __call__(self, x: jax.Array, ctx: ModelContext) -> jax.Array:
         names = (BATCH, LENGTH, MLP)
@@ -147,7 +162,7 @@ class SwiGLU(nnx.Module):
                              (names, names))
         gate = _named(adapted(x, gate, self.gate_lora), remat.MLP_GATE)
         up = _named(adapted(x, up, self.up_lora), remat.MLP_UP)
-        hidden = ctx.constrain(jax.nn.silu(gate) * up, names)
+        hidden = ctx.constrain(ACTIVATIONS[self.activation](gate) * up, names)
         down = ctx.narrow(hidden, weight(self.w_down, hidden), "bsf,fe->bse", names)
         return _named(adapted(hidden, down, self.down_lora), remat.MLP_DOWN)
 
@@ -157,10 +172,14 @@ class Block(nnx.Module):
                  window: int | None = None):
         run = run or runs(cfg)[0]
         window = window if run.windows else cfg.sliding_window
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one)
+        self.attn_norm = norm()
         self.attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
             Attention(cfg, rngs, window)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp_norm = norm()
+        # Gemma 3 also normalises the attention's and the MLP's outputs (`sandwich_norms`).
+        self.attn_out_norm = norm() if cfg.sandwich_norms else None
+        self.mlp_out_norm = norm() if cfg.sandwich_norms else None
         self.mlp = MoE(cfg, rngs) if run.moe else SwiGLU(cfg, rngs, run.d_ff)
         # A shared expert beside the routed ones, for every token.
         shared = run.moe and cfg.shared_d_ff
@@ -169,8 +188,10 @@ class Block(nnx.Module):
             if shared and cfg.shared_gate else None
 
     def feed_forward(self, x: jax.Array, ctx: ModelContext) -> tuple[jax.Array, dict]:
-        """The MLP (or the routed experts, plus any shared expert) and the MoE balance
-        statistics ({} if dense)."""
+        """The MLP (or the routed experts, plus any shared expert) of the normed `x`
+        (then normed again with `sandwich_norms`) and the MoE balance statistics ({} if
+        dense)."""
+        x = self.mlp_norm(x)
         out = self.mlp(x, ctx)
         out, stats = out if isinstance(out, tuple) else (out, {})
         if self.shared_mlp is not None:
@@ -178,14 +199,14 @@ class Block(nnx.Module):
             if self.shared_gate is not None:
                 shared = shared * jax.nn.sigmoid(x @ weight(self.shared_gate, x))
             out = out + shared
-        return out, stats
+        return _normed(self.mlp_out_norm, out), stats
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: ModelContext,
                  segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Returns the new residual stream and the MoE balance statistics ({} if dense)."""
-        x = ctx.constrain(x + self.attn(self.attn_norm(x), cos, sin, ctx, segment_ids),
-                          RESIDUAL)
-        out, stats = self.feed_forward(self.mlp_norm(x), ctx)
+        h = self.attn(self.attn_norm(x), cos, sin, ctx, segment_ids)
+        x = ctx.constrain(x + _normed(self.attn_out_norm, h), RESIDUAL)
+        out, stats = self.feed_forward(x, ctx)
         return ctx.constrain(x + out, RESIDUAL), stats
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ctx: ModelContext,
@@ -193,9 +214,13 @@ class Block(nnx.Module):
         """The block over a KV cache (`Attention.cached_attention`): returns the new residual
         stream and the updated cache. MoE balance statistics are dropped."""
         h, kv = self.attn(self.attn_norm(x), cos, sin, ctx, cache=cache)
-        x = ctx.constrain(x + h, RESIDUAL)
-        out, _ = self.feed_forward(self.mlp_norm(x), ctx)
+        x = ctx.constrain(x + _normed(self.attn_out_norm, h), RESIDUAL)
+        out, _ = self.feed_forward(x, ctx)
         return ctx.constrain(x + out, RESIDUAL), kv
+
+
+def _normed(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+    return x if norm is None else norm(x)
 
 
 class Period(nnx.Module):
@@ -243,6 +268,18 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, run: Run | None = None) -> 
     return make(rngs)
 
 
+def rotary_of(cfg: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
+    """The model's rotary tables (`rotary_tables`) of `positions`. With a local rope base
+    (`rope_local_theta`, Gemma 3), the global tables then the local ones along the last axis:
+    one pair of arrays, so stages and loops pass them as before, and each layer takes its
+    half (`Attention.rope_half`)."""
+    tables = rotary_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+    if not cfg.rope_local_theta:
+        return tables
+    local = rotary_tables(positions, cfg.rope_dim, cfg.rope_local_theta)
+    return tuple(jnp.concatenate(pair, axis=-1) for pair in zip(tables, local))
+
+
 def _concatenated(stats: list[dict]) -> dict:
     """The runs' per-layer statistics as one stack: runs without experts have none."""
     stats = [s for s in stats if s]
@@ -257,7 +294,7 @@ class Llama(nnx.Module):
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), (VOCAB, EMBED))
         for run in runs(cfg):  # `blocks`, then `blocks_1`, ... (models.runs)
             setattr(self, run.key, stacked_blocks(cfg, rngs, run))
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one)
         if cfg.mtp_depth:  # one dense block of its own (models.mtp)
             dense = Run(MTP, cfg.n_layers, 1, False, cfg.dense_d_ff or cfg.d_ff)
             self.mtp = MultiTokenPrediction(cfg, rngs, Block(cfg, rngs, dense))
@@ -290,11 +327,14 @@ class Llama(nnx.Module):
         dtype. Rows are taken from the float32 table, so the gradient's scatter-add
         accumulates in float32."""
         if ctx.embed_lookup is not None:  # the step's, on the table it keeps sharded
-            return ctx.constrain(ctx.embed_lookup(tokens), RESIDUAL)
-        # Gathering rows of a vocab/fsdp-sharded table makes GSPMD replicate it clumsily
-        # ("involuntary full rematerialization"); all-gather it explicitly instead.
-        table = ctx.constrain(self.embed[...], (None, ACT_EMBED))
-        rows = jnp.take(table, tokens, axis=0).astype(ctx.compute_dtype)
+            rows = ctx.embed_lookup(tokens)
+        else:
+            # Gathering rows of a vocab/fsdp-sharded table makes GSPMD replicate it clumsily
+            # ("involuntary full rematerialization"); all-gather it explicitly instead.
+            table = ctx.constrain(self.embed[...], (None, ACT_EMBED))
+            rows = jnp.take(table, tokens, axis=0).astype(ctx.compute_dtype)
+        if self.config.embed_scale:  # Gemma: times sqrt(d_model), in the rows' dtype as HF
+            rows = rows * jnp.asarray(self.config.d_model ** 0.5, rows.dtype)
         return ctx.constrain(rows, RESIDUAL)
 
     def run_blocks(self, x: jax.Array, ctx: ModelContext = LOCAL,
@@ -327,9 +367,8 @@ class Llama(nnx.Module):
     def rotary(self, length: int, positions=None) -> tuple[jax.Array, jax.Array]:
         """The rotary tables of `positions` (default 0..length-1). Concrete positions are
         computed on the host in float64 (models.layers)."""
-        cfg = self.config
         positions = np.arange(length) if positions is None else positions
-        return rotary_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        return rotary_of(self.config, positions)
 
     def predict_after_next(self, y: jax.Array, tokens: jax.Array, ctx: ModelContext = LOCAL,
                            positions=None, segment_ids=None) -> jax.Array:
@@ -352,8 +391,7 @@ class Llama(nnx.Module):
         cfg = self.config
         # Host float64 tables of every slot, then rows by position: the values the training
         # forward computes for the same positions.
-        cos, sin = rotary_tables(np.arange(kv[0].shape[2]), cfg.rope_dim, cfg.rope_theta,
-                                 cfg.rope_scaling)
+        cos, sin = rotary_of(cfg, np.arange(kv[0].shape[2]))
         names = LATENT_CACHE if cfg.kv_lora_rank else KV_CACHE
         cos, sin = jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
         carry = (self.embed_tokens(tokens, ctx), *kv, jnp.int32(0))
