@@ -2,6 +2,7 @@
 test or parameter set would otherwise drop out of the list silently and slow the fast tier."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,9 @@ def test_every_slow_entry_names_a_test():
     if with_params:  # parameter ids exist only once collected
         listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-n0",
                                  "-p", "no:cacheprovider", *sorted(with_params)],
-                                capture_output=True, text=True, cwd=TESTS, timeout=300).stdout
+                                capture_output=True, text=True, cwd=TESTS, timeout=300,
+                                # this checkout's jdist, not whichever one pip installed
+                                env={**os.environ, "PYTHONPATH": str(TESTS.parent)}).stdout
         ids = {line.split("/")[-1] for line in listed.splitlines() if "::" in line}
         missing += [f"{e} (no such parameters)" for e in entries if "[" in e and e not in ids]
     assert not missing, missing
