@@ -33,7 +33,7 @@ OLD_CONFIG_JSON = {
     "double_quant": False, "save_base": False, "n_layers": None, "d_model": None,
     "n_heads": None, "n_kv_heads": None, "d_ff": None, "vocab_size": None,
     "tie_embeddings": None, "qk_norm": None, "sliding_window": None, "attention_sinks": None,
-    "full_attention_every": None,
+    "full_attention_every": None, "nope_every": None,
     "first_dense_layers": None, "dense_d_ff": None,
     "n_experts": None, "top_k": None, "moe_routing": None,
     "shared_d_ff": None, "shared_gate": None, "capacity_factor": None, "aux_loss_weight": None,

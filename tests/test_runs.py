@@ -118,6 +118,12 @@ def test_a_repeating_attention_pattern_is_one_run_of_periods():
                                 full_attention_every=6)
     assert [(r.first, r.rows, r.windows) for r in runs(gemma)] == \
         [(0, 10, (1024,) * 5 + (None,)), (60, 2, (1024,))]
+    # Llama 4's NoPE layers (every 4th without rotary embeddings), with a window pattern:
+    # one period of lcm(2, 4) blocks.
+    nope = dataclasses.replace(get_preset("tiny"), n_layers=8, sliding_window=8,
+                               full_attention_every=2, nope_every=4)
+    assert [(r.rows, r.kinds) for r in runs(nope)] == \
+        [(2, ((8, True), (None, True), (8, True), (None, False)))]
     mixed = dataclasses.replace(HETERO, n_layers=6, first_dense_layers=1, sliding_window=8,
                                 full_attention_every=2)
     assert [(r.key, r.first, r.n_layers, r.moe, r.windows) for r in runs(mixed)] == [
@@ -126,13 +132,13 @@ def test_a_repeating_attention_pattern_is_one_run_of_periods():
 
 
 PATTERN = dataclasses.replace(get_preset("tiny"), n_layers=4, sliding_window=8,
-                              full_attention_every=2)
+                              full_attention_every=2, nope_every=2)
 
 
 @pytest.mark.slow  # 2 compiles
 def test_sliding_and_full_layers_in_turn_match_single_device(corpus, single_device):
-    """One run whose rows are (sliding, full) periods; the window reaches the kernel of
-    each block (the flash kernel here, xla on one device)."""
+    """One run whose rows are (sliding with rotary embeddings, full without) periods; the
+    window reaches the kernel of each block (the flash kernel here, xla on one device)."""
     run = train_steps(PATTERN, "fsdp=2,tp=2", corpus.train, config(attention="flash"))
     assert set(run.grads["blocks"]) == {"layer_0", "layer_1"}
     assert_matches(run, single_device(PATTERN))

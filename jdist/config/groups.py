@@ -60,6 +60,8 @@ class ModelFlags:
                                         "softmax's denominator, as gpt-oss has")
     full_attention_every: int | None = flag(None, "with --sliding-window: every N-th layer "
                                             "attends to all keys (gpt-oss 2, Gemma 3 6)")
+    nope_every: int | None = flag(None, "every N-th layer attends without rotary embeddings "
+                                  "(Llama 4, SmolLM3: 4)")
     n_experts: int | None = flag(None, "experts per MoE layer (0: dense MLP); presets "
                                  "moe-tiny, moe-small, mixtral-8x7b, qwen3-30b-a3b")
     top_k: int | None = flag(None, "experts per token (1 or 2 typical)")

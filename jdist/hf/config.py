@@ -180,6 +180,9 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
             "export to Hugging Face of sliding-window or sink attention is not supported yet "
             "(Llama, Qwen3 and Mixtral files have neither); train without --sliding-window "
             "and --attention-sinks")
+    require(not cfg.nope_every, "export to Hugging Face of layers without rotary embeddings "
+            "is not supported (Llama, Qwen3 and Mixtral files rotate every layer); train "
+            "without --nope-every")
     kind = {(False, False): "llama", (True, False): "qwen3", (False, True): "mixtral",
             (True, True): "qwen3_moe"}[cfg.qk_norm, bool(cfg.n_experts)]
     family = {"use_sliding_window": False, "sliding_window": None,

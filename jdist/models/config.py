@@ -74,6 +74,9 @@ class ModelConfig:
     embed_scale: bool = False
     query_pre_attn_scalar: float = 0.0
     rope_local_theta: float = 0.0
+    # Every N-th layer attends without rotary embeddings (Llama 4's and SmolLM3's NoPE
+    # layers: 4); 0: every layer rotates.
+    nope_every: int = 0
     shape_only: bool = False  # too big to allocate on a CPU: planning and AOT compiles only
     # Mixture of experts (n_experts = 0: dense SwiGLU MLP in every block).
     n_experts: int = 0
@@ -234,6 +237,8 @@ class ModelConfig:
             not self.full_attention_every or self.sliding_window is not None),
             f"--full-attention-every {self.full_attention_every} alternates full attention "
             "with a sliding window: give --sliding-window N too (0: every layer windowed)")
+        require(self.nope_every >= 0, f"--nope-every {self.nope_every} must be 0 (rotary "
+                "embeddings in every layer) or positive")
         require(self.sliding_window is None or self.sliding_window >= 1,
                 f"--sliding-window {self.sliding_window} must be at least 1 (one key: the "
                 "query's own); leave it out for full attention")
@@ -292,6 +297,8 @@ def validate_mla(cfg: ModelConfig) -> None:
             "latent) or positive")
     require(not cfg.qk_norm and cfg.lora is None, "MLA takes neither --qk-norm nor LoRA "
             "adapters; drop them")
+    require(not cfg.nope_every, "MLA's rotary part is its own (rope_head_dim); drop "
+            "--nope-every")
     require(cfg.sliding_window is None and not cfg.attention_sinks, "MLA takes no "
             "--sliding-window or --attention-sinks yet (DeepSeek-V3 has neither); drop them")
 

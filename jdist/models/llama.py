@@ -58,7 +58,8 @@ _named = checkpoint_name
 class Attention(nnx.Module):
     """Column-parallel Q/K/V (heads split), row-parallel output projection."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, window: int | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, window: int | None = None,
+                 rope: bool = True):
         d, hd = cfg.d_model, cfg.dim_per_head
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
         self.wq = param(rngs, (d, cfg.n_heads, hd), (EMBED, HEADS, HEAD_DIM))
@@ -78,6 +79,7 @@ class Attention(nnx.Module):
         # that times this factor, applied to q so every kernel (and the cache) gets it.
         scalar = cfg.query_pre_attn_scalar
         self.q_scale = (hd / scalar) ** 0.5 if scalar and scalar != hd else None
+        self.rope = rope  # NoPE layers (`models.runs.kind_of`) rotate nothing
         self.sinks = param(rngs, (cfg.n_heads,), (HEADS,)) if cfg.attention_sinks else None
         # LoRA adapters (None unless cfg.lora targets them), drawn from their own rng stream
         # so the base weights are the same with and without them.
@@ -101,7 +103,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_half is not None:
             cos, sin = (jnp.split(t, 2, axis=-1)[self.rope_half] for t in (cos, sin))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.rope:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.q_scale is not None:
             q = q * jnp.asarray(self.q_scale, q.dtype)
         if cache is not None:
@@ -169,13 +172,14 @@ class SwiGLU(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, run: Run | None = None,
-                 window: int | None = None):
+                 kind: tuple | None = None):
         run = run or runs(cfg)[0]
-        window = window if run.windows else cfg.sliding_window
+        # (window, rope) of this block (`models.runs.kind_of`), or the config's.
+        window, rope = kind or (cfg.sliding_window, True)
         norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_plus_one)
         self.attn_norm = norm()
         self.attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
-            Attention(cfg, rngs, window)
+            Attention(cfg, rngs, window, rope)
         self.mlp_norm = norm()
         # Gemma 3 also normalises the attention's and the MLP's outputs (`sandwich_norms`).
         self.attn_out_norm = norm() if cfg.sandwich_norms else None
@@ -229,8 +233,8 @@ class Period(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, run: Run):
         self.period = run.period
-        for j, window in enumerate(run.windows):
-            setattr(self, f"layer_{j}", Block(cfg, rngs, run, window))
+        for j, kind in enumerate(run.kinds):
+            setattr(self, f"layer_{j}", Block(cfg, rngs, run, kind))
 
     def blocks(self) -> list[Block]:
         return [getattr(self, f"layer_{j}") for j in range(self.period)]
@@ -263,7 +267,7 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, run: Run | None = None) -> 
     def make(rngs: nnx.Rngs) -> Block | Period:
         if run.period > 1:
             return Period(cfg, rngs, run)
-        return Block(cfg, rngs, run, run.windows[0] if run.windows else None)
+        return Block(cfg, rngs, run, run.kinds[0] if run.kinds else None)
 
     return make(rngs)
 
