@@ -17,7 +17,11 @@ from `np.memmap` files in DIR one layer at a time, as a disk-offloaded optimizer
 stream them; the files are flushed (fsync) before a write is timed as done, and evicted from
 the page cache (posix_fadvise DONTNEED) before they are read, so a read comes from the disk.
 
-    python benchmarks/offload.py [--modes none,optimizer,params] [--disk DIR] [--layers 4] [--json]
+Streaming (`--disk DIR`): a real `--offload disk` run with its moments' files in DIR, the
+bytes and seconds of the per-layer reads and writes (`streaming_row`).
+
+    python benchmarks/offload.py [--modes none,optimizer,params,disk] [--disk DIR]
+        [--layers 4] [--stream-steps 2] [--json]
 """
 
 from __future__ import annotations
@@ -61,11 +65,80 @@ def memory_row(mode: str) -> dict:
     seconds = time.perf_counter() - start
     args = arguments(compiled.as_text())
     device_args = sum(b for b, host in args if not host)
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    return {"offload": mode, "device_arguments": device_args,
-            "host_arguments": sum(b for b, host in args if host), "temporaries": temp,
-            "device_total": device_args + temp,
-            "predicted": predict(plan, BATCH, SEQ).total, "compile_s": round(seconds, 1)}
+    analysis = compiled.memory_analysis()
+    # --offload disk's device program returns the gradients (the walk reads them); every
+    # other mode's outputs alias its donated state.
+    temp = analysis.temp_size_in_bytes + (analysis.output_size_in_bytes if plan.on_disk else 0)
+    row = {"offload": mode, "device_arguments": device_args,
+           "host_arguments": sum(b for b, host in args if host), "temporaries": temp,
+           "device_total": device_args + temp,
+           "predicted": 0 if plan.on_disk else predict(plan, BATCH, SEQ).total,
+           "compile_s": round(seconds, 1)}
+    if plan.on_disk:
+        row["update_peak"] = disk_update_peak(plan)
+        row["device_total"] = max(row["device_total"], row["update_peak"])
+    return row
+
+
+def disk_update_peak(plan) -> int:
+    """--offload disk: the largest per-device footprint of the walk's programs (one layer's,
+    and the embedding's and head's), each compiled on abstract inputs: parameters and
+    gradients whole, one group's moments in and out, temporaries."""
+    from jdist.step.disk_update import LayerUpdate
+
+    update, peak = LayerUpdate(plan), 0
+    for whole in (False, True):
+        members = next(m for layer, m in update.walk if (layer is None) == whole)
+        a = update.compiled(whole, members).lower(
+            *update.abstract_args(whole, members)).compile().memory_analysis()
+        peak = max(peak, a.argument_size_in_bytes + a.output_size_in_bytes
+                   - a.alias_size_in_bytes + a.temp_size_in_bytes)
+    return peak
+
+
+def streaming_row(directory: str, steps: int, evict: bool) -> dict:
+    """--offload disk in a real run: a 4-layer d_model 512 model (17M parameters, 134 MB
+    of moments) on fsdp=4,tp=2 for `steps` steps with its files in `directory`; the bytes
+    and seconds of the walk's reads (on its thread) and writes (`LayerUpdate.io`), after a
+    first step that compiles. `evict`: the files' pages dropped from the page cache before
+    each step, so the reads come from the disk (else from the cache the last step wrote)."""
+    from pathlib import Path
+
+    import jax
+
+    from jdist import data
+    from jdist.step import moment_files
+    from jdist.step.build import make_train_step
+    from jdist.step.state import init_state
+
+    config = TrainConfig.of(model="small", mesh="fsdp=4,tp=2", offload="disk", batch_size=8,
+                            seq_len=128, d_model=512, n_heads=8, n_kv_heads=8, d_ff=2048,
+                            n_layers=4, vocab_size=4096, compute_dtype="float32")
+    _, plan, _ = plan_for(config)
+    state = init_state(plan, 0)
+    state = state._replace(opt_state=moment_files.to_disk(
+        state.opt_state, Path(directory), moment_files.stacked_keys(plan)))
+    step = make_train_step(plan)
+    tokens = np.random.default_rng(0).integers(0, 4096, 1 << 20, dtype=np.int32)
+    for i in range(steps + 1):
+        if i == 1:  # the first step compiled the programs
+            step.update.io.update(read_bytes=0, read_s=0.0, write_bytes=0, write_s=0.0)
+            start = time.perf_counter()
+        if evict:
+            for f in moment_files.moments(state.opt_state).values():
+                fd = os.open(f.filename, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        batch = data.global_batch(tokens, 0, i, 8, 128, plan.batch_sharding)
+        state, metrics = step(state, batch)
+        jax.block_until_ready(state.params)
+    seconds = time.perf_counter() - start
+    io = step.update.io
+    for f in moment_files.moments(state.opt_state).values():
+        os.remove(f.filename)
+    return {"evict": evict, "steps": steps, "step_s": seconds / steps, **io,
+            "read_gbps": io["read_bytes"] / io["read_s"] / 1e9,
+            "write_gbps": io["write_bytes"] / io["write_s"] / 1e9}
 
 
 def disk_row(directory: str, layers: int) -> dict:
@@ -107,9 +180,13 @@ def main() -> None:
     parser.add_argument("--modes", default="none,optimizer,params")
     parser.add_argument("--disk", default="", help="a directory on the disk to measure")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--stream-steps", type=int, default=2,
+                        help="with --disk: steps of a real --offload disk run to time")
     args = parser.parse_args()
-    rows = [memory_row(mode) for mode in args.modes.split(",")]
+    rows = [memory_row(mode) for mode in args.modes.split(",") if mode]
     disk = disk_row(args.disk, args.layers) if args.disk else None
+    streams = [streaming_row(args.disk, args.stream_steps, evict) for evict in (False, True)] \
+        if args.disk and args.stream_steps else []
     gib = lambda key: Column(key.replace("_", " "), "10.2f", key, scale=GiB)
 
     def text():
@@ -125,8 +202,20 @@ def main() -> None:
                    f"{disk['bytes_per_layer'] / 2**20:.0f} MiB (one device's AdamW moments "
                    f"per layer): write {disk['write_gbps']:.2f} GB/s, read "
                    f"{disk['read_gbps']:.2f} GB/s")
+        for s in streams:
+            yield (f"--offload disk streaming in a real run ({s['steps']} steps, "
+                   f"{'pages evicted before each step' if s['evict'] else 'page cache'}): "
+                   f"read {s['read_bytes'] / 2**20:.0f} MiB in {s['read_s']:.2f}s "
+                   f"({s['read_gbps']:.2f} GB/s), wrote {s['write_bytes'] / 2**20:.0f} MiB "
+                   f"in {s['write_s']:.2f}s ({s['write_gbps']:.2f} GB/s); "
+                   f"{s['step_s']:.2f} s/step")
+        for row in rows:
+            if "update_peak" in row:
+                yield (f"--offload disk: the walk's largest program {row['update_peak'] / GiB:.2f} "
+                       "GiB per device (device total is the larger of it and the gradient "
+                       "program's; predicted: the memory model does not know disk yet, 0)")
 
-    common.emit({"memory": rows, "disk": disk}, args.json, text)
+    common.emit({"memory": rows, "disk": disk, "streaming": streams}, args.json, text)
 
 
 if __name__ == "__main__":

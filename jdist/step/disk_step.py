@@ -26,7 +26,8 @@ class DiskStep:
         def grads_step(params, batch):
             loss, extra, grads, loads = gradients(plan, params, batch)
             return {"loss": loss, "grad_norm": optax.tree.norm(grads), **extra}, grads, loads
-        self.grads_step = jax.jit(grads_step)
+        batch_sh = {"inputs": plan.batch_sharding, "targets": plan.batch_sharding}
+        self.grads_step = jax.jit(grads_step, in_shardings=(plan.shardings.params, batch_sh))
         self.rebalance = jax.jit(lambda params, loads, ok: trainable.rebalanced(
             plan.model, params, loads, ok), donate_argnums=0)
 

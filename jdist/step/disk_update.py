@@ -122,6 +122,22 @@ class LayerUpdate:
             self.io["write_bytes"] += rows.nbytes
         self.io["write_s"] += time.perf_counter() - start
 
+    def abstract_args(self, whole: bool, members: tuple[str, ...]) -> tuple:
+        """The arguments of `compiled(whole, members)`, abstract, with their shardings (to
+        lower it for its memory: `benchmarks/offload.py`)."""
+        plan, placed = self.plan, lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                    sharding=s)
+        state = dict(tree_flatten_with_path(plan.abstract.opt_state)[0])
+        moments = {k: placed(jax.ShapeDtypeStruct(
+            state_leaf.shape[0 if whole else 1:], state_leaf.dtype),
+            self.shardings[k] if whole else slice_sharding(self.shardings[k]))
+            for k in self.moment_keys(members)
+            for state_leaf in [next(v for p, v in state.items() if keystr(p) == k)]}
+        counts = {keystr(p): v for p, v in state.items() if param_key(p) is None}
+        return (jax.tree.map(placed, plan.abstract.params, plan.shardings.params),
+                jax.tree.map(placed, plan.abstract.params, plan.grad_shardings), moments,
+                counts, jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+
     def compiled(self, whole: bool, members: tuple[str, ...]):
         """The jitted update of one group: `members`' rows at a traced layer index (each
         layer compiles once), or the parameters outside the stacks whole."""
