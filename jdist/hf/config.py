@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from jdist.errors import require
-from jdist.hf import deepseek, gemma
+from jdist.hf import deepseek, gemma, gpt_oss
 from jdist.models.config import ModelConfig, RopeScaling
 
 CONFIG = "config.json"
@@ -101,6 +101,8 @@ def model_config(hf_dir: str | Path) -> ModelConfig:
         return deepseek.model_config(c, where, rope_fields(c))
     if c.get("model_type") == gemma.MODEL_TYPE:
         return gemma.model_config(c, where)
+    if c.get("model_type") == gpt_oss.MODEL_TYPE:
+        return gpt_oss.model_config(c, where, rope_fields(c))
     _refuse_unsupported(c, where)
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "intermediate_size"):
@@ -171,11 +173,16 @@ def hf_config(cfg: ModelConfig, torch_dtype: str = "float32",
         return deepseek.hf_config(cfg, torch_dtype, carried)
     if cfg.sandwich_norms:
         return gemma.hf_config(cfg, torch_dtype, carried)
+    if gpt_oss.is_gpt_oss(cfg):
+        return gpt_oss.hf_config(cfg, torch_dtype, carried)
     rope = None
     if (s := cfg.rope_scaling) is not None:
         rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position}
+    require(not (cfg.attention_bias or cfg.moe_biases or cfg.swiglu_limit),
+            "export to Hugging Face of attention biases, expert biases or the clamped SwiGLU "
+            "is supported as GptOss only (with sinks and experts); this model is not one")
     require(cfg.sliding_window is None and not cfg.attention_sinks,
             "export to Hugging Face of sliding-window or sink attention is not supported yet "
             "(Llama, Qwen3 and Mixtral files have neither); train without --sliding-window "

@@ -33,8 +33,9 @@ BYTES = "bytes"  # jdist's byte-level tokenizer (jdist.data.tokenizer), written 
 
 
 def leaf_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
-    """The parameters of `cfg` in the order they are written."""
-    return list(layout.tensors(cfg))
+    """The parameters of `cfg` in the order they are written (an ODD half is written with
+    its EVEN one)."""
+    return [p for p, (_, kind) in layout.tensors(cfg).items() if kind != layout.ODD]
 
 
 def hf_tensors(table: dict, path: tuple[str, ...], value: np.ndarray,
@@ -172,8 +173,11 @@ def _write_tensors(staging: Path, cfg: ModelConfig, read_leaf, dtype,
 
     table = layout.tensors(cfg)
     for path in leaf_paths(cfg):
+        value = read_leaf(path)
+        if (odd := layout.pair(table, path)) is not None:
+            value = layout.interleave_pair(value, read_leaf(odd))
         at = layout.numbering(cfg, path) if is_blocks(path[0]) else (0, 1)
-        for name, tensor in hf_tensors(table, path, read_leaf(path), *at):
+        for name, tensor in hf_tensors(table, path, value, *at):
             tensor = np.ascontiguousarray(tensor.astype(dtype))
             if pending and size + tensor.nbytes > max_shard_bytes:
                 flush()

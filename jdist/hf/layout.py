@@ -21,6 +21,11 @@ ROPE = "rope"
 # A stack of experts' Linear weights: jdist [experts, in, out] <- one HF tensor [out, in] per
 # expert (its name formatted with `e`).
 EXPERTS = "experts"
+# gpt-oss's fused gate_up: jdist's gate (EVEN) and up (ODD) are the even and odd entries of
+# one HF tensor's last dimension; the export writes them as one (`pair`).
+EVEN, ODD = "even", "odd"
+# A bias per head: jdist [heads, head_dim] <- HF [heads * head_dim].
+FLAT = "flat"
 LAYER = "model.layers.{i}."
 
 # jdist parameter path -> (HF tensor name, layout). Names under `blocks` are per layer.
@@ -76,6 +81,40 @@ def _deepseek_v3_attention(cfg) -> dict:
     return table
 
 
+
+
+def _gpt_oss(cfg) -> dict:
+    """GptOss's block: attention with biases and sinks; experts stored whole (as jdist's
+    [experts, in, out]), gate and up interleaved in one tensor, with biases."""
+    attn, moe = LAYER + "self_attn.", LAYER + "mlp."
+    table = {k: v for k, v in _COMMON.items() if k[0] == "blocks"} | {
+        ("blocks", "attn", "sinks"): (attn + "sinks", SAME),
+        ("blocks", "mlp", "router"): (moe + "router.weight", TRANSPOSE),
+        ("blocks", "mlp", "router_b"): (moe + "router.bias", SAME),
+        ("blocks", "mlp", "w_gate"): (moe + "experts.gate_up_proj", EVEN),
+        ("blocks", "mlp", "w_up"): (moe + "experts.gate_up_proj", ODD),
+        ("blocks", "mlp", "b_gate"): (moe + "experts.gate_up_proj_bias", EVEN),
+        ("blocks", "mlp", "b_up"): (moe + "experts.gate_up_proj_bias", ODD),
+        ("blocks", "mlp", "w_down"): (moe + "experts.down_proj", SAME),
+        ("blocks", "mlp", "b_down"): (moe + "experts.down_proj_bias", SAME),
+    }
+    if cfg.attention_bias:
+        table |= {("blocks", "attn", f"b{p}"): (attn + f"{p}_proj.bias", FLAT) for p in "qkv"}
+        table[("blocks", "attn", "bo")] = (attn + "o_proj.bias", SAME)
+    return table
+
+
+def pair(table: dict, path: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The ODD partner of an EVEN path (same HF tensor), else None."""
+    name, kind = table[path]
+    if kind != EVEN:
+        return None
+    return next(p for p, (n, k) in table.items()
+                if n == name and k == ODD and p[:-1] == path[:-1])
+
+
+def interleave_pair(even: np.ndarray, odd: np.ndarray) -> np.ndarray:
+    return np.stack([even, odd], axis=-1).reshape(*even.shape[:-1], 2 * even.shape[-1])
 
 
 LLAMA = _COMMON | _MLP  # a dense Llama's (PEFT adapters name their modules from it)
@@ -134,6 +173,8 @@ def tensors(cfg) -> dict[tuple[str, ...], tuple[str, str]]:
         return table
     if cfg.sandwich_norms:
         return _per_run(cfg, table, _GEMMA3)
+    if cfg.moe_biases:  # gpt-oss
+        return _per_run(cfg, table, _gpt_oss(cfg))
     if cfg.qk_norm:
         table |= _QK_NORMS
     if cfg.n_experts:
@@ -166,6 +207,10 @@ def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return hf_shape(kind[0], shape)
     if kind == SAME:
         return shape
+    if kind in (EVEN, ODD):
+        return (*shape[:-1], 2 * shape[-1])
+    if kind == FLAT:
+        return (shape[0] * shape[1],)
     if kind == TRANSPOSE:
         return shape[::-1]
     if kind == HEADS_IN:  # [embed, heads, head_dim] <- [heads * head_dim, embed]
@@ -186,6 +231,13 @@ def read(get, kind: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> np
     span = lambda x: slice(x.start, x.stop)
     if kind == SAME:
         return get(tuple(span(x) for x in r))
+    if kind in (EVEN, ODD):
+        last = slice(2 * r[-1].start, 2 * r[-1].stop)
+        return get((*(span(x) for x in r[:-1]), last))[..., kind == ODD::2]
+    if kind == FLAT:
+        h, e = r
+        rows = get((slice(h.start * shape[1], h.stop * shape[1]),))
+        return rows.reshape(len(h), shape[1])[:, span(e)]
     if kind == TRANSPOSE:
         return get((span(r[1]), span(r[0]))).T
     if kind == EXPERTS:
@@ -209,8 +261,10 @@ def write(kind: str, x: np.ndarray) -> np.ndarray:
         return write(kind[0], interleave(x, kind[2]))
     if kind == EXPERTS:
         return np.ascontiguousarray(x.transpose(0, 2, 1))
-    if kind == SAME:
+    if kind in (SAME, EVEN):  # EVEN: handed the pair already interleaved (`pair`)
         return x
+    if kind == FLAT:
+        return np.ascontiguousarray(x.reshape(-1))
     if kind == TRANSPOSE:
         return np.ascontiguousarray(x.T)
     if kind == HEADS_IN:

@@ -3,7 +3,8 @@
 Presets: `tiny`, `small`, `qlora-tiny` (byte vocabulary, runnable on a CPU; `qlora-tiny` has
 head_dim 64, so its projections hold whole NF4 blocks for `--quantize-base nf4`); `moe-tiny`,
 `moe-small`, `8x7b` (mixture of experts); `dense-moe-tiny` (dense blocks, then experts);
-`deepseek-tiny` (MLA, DeepSeek routing, MTP); shape-only `deepseek-v3`; and shape-only ones
+`deepseek-tiny` (MLA, DeepSeek routing, MTP); shape-only `deepseek-v3`, `gpt-oss-20b`,
+`gpt-oss-120b`; and shape-only ones
 with the public Llama shapes
 (HF config.json): `llama2-7b`, `llama3-8b`, `llama3.1-8b`, `llama3.1-70b`, `llama3.2-1b`,
 `llama3.2-3b`.
@@ -13,6 +14,7 @@ Aliases: `1b` = `llama3.2-1b`, `7b` = `llama2-7b`, `70b` = `llama3.1-70b`.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jdist.errors import require
 from jdist.models.lora import LoraConfig, lora_from_dict
@@ -37,6 +39,11 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale_all_dim: float = 0.0
+    # YaRN's gain on cos and sin (HF's attention_factor; gpt-oss: 0.1 ln(factor) + 1, its
+    # default when no mscale is given; 1: none, as DeepSeek-V3's mscale = mscale_all_dim),
+    # and whether the ramp's ends are rounded to whole dimensions (gpt-oss: false).
+    attention_factor: float = 1.0
+    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,8 @@ class ModelConfig:
     # Every N-th layer attends without rotary embeddings (Llama 4's and SmolLM3's NoPE
     # layers: 4); 0: every layer rotates.
     nope_every: int = 0
+    # Biases on the q, k, v and output projections (gpt-oss's attention_bias).
+    attention_bias: bool = False
     shape_only: bool = False  # too big to allocate on a CPU: planning and AOT compiles only
     # Mixture of experts (n_experts = 0: dense SwiGLU MLP in every block).
     n_experts: int = 0
@@ -102,6 +111,13 @@ class ModelConfig:
     n_expert_groups: int = 1
     topk_groups: int = 1
     routed_scale: float = 1.0      # the chosen weights times this (routed_scaling_factor)
+    # gpt-oss's experts: a learned router bias on the logits, and every expert's biases on
+    # its gate, up and down projections (the down bias weighted by the router like the rest).
+    moe_biases: bool = False
+    # gpt-oss's clamped SwiGLU in the experts (0: plain silu(gate) * up): gate clamped
+    # above and up on both sides at this limit, then (up + 1) * gate * sigmoid(alpha gate).
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
     # Multi-head latent attention (models.mla; kv_lora_rank 0: plain attention). Keys and
     # values come up from a kv_lora_rank latent; queries from a q_lora_rank one (0: straight
     # from the residual stream). Of each q/k head's head_dim, the last rope_head_dim carry
@@ -155,10 +171,12 @@ class ModelConfig:
 
     def attention_params(self) -> int:
         """`attention_matmuls`, with the norms' scales (Qwen3's q/k, MLA's latents) and
-        the sinks."""
+        the sinks and biases."""
         norms = self.kv_lora_rank + self.q_lora_rank if self.kv_lora_rank else \
             2 * self.dim_per_head * self.qk_norm
-        return self.attention_matmuls() + norms + self.n_heads * self.attention_sinks
+        biases = self.attention_bias * (
+            (self.n_heads + 2 * self.n_kv_heads) * self.dim_per_head + self.d_model)
+        return self.attention_matmuls() + norms + self.n_heads * self.attention_sinks + biases
 
     def block_params(self, moe: bool) -> int:
         """One block's parameters: routed (with any shared expert) or dense."""
@@ -166,7 +184,8 @@ class ModelConfig:
         if not moe:
             return self.attention_params() + 3 * d * (self.dense_d_ff or self.d_ff) + norms
         shared = 3 * d * self.shared_d_ff + d * self.shared_gate
-        router = (d + (self.router_bias_rate > 0)) * self.n_experts
+        router = (d + (self.router_bias_rate > 0) + self.moe_biases) * self.n_experts
+        router += self.moe_biases * self.n_experts * (2 * self.d_ff + d)  # experts' biases
         return self.attention_params() + 3 * d * self.d_ff * self.n_experts + router + shared \
             + norms
 
@@ -206,7 +225,14 @@ class ModelConfig:
                     f"--first-dense-layers {self.first_dense_layers} must leave at least one "
                     f"of the {self.n_layers} layers to the experts")
             validate_routing(self)
+            require(self.moe_routing != "grouped" or not (self.moe_biases or self.swiglu_limit),
+                    "--moe-routing grouped has no expert biases or clamped SwiGLU (gpt-oss's) "
+                    "yet; use --moe-routing dropless or capacity")
+            require(self.swiglu_limit >= 0, f"swiglu_limit {self.swiglu_limit} must be 0 "
+                    "(plain SwiGLU) or positive")
         else:
+            require(not self.moe_biases and not self.swiglu_limit, "expert biases and the "
+                    "clamped SwiGLU belong to a mixture of experts; add --n-experts E")
             require(not self.first_dense_layers and not self.dense_d_ff,
                     "--first-dense-layers and --dense-d-ff keep the first blocks of a mixture "
                     "of experts dense; add --n-experts E")
@@ -247,8 +273,9 @@ class ModelConfig:
         if (rs := self.rope_scaling) is not None:
             require(rs.rope_type in ("llama3", "yarn"), f"rope scaling type {rs.rope_type!r}: "
                     "use llama3 or yarn")
-            require(rs.rope_type == "llama3" or self.kv_lora_rank, "yarn rope scaling is "
-                    "supported with multi-head latent attention (DeepSeek) only")
+            require(rs.rope_type == "llama3" or self.kv_lora_rank or not rs.mscale_all_dim,
+                    "yarn's mscale_all_dim (a softmax scale) is supported with multi-head "
+                    "latent attention (DeepSeek) only")
             require(rs.factor >= 1, f"rope scaling factor={rs.factor} must be at least 1")
             require(rs.low_freq_factor > 0,
                     f"rope low_freq_factor={rs.low_freq_factor} must be positive")
@@ -314,6 +341,16 @@ _LLAMA3_8B = ModelConfig(vocab_size=128_256, d_model=4096, n_layers=32, n_heads=
 _DEEPSEEK = dict(gating="sigmoid", routed_scale=2.5, router_bias_rate=0.001,
                  aux_loss_weight=1e-4, z_loss_weight=0.0, mtp_depth=1, mtp_weight=0.3)
 
+_GPT_OSS = ModelConfig(vocab_size=201_088, d_model=2880, n_layers=24, n_heads=64,
+                       n_kv_heads=8, d_ff=2880, head_dim=64, rope_theta=150_000.0,
+                       rope_scaling=RopeScaling(factor=32.0, original_max_position=4096,
+                                                rope_type="yarn", truncate=False,
+                                                attention_factor=0.1 * math.log(32.0) + 1),
+                       sliding_window=128, full_attention_every=2, attention_sinks=True,
+                       attention_bias=True, n_experts=32, top_k=4, moe_biases=True,
+                       swiglu_limit=7.0, aux_loss_weight=0.001, z_loss_weight=0.0,
+                       shape_only=True)
+
 PRESETS: dict[str, ModelConfig] = {
     # Unit tests: compiles in seconds; every dimension divides 8 ways.
     "tiny": ModelConfig(vocab_size=BYTE_VOCAB, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
@@ -370,6 +407,11 @@ PRESETS: dict[str, ModelConfig] = {
                                                         original_max_position=4096,
                                                         mscale_all_dim=1.0),
                                shape_only=True),
+    # gpt-oss's published shapes (HF config.json), for planning only: sliding (128) and
+    # full layers in turn with sinks and q/k/v/o biases, YaRN (32x over 4096), experts with
+    # biases and the clamped SwiGLU, top-4 renormalised.
+    "gpt-oss-20b": dataclasses.replace(_GPT_OSS, n_layers=24, n_experts=32),
+    "gpt-oss-120b": dataclasses.replace(_GPT_OSS, n_layers=36, n_experts=128),
     # Public Llama shapes (HF config.json), for planning only. HF's head_dim (64 for
     # llama3.2-1b, 128 for the rest) is d_model // n_heads, so it is left to the default.
     "llama2-7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32,

@@ -27,6 +27,11 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...],
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def zeros(shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+    """A float32 parameter that starts at zero (a bias), with logical axis names."""
+    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=names, eager_sharding=False)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, plus_one: bool = False):
         # Gemma's scales by (1 + scale), the stored scale starting at 0 (as HF stores it, so
@@ -84,9 +89,12 @@ def rotary_tables(positions: jax.Array | np.ndarray, head_dim: int, theta: float
         host = np.asarray(positions, np.float64)
     except jax.errors.TracerArrayConversionError:
         angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
-        return jnp.cos(angles), jnp.sin(angles)
+        gain = np.float32(yarn.rope_gain(scaling))
+        return jnp.cos(angles) * gain, jnp.sin(angles) * gain
     angles = host[:, None] * inv_freq[None, :]
-    return (jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
+    gain = yarn.rope_gain(scaling)
+    return (jnp.asarray(np.cos(angles) * gain, jnp.float32),
+            jnp.asarray(np.sin(angles) * gain, jnp.float32))
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ from jdist.models.layers import (
     param,
     rotary_tables,
     weight,
+    zeros,
 )
 from jdist.models.lora import adapted, adapter
 from jdist.models.mla import LATENT_CACHE, LatentAttention
@@ -81,6 +82,11 @@ class Attention(nnx.Module):
         self.q_scale = (hd / scalar) ** 0.5 if scalar and scalar != hd else None
         self.rope = rope  # NoPE layers (`models.runs.kind_of`) rotate nothing
         self.sinks = param(rngs, (cfg.n_heads,), (HEADS,)) if cfg.attention_sinks else None
+        # gpt-oss's biases on q, k, v and the output (zero at start, like any bias).
+        self.bq = zeros((cfg.n_heads, hd), (HEADS, HEAD_DIM)) if cfg.attention_bias else None
+        self.bk = zeros((cfg.n_kv_heads, hd), (KV_HEADS, HEAD_DIM)) if cfg.attention_bias else None
+        self.bv = zeros((cfg.n_kv_heads, hd), (KV_HEADS, HEAD_DIM)) if cfg.attention_bias else None
+        self.bo = zeros((d,), (EMBED,)) if cfg.attention_bias else None
         # LoRA adapters (None unless cfg.lora targets them), drawn from their own rng stream
         # so the base weights are the same with and without them.
         self.q_lora = adapter(cfg.lora, "q", self.wq, 1, rngs)
@@ -99,6 +105,8 @@ class Attention(nnx.Module):
         q = c(_named(adapted(x, q, self.q_lora), remat.QUERY), q_names)
         k = c(_named(adapted(x, k, self.k_lora), remat.KEY), kv_names)
         v = c(_named(adapted(x, v, self.v_lora), remat.VALUE), kv_names)
+        if self.bq is not None:
+            q, k, v = (t + weight(b, t) for t, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_half is not None:
@@ -123,8 +131,9 @@ class Attention(nnx.Module):
 
     def output(self, out: jax.Array, ctx: ModelContext) -> jax.Array:
         """The output projection [batch, length, heads, head_dim] -> [batch, length, embed]."""
-        return adapted(out, ctx.narrow(out, weight(self.wo, out), "bshd,hde->bse",
-                                      (BATCH, LENGTH, HEADS, HEAD_DIM)), self.o_lora)
+        out = adapted(out, ctx.narrow(out, weight(self.wo, out), "bshd,hde->bse",
+                                     (BATCH, LENGTH, HEADS, HEAD_DIM)), self.o_lora)
+        return out if self.bo is None else out + weight(self.bo, out)
 
     def cached_attention(self, q, k, v, cache: tuple, ctx: ModelContext):
         """Decoding. `cache` = (keys and values of every layer (`KV_CACHE`), this layer's

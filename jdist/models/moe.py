@@ -27,25 +27,31 @@ from flax import nnx
 
 from jdist.models.config import ModelConfig
 from jdist.models.grouped import grouped_swiglu
-from jdist.models.layers import INIT_STD, param
+from jdist.models.layers import INIT_STD, param, zeros
 from jdist.models.precision import accumulator
 from jdist.models.routing import within_best_groups
 from jdist.spmd.axes import EMBED, EXPERTS, MLP
 
 GROUPED, DROPLESS, CAPACITY = "grouped", "dropless", "capacity"
 ROUTER_BIAS = "router_bias"  # the aux-loss-free routing bias, moved by the step, not trained
+# gpt-oss's trained biases (ModelConfig.moe_biases): on the router's logits, and each
+# expert's on its gate, up and down projections.
+EXPERT_BIASES = ("router_b", "b_gate", "b_up", "b_down")
 STATS = ("counts", "prob_sum", "z_sum", "tokens", "dropped")  # additive balance statistics
 
 
-def route(x: jax.Array, router: jax.Array, cfg, bias: jax.Array | None = None):
+def route(x: jax.Array, router: jax.Array, cfg, bias: jax.Array | None = None,
+          logit_bias: jax.Array | None = None):
     """x [T, d] -> (top-k weights [T, k], experts [T, k], probs [T, E], logits [T, E]);
     the weights are the chosen probabilities, renormalised over the k if the config says,
     times `routed_scale`; with expert groups, chosen inside the best groups only
     (`models.routing`).
     A routing `bias` [E] (aux-loss-free balancing) shifts which experts are chosen, never
-    what they weigh."""
+    what they weigh. A `logit_bias` [E] (gpt-oss's router bias) is part of the logits."""
     acc = accumulator(x)
     logits = x.astype(acc) @ router.astype(acc)
+    if logit_bias is not None:
+        logits = logits + logit_bias.astype(acc)
     probs = jax.nn.sigmoid(logits) if cfg.gating == "sigmoid" else jax.nn.softmax(logits)
     choice = probs if bias is None else probs + bias
     choice = within_best_groups(choice, cfg.n_expert_groups, cfg.topk_groups)
@@ -64,15 +70,30 @@ def positions_in_experts(experts: jax.Array, n_experts: int) -> jax.Array:
     return jnp.take_along_axis(slots, experts.T.reshape(-1, 1), axis=1).reshape(k, t).T
 
 
+def gated(a: jax.Array, b: jax.Array, cfg=None) -> jax.Array:
+    """The experts' gating of gate `a` and up `b`: silu(a) * b, or with `cfg.swiglu_limit`
+    gpt-oss's clamped form (gate clamped above, up on both sides; (up + 1) * glu)."""
+    limit = getattr(cfg, "swiglu_limit", 0.0)
+    if not limit:
+        return jax.nn.silu(a) * b
+    a, b = jnp.minimum(a, limit), jnp.clip(b, -limit, limit)
+    return (b + 1) * a * jax.nn.sigmoid(cfg.swiglu_alpha * a)
+
+
 def swiglu(h: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-           fp8=None) -> jax.Array:
+           fp8=None, cfg=None, biases: dict | None = None) -> jax.Array:
     """Per-expert SwiGLU on buffers h [E, C, d] with weights [E, d, f] / [E, f, d].
-    `fp8`: a `jdist.quant.fp8.ExpertDots` (its `padded` matmuls), or None."""
+    `fp8`: a `jdist.quant.fp8.ExpertDots` (its `padded` matmuls), or None. `biases`: the
+    experts' gate and up biases [E, f] (`EXPERT_BIASES`); the down bias is the caller's
+    (after any sum over split hidden units)."""
     gate, up, down = (w.astype(h.dtype) for w in (gate, up, down))
     dot = fp8.padded.project if fp8 else jnp.einsum
     a = dot("ecd,edf->ecf", h, gate)
     b = dot("ecd,edf->ecf", h, up)
-    return dot("ecf,efd->ecd", jax.nn.silu(a) * b, down)
+    if biases:
+        a = a + biases["b_gate"].astype(h.dtype)[:, None]
+        b = b + biases["b_up"].astype(h.dtype)[:, None]
+    return dot("ecf,efd->ecd", gated(a, b, cfg), down)
 
 
 def capacity_of(tokens: int, cfg, dropless: bool) -> int:
@@ -131,7 +152,8 @@ def grouped_group(x, weights, experts, w, tp_axes=(), experts_run=local_experts)
     return jax.lax.psum(y, tp_axes) if tp_axes else y
 
 
-def padded_experts(buf, w, ep_axes=(), tp_axes=(), n_ep: int = 1, fp8=None) -> jax.Array:
+def padded_experts(buf, w, ep_axes=(), tp_axes=(), n_ep: int = 1, fp8=None,
+                   cfg=None) -> jax.Array:
     """Buffers [E, C, d] -> the experts' outputs in the same slots: with `ep_axes` the
     buffers travel to their experts' devices and back by all-to-all."""
     capacity = buf.shape[1]
@@ -139,9 +161,12 @@ def padded_experts(buf, w, ep_axes=(), tp_axes=(), n_ep: int = 1, fp8=None) -> j
         buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
     local = buf.shape[0] // n_ep
     h = buf.reshape(n_ep, local, capacity, -1).swapaxes(0, 1).reshape(local, n_ep * capacity, -1)
-    out = swiglu(h, w["w_gate"], w["w_up"], w["w_down"], fp8)
+    biases = {k: w[k] for k in EXPERT_BIASES if k in w}
+    out = swiglu(h, w["w_gate"], w["w_up"], w["w_down"], fp8, cfg, biases)
     if tp_axes:  # expert hidden units are split over tensor: row-parallel down projection
         out = jax.lax.psum(out, tp_axes)
+    if biases:  # once per slot, after the sum; weighted by the router in `combine`
+        out = out + biases["b_down"].astype(out.dtype)[:, None]
     out = out.reshape(local, n_ep, capacity, -1).swapaxes(0, 1).reshape(n_ep * local, capacity, -1)
     return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True) if n_ep > 1 else out
 
@@ -162,7 +187,8 @@ def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=loca
     buffers' slots in up to `pieces` independent exchanges (each slot is computed alone, so
     the same function) that the GPU scheduler overlaps with each other's matmuls."""
     n_experts = cfg.n_experts
-    weights, experts, probs, logits = route(x, w["router"], cfg, w.get(ROUTER_BIAS))
+    weights, experts, probs, logits = route(x, w["router"], cfg, w.get(ROUTER_BIAS),
+                                            w.get(EXPERT_BIASES[0]))
     if cfg.moe_routing == GROUPED:
         return (grouped_group(x, weights, experts, w, tp_axes, experts_run),
                 balance_sums(probs, experts, logits, 0, n_experts))
@@ -171,7 +197,8 @@ def moe_group(x, w, cfg, ep_axes=(), tp_axes=(), n_ep: int = 1, experts_run=loca
     slots = positions_in_experts(experts, n_experts)
     buf = dispatch(x, experts, slots, capacity, n_experts)
     parts = jnp.split(buf, even_pieces(capacity, pieces), axis=1)
-    out = jnp.concatenate([padded_experts(b, w, ep_axes, tp_axes, n_ep, fp8) for b in parts],
+    out = jnp.concatenate([padded_experts(b, w, ep_axes, tp_axes, n_ep, fp8, cfg)
+                           for b in parts],
                           axis=1)
     y = combine(out, experts, slots, weights, capacity)
     return y, balance_sums(probs, experts, logits, jnp.sum(slots >= capacity), n_experts)
@@ -196,6 +223,10 @@ class MoE(nnx.Module):
         if cfg.router_bias_rate:  # starts at zero: the plain top-k choice
             self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,),
                                          eager_sharding=False)
+        if cfg.moe_biases:
+            self.router_b = zeros((e,), (None,))
+            self.b_gate, self.b_up = zeros((e, f), (EXPERTS, MLP)), zeros((e, f), (EXPERTS, MLP))
+            self.b_down = zeros((e, d), (EXPERTS, None))
 
     def __call__(self, x: jax.Array, ctx) -> tuple[jax.Array, dict]:
         """x [batch, length, d] -> (output, summed load-balancing statistics)."""
@@ -203,4 +234,6 @@ class MoE(nnx.Module):
                    "w_up": self.w_up[...], "w_down": self.w_down[...]}
         if self.config.router_bias_rate:
             weights[ROUTER_BIAS] = getattr(self, ROUTER_BIAS)[...]
+        if self.config.moe_biases:
+            weights |= {k: getattr(self, k)[...] for k in EXPERT_BIASES}
         return (ctx.moe or local_moe)(x, weights, self.config)

@@ -41,7 +41,10 @@ from jdist.spmd.rules import Rules, mesh_axes_of, resolve
 OVERLAP_PIECES = 4
 X_NAMES = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
 WEIGHT_NAMES = {"router": (None, None), ROUTER_BIAS: (None,), "w_gate": (ax.EXPERTS, None, ax.MLP),
-                "w_up": (ax.EXPERTS, None, ax.MLP), "w_down": (ax.EXPERTS, ax.MLP, None)}
+                "w_up": (ax.EXPERTS, None, ax.MLP), "w_down": (ax.EXPERTS, ax.MLP, None),
+                # gpt-oss's biases (models.moe.EXPERT_BIASES), split as their weights
+                "router_b": (None,), "b_gate": (ax.EXPERTS, ax.MLP),
+                "b_up": (ax.EXPERTS, ax.MLP), "b_down": (ax.EXPERTS, None)}
 
 
 def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off",
