@@ -22,7 +22,9 @@ from jdist.generate.weights import inference_plan
 from jdist.hf.config import model_config
 from jdist.hf.export import write_hf
 from jdist.hf.load import load_params
+from jdist.models.config import RopeScaling, get_preset
 from jdist.models.runs import runs
+from jdist.plan.__main__ import main as plan_main
 from jdist.spmd.mesh import build_mesh
 from jdist.step.from_flags import plan_for
 
@@ -38,6 +40,7 @@ def test_config_json_becomes_the_model():
     cfg = model_config(GEMMA)
     assert (cfg.sliding_window, cfg.full_attention_every, cfg.rope_theta,
             cfg.rope_local_theta) == (6, 2, 1e6, 1e4)
+    assert cfg.rope_scaling == RopeScaling(factor=8.0, rope_type="linear")  # global layers
     assert (cfg.norm_plus_one, cfg.sandwich_norms, cfg.qk_norm, cfg.embed_scale,
             cfg.mlp_activation, cfg.query_pre_attn_scalar, cfg.dim_per_head,
             cfg.tie_embeddings) == (True, True, True, True, "gelu_tanh", 32, 24, True)
@@ -84,8 +87,8 @@ def test_round_trip_is_bitwise(tmp_path):
 @pytest.mark.parametrize("changes, says", [
     ({"layer_types": ["full_attention"] + ["sliding_attention"] * 4}, "not a repeating"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}}},
-     "rope scaling \\['linear'\\]"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 8.0}}},
+     "'linear' \\(sliding\\) is not supported"),
 ])
 def test_unsupported_configs_are_refused(tmp_path, changes, says):
     d = tmp_path / "hf"
@@ -107,3 +110,30 @@ def test_greedy_matches_transformers(mesh, n):
     with jax.default_matmul_precision("highest"):
         out = generate(params, cfg, list(ref["prompt_ids"]), ref["greedy_ids"].shape[1])
     np.testing.assert_array_equal(np.stack(out), ref["greedy_ids"])
+
+
+@pytest.mark.parametrize("name, params, tail", [("gemma3-1b", 999_885_952, 2),
+                                                ("gemma3-27b", 27_009_346_304, 2)])
+def test_presets_have_the_published_sizes(name, params, tail):
+    """Parameters as transformers counts them for the published configs (on the meta
+    device); runs: periods of 5 local + 1 global layers, then the rest local."""
+    cfg = get_preset(name)
+    assert cfg.shape_only and cfg.n_params() == params
+    assert [r.windows for r in runs(cfg)] == [(cfg.sliding_window,) * 5 + (None,),
+                                             (cfg.sliding_window,)]
+    assert runs(cfg)[1].n_layers == tail
+
+
+@pytest.mark.slow  # 7 s on 2 busy cores
+def test_planner_and_memory_model_take_gemma3_27b(capsys, monkeypatch, tmp_path):
+    """The planner plans the published shape on 64 H100s (fsdp=8,tp=8 pinned, to keep it
+    short); its memory model holds all 27.0B float32 parameters, sharded 64 ways."""
+    monkeypatch.setenv("JDIST_CALIBRATION", str(tmp_path / "none.toml"))
+    assert plan_main(["--model", "gemma3-27b", "--devices", "64", "--accelerator",
+                      "h100-80gb", "--batch-size", "256", "--seq-len", "4096", "--fix", "fsdp=8",
+                      "--fix", "tp=8", "--fix", "pp=1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    memory = rows[0]["memory"]
+    assert memory["params"] == pytest.approx(get_preset("gemma3-27b").n_params() * 4 / 64,
+                                             rel=0.01)
+    assert memory["total"] < 80e9

@@ -36,12 +36,13 @@ class ModelFlags:
                        "moe-tiny, moe-small, dense-moe-tiny, deepseek-tiny; shape-only "
                        "llama2-7b, llama3-8b, llama3.1-8b, llama3.1-70b, llama3.2-1b, "
                        "llama3.2-3b, qwen3-0.6b, qwen3-8b, qwen3-32b, mixtral-8x7b, "
-                       "qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3 (aliases 1b, 7b, 70b, "
-                       "8x7b)",
+                       "qwen3-30b-a3b, qwen3-235b-a22b, deepseek-v3, gemma3-1b, gemma3-27b "
+                       "(aliases 1b, 7b, 70b, 8x7b)",
                        name="model")
-    init_from: str = flag("", "start from a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE "
-                          "directory (config.json + safetensors): the model shape comes from "
-                          "its config.json, each process reads only its shards", result=True)
+    init_from: str = flag("", "start from a Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE, "
+                          "DeepSeek-V3 or Gemma 3 (text) directory (config.json + "
+                          "safetensors): the model shape comes from its config.json, each "
+                          "process reads only its shards", result=True)
     # Shape overrides; None keeps the preset's value.
     n_layers: int | None = flag(None, "transformer blocks (default: the preset's)")
     d_model: int | None = flag(None, "width of the residual stream (default: the preset's)")

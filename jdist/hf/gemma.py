@@ -3,12 +3,13 @@ RMSNorms, four of them per block, q/k norms, a GELU-tanh gated MLP, embeddings s
 sqrt(hidden_size), scores by query_pre_attn_scalar**-0.5, and sliding-window layers with
 their own rope base, every N-th layer global (`layer_types`: a run of periods,
 `models.runs`). Tensor names are `jdist.hf.layout`'s. Fields the model cannot represent are
-refused in one line: rope scaling, logit soft-capping, bidirectional attention."""
+refused in one line: rope scaling other than linear on the global layers, logit
+soft-capping, bidirectional attention."""
 
 from __future__ import annotations
 
 from jdist.errors import require
-from jdist.models.config import ModelConfig
+from jdist.models.config import ModelConfig, RopeScaling
 from jdist.models.runs import window_of
 
 MODEL_TYPE, ARCHITECTURE = "gemma3_text", "Gemma3ForCausalLM"
@@ -31,18 +32,22 @@ def _pattern(c: dict, where: str) -> int:
     return every
 
 
-def _rope(c: dict, where: str) -> tuple[float, float]:
-    """(global, local) rope bases from `rope_parameters` per layer type (transformers 5) or
-    `rope_theta` / `rope_local_base_freq` (the hub's files)."""
+def _rope(c: dict, where: str) -> tuple[float, float, RopeScaling | None]:
+    """(global base, local base, the global layers' scaling) from `rope_parameters` per
+    layer type (transformers 5) or `rope_theta` / `rope_local_base_freq` / `rope_scaling`
+    (the hub's files). Gemma 3 scales the global layers' frequencies linearly (4B and up)."""
     params = c.get("rope_parameters") or {}
-    full, local = params.get(FULL, {}), params.get(SLIDING, {})
-    scaling = c.get("rope_scaling") or {}
-    kinds = {full.get("rope_type", "default"), local.get("rope_type", "default"),
-             scaling.get("rope_type", scaling.get("type", "default"))}
-    require(kinds == {"default"}, f"{where}: rope scaling {sorted(kinds - {'default'})} is not "
-            "supported for Gemma 3 yet; use a config without it (as gemma-3-1b's)")
+    full = params.get(FULL) or c.get("rope_scaling") or {}
+    local = params.get(SLIDING, {})
+    kind = lambda p: p.get("rope_type", p.get("type", "default"))
+    require(kind(local) == "default" and kind(full) in ("default", "linear"),
+            f"{where}: rope scaling {kind(full)!r} (full layers), {kind(local)!r} (sliding) "
+            "is not supported for Gemma 3; only linear scaling of the full layers is")
+    scaling = RopeScaling(factor=float(full["factor"]), rope_type="linear") \
+        if kind(full) == "linear" else None
     return (float(full.get("rope_theta", c.get("rope_theta", DEFAULT_THETA))),
-            float(local.get("rope_theta", c.get("rope_local_base_freq", DEFAULT_LOCAL_THETA))))
+            float(local.get("rope_theta", c.get("rope_local_base_freq", DEFAULT_LOCAL_THETA))),
+            scaling)
 
 
 def model_config(c: dict, where: str) -> ModelConfig:
@@ -58,14 +63,14 @@ def model_config(c: dict, where: str) -> ModelConfig:
                 "(Gemma 3 sets none); use a config without it")
     require(not c.get("attention_bias") and not c.get("use_bidirectional_attention"),
             f"{where}: attention_bias or use_bidirectional_attention is not supported")
-    theta, local = _rope(c, where)
+    theta, local, scaling = _rope(c, where)
     heads, d = int(c["num_attention_heads"]), int(c["hidden_size"])
     head_dim = int(c.get("head_dim") or 256)
     cfg = ModelConfig(
         vocab_size=int(c["vocab_size"]), d_model=d, n_layers=int(c["num_hidden_layers"]),
         n_heads=heads, n_kv_heads=int(c.get("num_key_value_heads") or heads),
         d_ff=int(c["intermediate_size"]), head_dim=0 if head_dim * heads == d else head_dim,
-        rope_theta=theta, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(c.get("tie_word_embeddings", True)), qk_norm=True,
         sliding_window=int(c["sliding_window"]), full_attention_every=_pattern(c, where),
         norm_plus_one=True, sandwich_norms=True, mlp_activation="gelu_tanh",
@@ -89,6 +94,11 @@ def hf_config(cfg: ModelConfig, torch_dtype: str, carried: dict) -> dict:
             "norms, gelu_tanh, scaled embeddings, a sliding window) and no experts or sinks")
     types = [SLIDING if window_of(cfg, i) else FULL for i in range(cfg.n_layers)]
     local = cfg.rope_local_theta or cfg.rope_theta
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if (s := cfg.rope_scaling) is not None:
+        require(s.rope_type == "linear", f"export as Gemma3ForCausalLM takes linear rope "
+                f"scaling only, not {s.rope_type!r}")
+        full |= {"rope_type": "linear", "factor": s.factor}
     return {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -98,7 +108,7 @@ def hf_config(cfg: ModelConfig, torch_dtype: str, carried: dict) -> dict:
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "query_pre_attn_scalar": _number(cfg.query_pre_attn_scalar or cfg.dim_per_head),
         "sliding_window": cfg.sliding_window, "layer_types": types,
-        "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": {FULL: full,
                             SLIDING: {"rope_type": "default", "rope_theta": local}},
         "max_position_embeddings": 131_072, "final_logit_softcapping": None,
         "attn_logit_softcapping": None, "use_bidirectional_attention": False,

@@ -4,7 +4,8 @@ Presets: `tiny`, `small`, `qlora-tiny` (byte vocabulary, runnable on a CPU; `qlo
 head_dim 64, so its projections hold whole NF4 blocks for `--quantize-base nf4`); `moe-tiny`,
 `moe-small`, `8x7b` (mixture of experts); `dense-moe-tiny` (dense blocks, then experts);
 `deepseek-tiny` (MLA, DeepSeek routing, MTP); shape-only `deepseek-v3`, `gpt-oss-20b`,
-`gpt-oss-120b`; and shape-only ones
+`gpt-oss-120b`, `gemma3-1b`,
+`gemma3-27b` (text); and shape-only ones
 with the public Llama shapes
 (HF config.json): `llama2-7b`, `llama3-8b`, `llama3.1-8b`, `llama3.1-70b`, `llama3.2-1b`,
 `llama3.2-3b`.
@@ -23,7 +24,8 @@ from jdist.models.lora import LoraConfig, lora_from_dict
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequency scaling: Llama 3.x's (HF `rope_scaling` with rope_type "llama3"), or
-    YaRN's (rope_type "yarn", DeepSeek-V3's; `models.yarn`).
+    YaRN's (rope_type "yarn", DeepSeek-V3's; `models.yarn`), or linear (every frequency
+    divided by `factor`; Gemma 3's global layers).
 
     llama3: frequencies whose wavelength exceeds original_max_position / low_freq_factor are
     divided by `factor`; those with a wavelength under original_max_position /
@@ -271,8 +273,8 @@ class ModelConfig:
         require(self.rope_theta > 1, f"rope_theta={self.rope_theta} must be greater than 1")
         validate_gemma(self)
         if (rs := self.rope_scaling) is not None:
-            require(rs.rope_type in ("llama3", "yarn"), f"rope scaling type {rs.rope_type!r}: "
-                    "use llama3 or yarn")
+            require(rs.rope_type in ("llama3", "yarn", "linear"), f"rope scaling type "
+                    f"{rs.rope_type!r}: use llama3, yarn or linear")
             require(rs.rope_type == "llama3" or self.kv_lora_rank or not rs.mscale_all_dim,
                     "yarn's mscale_all_dim (a softmax scale) is supported with multi-head "
                     "latent attention (DeepSeek) only")
@@ -350,6 +352,11 @@ _GPT_OSS = ModelConfig(vocab_size=201_088, d_model=2880, n_layers=24, n_heads=64
                        attention_bias=True, n_experts=32, top_k=4, moe_biases=True,
                        swiglu_limit=7.0, aux_loss_weight=0.001, z_loss_weight=0.0,
                        shape_only=True)
+# Gemma 3's decoder: (1 + weight) norms, four per block, q/k norms, GELU-tanh, scaled
+# embeddings, tied; every 6th layer global (rope base 1e6), the others local (1e4).
+_GEMMA3 = dict(norm_eps=1e-6, tie_embeddings=True, qk_norm=True, full_attention_every=6,
+               norm_plus_one=True, sandwich_norms=True, mlp_activation="gelu_tanh",
+               embed_scale=True, rope_theta=1_000_000.0, rope_local_theta=10_000.0)
 
 PRESETS: dict[str, ModelConfig] = {
     # Unit tests: compiles in seconds; every dimension divides 8 ways.
@@ -412,6 +419,16 @@ PRESETS: dict[str, ModelConfig] = {
     # biases and the clamped SwiGLU, top-4 renormalised.
     "gpt-oss-20b": dataclasses.replace(_GPT_OSS, n_layers=24, n_experts=32),
     "gpt-oss-120b": dataclasses.replace(_GPT_OSS, n_layers=36, n_experts=128),
+    # Gemma 3's published text shapes (HF config.json: gemma-3-1b, gemma-3-27b's
+    # text_config), for planning only: five sliding-window layers to one global
+    # (`runs`: periods of 6, then the 26th or the 61st and 62nd layers on their own).
+    "gemma3-1b": ModelConfig(vocab_size=262_144, d_model=1152, n_layers=26, n_heads=4,
+                             n_kv_heads=1, d_ff=6912, head_dim=256, sliding_window=512,
+                             query_pre_attn_scalar=256, **_GEMMA3, shape_only=True),
+    "gemma3-27b": ModelConfig(vocab_size=262_208, d_model=5376, n_layers=62, n_heads=32,
+                              n_kv_heads=16, d_ff=21_504, head_dim=128, sliding_window=1024,
+                              query_pre_attn_scalar=168, **_GEMMA3, shape_only=True,
+                              rope_scaling=RopeScaling(factor=8.0, rope_type="linear")),
     # Public Llama shapes (HF config.json), for planning only. HF's head_dim (64 for
     # llama3.2-1b, 128 for the rest) is d_model // n_heads, so it is left to the default.
     "llama2-7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32,

@@ -56,6 +56,8 @@ def rope_inv_freq(head_dim: int, theta: float,
     inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is not None and scaling.rope_type == "yarn":
         inv_freq = yarn.inv_freq(head_dim, theta, scaling)
+    elif scaling is not None and scaling.rope_type == "linear":  # Gemma 3's global layers
+        inv_freq = inv_freq / scaling.factor
     elif scaling is not None:
         s = scaling
         wavelen = 2 * np.pi / inv_freq
