@@ -30,7 +30,7 @@ Modules, by concern (everything callers use is re-exported here, so
 
     integrity.py  layout names, file records, manifests and partials, validate,
                   latest_good, resolve_explicit, moving bad checkpoints aside
-    restoring.py  abstract_target, restore (onto any mesh), restore_leaf, set_aside
+    restoring.py  abstract_target, restore (onto any mesh), restore_leaf, restore_only, set_aside
                   (not restore.py: the package's restore() would hide that module, so
                   `import jdist.checkpoint.restore as m` and mock.patch would get the
                   function)
@@ -67,7 +67,13 @@ from jdist.checkpoint.integrity import (
     write_partial,
 )
 from jdist.checkpoint.rehash import deal, first_mismatch
-from jdist.checkpoint.restoring import abstract_target, restore, restore_leaf, set_aside
+from jdist.checkpoint.restoring import (
+    abstract_target,
+    restore,
+    restore_leaf,
+    restore_only,
+    set_aside,
+)
 from jdist.checkpoint.save import BARRIER_TIMEOUT_S, Checkpointer, SaveFailed
 
 __all__ = [
@@ -75,7 +81,7 @@ __all__ = [
     "META", "PARTIAL", "READABLE_FORMATS", "STATE", "Checkpointer", "Found", "SaveFailed",
     "abstract_target", "checkpoint_root", "deal", "file_records", "first_mismatch",
     "latest_good", "move_aside", "owner", "read_meta",
-    "read_partials", "resolve_explicit", "restore", "restore_leaf", "set_aside",
+    "read_partials", "resolve_explicit", "restore", "restore_leaf", "restore_only", "set_aside",
     "step_dirs", "validate", "write_manifest", "write_partial",
     # Private, but used by jdist.train.resume (_say) and tests (_files).
     "_files", "_mib", "_reason", "_say",

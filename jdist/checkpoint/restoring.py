@@ -41,6 +41,23 @@ def restore(path: Path, abstract: Any, shardings: Any) -> tuple[dict, dict]:
     return state, out[META]
 
 
+def restore_only(path: Path, abstract: Any, shardings: Any, only) -> dict:
+    """The leaves of the state saved at `path` whose key paths `only(path)` accepts, laid out
+    as `shardings`; every other leaf is left unread (Orbax's PLACEHOLDER in its place). A
+    dict of the state's fields, as `restore`'s."""
+    import orbax.checkpoint as ocp
+
+    target = abstract_target(abstract, shardings)
+    target = target._asdict() if hasattr(target, "_asdict") else target
+    item = jax.tree_util.tree_map_with_path(
+        lambda p, t: t if only(p) else ocp.PLACEHOLDER, target)
+    args = jax.tree.map(lambda t: ocp.ArrayRestoreArgs(
+        sharding=t.sharding, global_shape=t.shape, dtype=t.dtype)
+        if isinstance(t, jax.ShapeDtypeStruct) else t, item)
+    return ocp.PyTreeCheckpointer().restore((path / STATE).absolute(), args=ocp.args.PyTreeRestore(
+        item=item, restore_args=args))
+
+
 def restore_leaf(path: Path, keys: tuple[str, ...], abstract: jax.ShapeDtypeStruct,
                  sharding: jax.sharding.Sharding):
     """One array of the state saved at `path` (e.g. ("params", "embed")), alone: an Orbax

@@ -52,22 +52,26 @@ def to_disk(opt_state, directory: Path, stacked: dict[str, int]):
     `directory` (a layer's rows at a time for stacked parameters) and replaced by the file's
     memmap; the scalars stay as they are. Written to `NAME.tmp` and renamed, so a file that
     exists is whole."""
-    directory.mkdir(parents=True, exist_ok=True)
-
     def one(path, leaf):
         key = param_key(path)
         if key is None:
             return leaf
-        final = directory / file_name(keystr(path))
-        tmp = final.with_suffix(".tmp")
-        out = np.lib.format.open_memmap(tmp, "w+", np.dtype(leaf.dtype), leaf.shape)
-        for rows in (range(leaf.shape[0]) if key in stacked else [Ellipsis]):
-            out[rows] = np.asarray(leaf[rows])
-        out.flush()
-        del out
-        tmp.rename(final)
-        return np.lib.format.open_memmap(final, "r+")
+        return write(leaf, directory / file_name(keystr(path)), key in stacked)
     return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def write(leaf, final: Path, by_layer: bool) -> np.memmap:
+    """`leaf` in the file `final` (through `NAME.tmp`, a layer's rows at a time if
+    `by_layer`), as its memmap."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_suffix(".tmp")
+    out = np.lib.format.open_memmap(tmp, "w+", np.dtype(leaf.dtype), leaf.shape)
+    for rows in (range(leaf.shape[0]) if by_layer else [Ellipsis]):
+        out[rows] = np.asarray(leaf[rows])
+    out.flush()
+    del out
+    tmp.rename(final)
+    return np.lib.format.open_memmap(final, "r+")
 
 
 def moments(opt_state) -> dict[str, np.memmap]:

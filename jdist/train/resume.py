@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import jax
+from jax.tree_util import keystr
 
 from jdist import checkpoint as ckpt
 from jdist.config import result_flags
@@ -210,11 +211,40 @@ def start_state(plan: Plan, seed: int, found: ckpt.Found | None, init_from: str 
     """`initial_or_restored`; under `--offload disk` its moments then (re)written to their
     files under `offload_dir` (`jdist.step.moment_files`): a resume rewrites them from the
     checkpoint, so files left by a run that stopped mid-step are never read."""
+    stacked = moment_files.stacked_keys(plan) if plan.on_disk else {}
+    order = found.meta.get(CHECKPOINT_KEY) if found is not None else None
+    if plan.on_disk and found is not None and found.meta.get(BASE_SAVED, True) and \
+            list(order or range(plan.model.n_layers)) == list(range(plan.model.n_layers)):
+        return restored_to_disk(found.path, plan, offload_dir, stacked)
     state = initial_or_restored(plan, seed, found, init_from)
     if not plan.on_disk:
         return state
     return state._replace(opt_state=moment_files.to_disk(state.opt_state, offload_dir,
-                                                         moment_files.stacked_keys(plan)))
+                                                         stacked))
+
+
+def restored_to_disk(path: Path, plan: Plan, offload_dir: Path, stacked: dict) -> TrainState:
+    """`--offload disk` from a checkpoint in model layer order: the state but its moments,
+    then each moment alone (Orbax partial restores), written to its file and freed before
+    the next is read, so the whole moment tree is never on the devices."""
+    moment = lambda p: keystr(p).startswith("['opt_state']") and \
+        moment_files.param_key(p[1:]) is not None
+    restore = lambda only: ckpt.restore_only(path, plan.abstract, plan.shardings, only)
+    tree, files = restore(lambda p: not moment(p)), {}
+    for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if moment(p):  # (a PLACEHOLDER leaf)
+            leaf = dict(jax.tree_util.tree_flatten_with_path(
+                restore(lambda q, p=p: q == p))[0])[p]
+            files[p] = moment_files.write(
+                leaf, offload_dir / moment_files.file_name(keystr(p[1:])),
+                moment_files.param_key(p[1:]) in stacked)
+            del leaf
+    tree = jax.tree_util.tree_map_with_path(lambda p, x: files.get(p, x), tree)
+    opt = jax.tree.unflatten(jax.tree.structure(plan.abstract.opt_state),
+                             jax.tree.leaves(tree["opt_state"]))
+    print(f"checkpoint: restored step {int(tree['step'])} from {path} into {offload_dir}, a "
+          "moment at a time", flush=True)
+    return TrainState(tree["step"], tree["params"], opt)
 
 
 def initial_or_restored(plan: Plan, seed: int, found: ckpt.Found | None,
