@@ -5,6 +5,7 @@ transformers (tests/fixtures/make_gemma_fixture.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -27,6 +28,7 @@ from jdist.models.runs import runs
 from jdist.plan.__main__ import main as plan_main
 from jdist.spmd.mesh import build_mesh
 from jdist.step.from_flags import plan_for
+from jdist.tools.equivalence import assert_matches, config, train_steps
 
 GEMMA = Path(__file__).parent / "fixtures" / "hf" / "gemma3"
 
@@ -137,3 +139,22 @@ def test_planner_and_memory_model_take_gemma3_27b(capsys, monkeypatch, tmp_path)
     assert memory["params"] == pytest.approx(get_preset("gemma3-27b").n_params() * 4 / 64,
                                              rel=0.01)
     assert memory["total"] < 80e9
+
+
+# Gemma 3's block on the tiny model: (sliding, full) periods with their own rope bases (the
+# global ones linearly scaled), every Gemma norm, GELU-tanh, scaled embeddings and a query
+# scale other than head_dim's.
+GEMMA_TINY = dataclasses.replace(
+    get_preset("tiny"), n_layers=4, sliding_window=8, full_attention_every=2, qk_norm=True,
+    norm_plus_one=True, sandwich_norms=True, mlp_activation="gelu_tanh", embed_scale=True,
+    query_pre_attn_scalar=12.0, rope_theta=1e6, rope_local_theta=1e4, tie_embeddings=True,
+    rope_scaling=RopeScaling(factor=8.0, rope_type="linear"))
+
+
+@pytest.mark.slow  # 2 compiles
+def test_gemma_blocks_match_single_device(corpus, single_device):
+    """fsdp=2,tp=2 (flash, chunked loss over the tied table, sharded embedding) against one
+    device (xla, full logits): loss, grad_norm and first-step gradients at 1e-5."""
+    run = train_steps(GEMMA_TINY, "fsdp=2,tp=2", corpus.train, config(attention="flash"))
+    assert {"attn_out_norm", "mlp_out_norm"} <= set(run.grads["blocks"]["layer_0"])
+    assert_matches(run, single_device(GEMMA_TINY))
