@@ -21,7 +21,8 @@ from jax.tree_util import keystr, tree_flatten_with_path
 
 from jdist.errors import require
 from jdist.spmd.sharding import replicated
-from jdist.step.moment_files import param_key, stacked_keys
+from jdist.step.moment_files import create, param_key, stacked_keys
+from jdist.step.state import TrainState, init_params
 
 
 def nest(flat: dict) -> dict:
@@ -145,20 +146,48 @@ class LayerUpdate:
             self.programs[whole, members] = self.program(whole, members)
         return self.programs[whole, members]
 
+    def group(self, tree, whole: bool, members: tuple[str, ...], i, f=lambda x: x) -> dict:
+        """`tree`'s (parameter-shaped) `members`, whole or their row `i`, each through `f`, as
+        a pruned tree: its paths are the whole tree's, so the optimizer's masks apply."""
+        flat = {keystr(p): (p, x) for p, x in tree_flatten_with_path(tree)[0]}
+        take = (lambda x: x) if whole else (lambda x: x[i])
+        return nest({flat[k][0]: f(take(flat[k][1])) for k in members})
+
+    def moment_shardings(self, whole: bool, members: tuple[str, ...]) -> dict:
+        return {k: (s if whole else slice_sharding(s)) for k, s in self.shardings.items()
+                if self.param_of[k] in members}
+
+    def init_files(self, params, files: dict):
+        """The optimizer's initial state with its moments in `files` (state key -> memmap),
+        made a group at a time by the optimizer's own `init` on the group's slice of
+        `params`: the whole moment tree is never on the devices."""
+        counts = {}
+        for layer, members in self.walk:
+            whole = layer is None
+            init = jax.jit(lambda params, i, whole=whole, members=members: {
+                keystr(p): x for p, x in tree_flatten_with_path(self.plan.tx.init(
+                    self.group(params, whole, members, i)))[0]})
+            for k, x in init(params, jnp.int32(layer or 0)).items():
+                if k not in files:
+                    counts[k] = x
+                elif whole:
+                    files[k][...] = np.asarray(x)
+                else:
+                    files[k][layer] = np.asarray(x)
+        for f in files.values():
+            f.flush()
+        counts = jax.device_put(counts, replicated(self.plan.mesh))
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: files.get(keystr(p), counts.get(keystr(p))),
+            self.plan.abstract.opt_state)
+
     def program(self, whole: bool, members: tuple[str, ...]):
         tx = self.plan.tx
-        paths = {keystr(p): p for p, _ in tree_flatten_with_path(self.plan.abstract.params)[0]}
-
-        def get(tree, key):
-            for k in paths[key]:
-                tree = tree[k.key]
-            return tree
 
         def update(params, grads, moments, counts, norm, i):
-            take = (lambda x: x) if whole else (lambda x: x[i])
-            sub_p = nest({paths[k]: take(get(params, k)) for k in members})
-            sub_g = nest({paths[k]: clipped(take(get(grads, k)), norm, tx.clip_norm)
-                          for k in members})
+            sub_p = self.group(params, whole, members, i)
+            sub_g = self.group(grads, whole, members, i,
+                               lambda g: clipped(g, norm, tx.clip_norm))
             given = {**moments, **counts}
             state = jax.tree_util.tree_map_with_path(
                 lambda p, _: given[keystr(p)], jax.eval_shape(tx.init, sub_p))
@@ -172,7 +201,16 @@ class LayerUpdate:
             return (treedef.unflatten(out), {k: out_state[k] for k in moments},
                     {k: v for k, v in out_state.items() if k not in moments})
 
-        moment_sh = {k: (s if whole else slice_sharding(s)) for k, s in self.shardings.items()
-                     if self.param_of[k] in members}
         return jax.jit(update, donate_argnums=(0,), out_shardings=(
-            self.plan.shardings.params, moment_sh, replicated(self.plan.mesh)))
+            self.plan.shardings.params, self.moment_shardings(whole, members),
+            replicated(self.plan.mesh)))
+
+
+def init_on_disk(plan, seed: int, directory) -> TrainState:
+    """`init_state` for `--offload disk`: the parameters on the devices, the optimizer's
+    initial moments in new files under `directory`, made a layer at a time."""
+    params = init_params(plan, seed)
+    opt_state = LayerUpdate(plan).init_files(params, create(plan.abstract.opt_state,
+                                                             directory))
+    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), plan.shardings.step), params,
+                      opt_state)

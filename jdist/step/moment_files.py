@@ -60,6 +60,15 @@ def to_disk(opt_state, directory: Path, stacked: dict[str, int]):
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
+def create(abstract_opt_state, directory: Path) -> dict[str, np.memmap]:
+    """A new file for each moment leaf (state key -> its memmap, zeros) under `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return {keystr(p): np.lib.format.open_memmap(directory / file_name(keystr(p)), "w+",
+                                                 np.dtype(a.dtype), a.shape)
+            for p, a in tree_flatten_with_path(abstract_opt_state)[0]
+            if param_key(p) is not None}
+
+
 def write(leaf, final: Path, by_layer: bool) -> np.memmap:
     """`leaf` in the file `final` (through `NAME.tmp`, a layer's rows at a time if
     `by_layer`), as its memmap."""

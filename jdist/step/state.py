@@ -255,15 +255,26 @@ def state_from_params(plan: Plan, params: dict) -> TrainState:
     return TrainState(jax.device_put(jnp.zeros((), jnp.int32), plan.shardings.step), params, opt)
 
 
+def initial(plan: Plan, seed: int) -> TrainState:
+    """The initial state in model layer order (to be traced inside `jit`)."""
+    params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
+    params = trainable.to_storage(plan.model, params, plan.compute.dtype, plan.quantize,
+                                  plan.double_quant)
+    return TrainState(jnp.zeros((), jnp.int32), params,
+                      plan.tx.init(trainable.select(plan.model, params)))
+
+
+def init_params(plan: Plan, seed: int) -> dict:
+    """`init_state`'s parameters alone, for a plan in model layer order: XLA drops the
+    optimizer's initialisation (`--offload disk` makes it a layer at a time)."""
+    assert in_model_order(plan)
+    return jax.jit(lambda: initial(plan, seed).params, out_shardings=plan.shardings.params)()
+
+
 def init_state(plan: Plan, seed: int) -> TrainState:
     """Initialise inside `jit` with output shardings: each device computes only its shards;
     then layers move into the plan's stored order (`jdist.parallel.pipeline.layer_order`)."""
-    def init() -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(build_model(plan.model, seed)))
-        params = trainable.to_storage(plan.model, params, plan.compute.dtype, plan.quantize,
-                                      plan.double_quant)
-        return TrainState(jnp.zeros((), jnp.int32), params,
-                          plan.tx.init(trainable.select(plan.model, params)))
+    init = functools.partial(initial, plan, seed)
     if in_model_order(plan):
         return jax.jit(init, out_shardings=plan.shardings)()
     on_device = plan.device_shardings

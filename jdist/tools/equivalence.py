@@ -24,8 +24,8 @@ from jdist.parallel.pipeline import PipelineConfig
 from jdist.parallel.pipeline.layer_order import to_model_order
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES, Rules
-from jdist.step import moment_files
 from jdist.step.build import make_train_step
+from jdist.step.disk_update import init_on_disk
 from jdist.step.from_flags import optimizer_of, plan_for
 from jdist.step.state import (
     Plan,
@@ -107,12 +107,10 @@ def train_steps(model: ModelConfig, mesh, tokens: np.ndarray, flags: TrainConfig
 
             params = load_params(init_from, plan, adapters=init_adapters(plan, 0))
             state = state_from_params(plan, params)
+        elif plan.on_disk:  # --offload disk: the moments in files under --offload-dir
+            state = init_on_disk(plan, seed, Path(flags.memory.offload_dir or tempfile.mkdtemp()))
         else:
             state = init_state(plan, seed)
-        if plan.on_disk:  # --offload disk: the moments to their files (--offload-dir)
-            state = state._replace(opt_state=moment_files.to_disk(
-                state.opt_state, Path(flags.memory.offload_dir or tempfile.mkdtemp()),
-                moment_files.stacked_keys(plan)))
         step = make_train_step(plan, schedule, return_grads=True)
         for i in range(steps):
             batch = data.global_batch(tokens, seed, i, batch_size, seq_len, plan.batch_sharding) \

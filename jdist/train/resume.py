@@ -15,6 +15,7 @@ from jdist.config import result_flags
 from jdist.errors import require
 from jdist.parallel.pipeline.layer_order import CHECKPOINT_KEY, restore_order
 from jdist.step import moment_files, trainable
+from jdist.step.disk_update import init_on_disk
 from jdist.step.state import Plan, TrainState, init_adapters, init_state, state_from_params
 
 # Flags that decide *what* is computed (their fields' "result" metadata). A resumed run must
@@ -216,6 +217,8 @@ def start_state(plan: Plan, seed: int, found: ckpt.Found | None, init_from: str 
     if plan.on_disk and found is not None and found.meta.get(BASE_SAVED, True) and \
             list(order or range(plan.model.n_layers)) == list(range(plan.model.n_layers)):
         return restored_to_disk(found.path, plan, offload_dir, stacked)
+    if plan.on_disk and found is None and not init_from:
+        return init_on_disk(plan, seed, offload_dir)
     state = initial_or_restored(plan, seed, found, init_from)
     if not plan.on_disk:
         return state
