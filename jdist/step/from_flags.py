@@ -128,7 +128,7 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     offload = config.memory.offload
     require(offload != "auto", "--offload auto is chosen by the trainer's fit check "
             "(python -m jdist.train, --dry-run); here give a mode: none, optimizer or params")
-    require(not (config.devices.target and offload != "none"),
+    require(not (config.devices.target and offload not in ("none", "disk")),
             f"--offload {offload} cannot be compiled for --target {config.devices.target}: "
             "jax's "
             "compile-only GPU devices have no host memory space (jax 0.10.2), so the "
