@@ -253,8 +253,10 @@ def expert_exchanges(lowered, mesh) -> int:
     """All-to-alls over the `expert` axis in a lowered step (groups as positions in the mesh)."""
     ids = np.moveaxis(np.arange(mesh.devices.size).reshape(mesh.devices.shape),
                       mesh.axis_names.index("expert"), -1)
-    groups = f"replica_groups = dense<{json.dumps(ids.reshape(-1, ids.shape[-1]).tolist())}>"
-    return sum(groups in line for line in lowered.as_text().splitlines()
+    groups = (f"replica_groups = dense<{json.dumps(ids.reshape(-1, ids.shape[-1]).tolist())}>",
+              # jax 0.12 names the mesh axes instead of listing the groups
+              'axes = [#stablehlo.axis_ref<name = "expert">]>')
+    return sum(any(g in line for g in groups) for line in lowered.as_text().splitlines()
                if "stablehlo.all_to_all" in line)
 
 
