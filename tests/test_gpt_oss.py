@@ -84,6 +84,7 @@ def test_round_trip_is_bitwise(tmp_path):
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
      "'linear'"),
     ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "mxfp4"),
 ])
 def test_unsupported_configs_are_refused(tmp_path, changes, says):
     d = tmp_path / "hf"

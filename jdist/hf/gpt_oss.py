@@ -33,6 +33,9 @@ def model_config(c: dict, where: str, rope: tuple[float, dict]) -> ModelConfig:
             f"{where}: architectures {c.get('architectures')} with model_type {MODEL_TYPE!r}; "
             f"only {ARCHITECTURE} is supported")
     theta, s = rope
+    require("quantization_config" not in c, f"{where}: the weights are quantized "
+            f"({c.get('quantization_config', {}).get('quant_method', '?')}: the published "
+            "checkpoint's MXFP4 experts); dequantize them to bfloat16 first")
     kind = s.get("rope_type", s.get("type"))
     require(not s or (kind == "yarn" and not s.get("attention_factor") and not s.get("mscale")),
             f"{where}: rope {kind!r} (or yarn with attention_factor/mscale) is not supported "
