@@ -79,7 +79,8 @@ def test_fp8_projection_runs_three_fp8_gemms(mode):
     assert rep.fp8_flops == (0 if mode == "off" else rep.executed_flops)
 
 
-@pytest.mark.parametrize("model", ["tiny", "moe-tiny", "dense-moe-tiny"])
+# (dense-moe-tiny, a heterogeneous stack, was exact too on 2026-12-05; cut for suite time)
+@pytest.mark.parametrize("model", ["tiny", "moe-tiny"])
 def test_fp8_flops_of_the_cost_model_are_the_compiled_steps(model):
     """The planner prices `--fp8` steps by the FP8 FLOPs of `plan.cost.fp8_flops`: the
     GPU-compiled step (fsdp=8, rowwise, `--remat full`) runs exactly those on float8

@@ -29,7 +29,8 @@ def test_a_homogeneous_model_is_one_run_under_blocks():
 
 
 @pytest.mark.slow  # 30 s with the one-device reference, 13 s more for ep
-@pytest.mark.parametrize("mesh", ["fsdp=2,tp=2", "fsdp=2,ep=4"])
+# fsdp=2,tp=2: test_deepseek_train runs dense-then-MoE there (cut here for suite time)
+@pytest.mark.parametrize("mesh", ["fsdp=2,ep=4"])
 def test_dense_then_experts_matches_single_device(corpus, single_device, mesh):
     run = train_steps(HETERO, mesh, corpus.train)
     assert set(run.grads) == {"blocks", "blocks_1", "embed", "final_norm", "head"}
