@@ -13,14 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file
+from hf_roundtrip import assert_round_trip_is_bitwise, loaded, logits_error
 
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.generate import forward, generate, init_cache
 from jdist.generate.weights import inference_plan
 from jdist.hf.config import model_config
-from jdist.hf.export import write_hf
 from jdist.hf.load import load_params
 from jdist.models.config import get_preset
 from jdist.models.context import LOCAL
@@ -31,11 +30,6 @@ from jdist.spmd.mesh import build_mesh
 from jdist.step.from_flags import plan_for
 
 DEEPSEEK = Path(__file__).parent / "fixtures" / "hf" / "deepseek-v3"
-
-
-def loaded(hf_dir: Path = DEEPSEEK):
-    _, plan, _ = plan_for(TrainConfig.of(init_from=str(hf_dir), mesh="dp=1", batch_size=16))
-    return plan, load_params(hf_dir, plan)
 
 
 def test_config_json_becomes_the_model():
@@ -51,36 +45,19 @@ def test_config_json_becomes_the_model():
 
 
 def test_logits_equal_transformers():
-    plan, params = loaded()
+    plan, params = loaded(DEEPSEEK)
     ref = np.load(DEEPSEEK / "reference.npz")
     assert ref["min_route_gap"] > 1e-4  # no routing choice within float rounding
-    with jax.default_matmul_precision("highest"):
-        model = nnx.merge(plan.graphdef, jax.tree.map(np.asarray, params))
-        logits = np.asarray(model(ref["input_ids"]))
-    rel = np.linalg.norm(logits - ref["logits"]) / np.linalg.norm(ref["logits"])
+    rel = logits_error(plan, params, ref)
     assert rel < 1e-5, rel
-
-
-def _at(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
 
 
 def test_round_trip_is_bitwise(tmp_path):
     """HF -> jdist -> HF: every tensor's bytes (the rope rows re-interleaved), and the
     config. (The export also loads in transformers 5.24 with the fixture's logits, exactly:
     checked by hand, as the suite runs without torch.)"""
-    plan, params = loaded()
-    host = jax.tree.map(np.asarray, params)
-    write_hf(tmp_path / "out", plan.model, lambda path: _at(host, path), max_shard_bytes=100_000)
-    original, exported = load_file(DEEPSEEK / "model.safetensors"), {}
-    for f in sorted((tmp_path / "out").glob("*.safetensors")):
-        exported.update(load_file(f))
-    assert sorted(original) == sorted(exported)
-    for name, value in original.items():
-        assert exported[name].dtype == value.dtype and exported[name].tobytes() == value.tobytes()
-    assert model_config(tmp_path / "out") == plan.model
+    plan, params = loaded(DEEPSEEK)
+    assert_round_trip_is_bitwise(DEEPSEEK, tmp_path / "out", plan, params)
 
 
 @pytest.mark.parametrize("changes, says", [
@@ -151,7 +128,7 @@ def test_what_deepseek_tiny_cannot_run_is_refused(flags, says):
 def test_latent_cache_decoding_equals_the_full_forward():
     """A prefill of 8 tokens, then 8 decoded one by one over the cache of latents and rope
     keys: the logits of the full forward over all 16 (rel 1e-5)."""
-    plan, params = loaded()
+    plan, params = loaded(DEEPSEEK)
     ref = np.load(DEEPSEEK / "reference.npz")
     tokens = ref["input_ids"][:, :16]
     with jax.default_matmul_precision("highest"):

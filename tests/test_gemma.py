@@ -13,29 +13,20 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-from safetensors.numpy import load_file
+from hf_roundtrip import assert_round_trip_is_bitwise, loaded, logits_error
 
-from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.generate import generate
 from jdist.generate.weights import inference_plan
 from jdist.hf.config import model_config
-from jdist.hf.export import write_hf
 from jdist.hf.load import load_params
 from jdist.models.config import RopeScaling, get_preset
 from jdist.models.runs import runs
 from jdist.plan.__main__ import main as plan_main
 from jdist.spmd.mesh import build_mesh
-from jdist.step.from_flags import plan_for
 from jdist.tools.equivalence import assert_matches, config, train_steps
 
 GEMMA = Path(__file__).parent / "fixtures" / "hf" / "gemma3"
-
-
-def loaded():
-    _, plan, _ = plan_for(TrainConfig.of(init_from=str(GEMMA), mesh="dp=1", batch_size=16))
-    return plan, load_params(GEMMA, plan)
 
 
 def test_config_json_becomes_the_model():
@@ -52,34 +43,17 @@ def test_config_json_becomes_the_model():
 
 
 def test_logits_equal_transformers():
-    plan, params = loaded()
+    plan, params = loaded(GEMMA)
     ref = np.load(GEMMA / "reference.npz")
-    with jax.default_matmul_precision("highest"):
-        model = nnx.merge(plan.graphdef, jax.tree.map(np.asarray, params))
-        logits = np.asarray(model(ref["input_ids"]))
-    rel = np.linalg.norm(logits - ref["logits"]) / np.linalg.norm(ref["logits"])
+    rel = logits_error(plan, params, ref)
     assert rel < 1e-5, rel
-
-
-def _at(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
 
 
 def test_round_trip_is_bitwise(tmp_path):
     """HF -> jdist -> HF: every tensor's bytes (a periodic run's blocks back at their
     layers), and the config."""
-    plan, params = loaded()
-    host = jax.tree.map(np.asarray, params)
-    write_hf(tmp_path / "out", plan.model, lambda path: _at(host, path), max_shard_bytes=100_000)
-    original, exported = load_file(GEMMA / "model.safetensors"), {}
-    for f in sorted((tmp_path / "out").glob("*.safetensors")):
-        exported.update(load_file(f))
-    assert sorted(original) == sorted(exported)
-    for name, value in original.items():
-        assert exported[name].dtype == value.dtype and exported[name].tobytes() == value.tobytes()
-    assert model_config(tmp_path / "out") == plan.model
+    plan, params = loaded(GEMMA)
+    assert_round_trip_is_bitwise(GEMMA, tmp_path / "out", plan, params)
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     config = json.loads((GEMMA / "config.json").read_text())
     for field in ("layer_types", "rope_parameters", "query_pre_attn_scalar", "head_dim"):

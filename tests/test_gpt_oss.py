@@ -12,27 +12,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-from safetensors.numpy import load_file
+from hf_roundtrip import assert_round_trip_is_bitwise, loaded, logits_error
 
-from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.generate import generate
 from jdist.generate.weights import inference_plan
 from jdist.hf.config import model_config
-from jdist.hf.export import write_hf
 from jdist.hf.load import load_params
 from jdist.models.config import get_preset
 from jdist.models.runs import runs
 from jdist.spmd.mesh import build_mesh
-from jdist.step.from_flags import plan_for
 
 GPT_OSS = Path(__file__).parent / "fixtures" / "hf" / "gpt-oss"
-
-
-def loaded(hf_dir: Path = GPT_OSS):
-    _, plan, _ = plan_for(TrainConfig.of(init_from=str(hf_dir), mesh="dp=1", batch_size=16))
-    return plan, load_params(hf_dir, plan)
 
 
 def test_config_json_becomes_the_model():
@@ -48,36 +39,19 @@ def test_config_json_becomes_the_model():
 
 
 def test_logits_equal_transformers():
-    plan, params = loaded()
+    plan, params = loaded(GPT_OSS)
     ref = np.load(GPT_OSS / "reference.npz")
     assert ref["min_route_gap"] > 1e-4  # no routing choice within float rounding
-    with jax.default_matmul_precision("highest"):
-        model = nnx.merge(plan.graphdef, jax.tree.map(np.asarray, params))
-        logits = np.asarray(model(ref["input_ids"]))
-    rel = np.linalg.norm(logits - ref["logits"]) / np.linalg.norm(ref["logits"])
+    rel = logits_error(plan, params, ref)
     assert rel < 1e-5, rel
-
-
-def _at(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
 
 
 def test_round_trip_is_bitwise(tmp_path):
     """HF -> jdist -> HF: every tensor's bytes (gate and up re-interleaved into gate_up),
     and the config. (The export also loads in transformers 5.24 with the fixture's
     logits: checked by hand, as the suite runs without torch.)"""
-    plan, params = loaded()
-    host = jax.tree.map(np.asarray, params)
-    write_hf(tmp_path / "out", plan.model, lambda path: _at(host, path), max_shard_bytes=100_000)
-    original, exported = load_file(GPT_OSS / "model.safetensors"), {}
-    for f in sorted((tmp_path / "out").glob("*.safetensors")):
-        exported.update(load_file(f))
-    assert sorted(original) == sorted(exported)
-    for name, value in original.items():
-        assert exported[name].dtype == value.dtype and exported[name].tobytes() == value.tobytes()
-    assert model_config(tmp_path / "out") == plan.model
+    plan, params = loaded(GPT_OSS)
+    assert_round_trip_is_bitwise(GPT_OSS, tmp_path / "out", plan, params)
 
 
 @pytest.mark.parametrize("changes, says", [

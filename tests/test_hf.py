@@ -16,15 +16,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file
+from hf_roundtrip import assert_round_trip_is_bitwise, at, hf_tensors, loaded
 
-from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.hf.config import model_config
 from jdist.hf.export import write_hf
-from jdist.hf.load import load_params
 from jdist.parallel.pipeline.layer_order import to_model_order
-from jdist.step.from_flags import plan_for
 from jdist.step.state import build_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -34,19 +31,6 @@ UNNORMALISED = FIXTURES / "qwen3-moe-unnormalised"  # norm_topk_prob false
 FAMILIES = [UNTIED, TIED, QWEN3, MIXTRAL, QWEN3_MOE, UNNORMALISED]
 FAMILY_IDS = ["untied", "tied", "qwen3", "mixtral", "qwen3-moe", "qwen3-moe-unnormalised"]
 RTOL = 1e-5
-
-
-def hf_tensors(hf_dir: Path) -> dict:
-    out = {}
-    for f in sorted(hf_dir.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def loaded(hf_dir: Path, mesh: str = "dp=1", **flags):
-    _, plan, _ = plan_for(TrainConfig.of(init_from=str(hf_dir), mesh=mesh, batch_size=16,
-                                         **flags))
-    return plan, load_params(hf_dir, plan)
 
 
 def test_config_json_becomes_the_model():
@@ -90,7 +74,7 @@ def test_interleaved_stages_read_their_layers(tmp_path):
     virtual stages: stored in interleaved order, the same weights in model order."""
     cfg = dataclasses.replace(model_config(UNTIED), n_layers=4)
     source = nnx.to_pure_dict(nnx.state(build_model(cfg, 1)))
-    write_hf(tmp_path / "hf", cfg, lambda path: np.asarray(_at(source, path)))
+    write_hf(tmp_path / "hf", cfg, lambda path: np.asarray(at(source, path)))
     plan, params = loaded(tmp_path / "hf", "pp=2,fsdp=2", pp_schedule="interleaved",
                           pp_virtual_stages=2)
     got = to_model_order(plan, jax.tree.map(np.asarray, params))
@@ -98,23 +82,10 @@ def test_interleaved_stages_read_their_layers(tmp_path):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
-def _at(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
 @pytest.mark.parametrize("hf_dir", FAMILIES, ids=FAMILY_IDS)
 def test_round_trip_is_bitwise(tmp_path, hf_dir):
     plan, params = loaded(hf_dir)
-    host = jax.tree.map(np.asarray, params)
-    write_hf(tmp_path / "out", plan.model, lambda path: _at(host, path),
-             max_shard_bytes=100_000)
-    original, exported = hf_tensors(hf_dir), hf_tensors(tmp_path / "out")
-    assert sorted(original) == sorted(exported)
-    for name, value in original.items():
-        assert exported[name].dtype == value.dtype and exported[name].tobytes() == value.tobytes()
-    assert model_config(tmp_path / "out") == plan.model
+    assert_round_trip_is_bitwise(hf_dir, tmp_path / "out", plan, params)
 
 
 def test_train_checkpoint_export_round_trip(tmp_path):
@@ -224,7 +195,7 @@ def test_export_loads_in_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     plan, params = loaded(UNTIED)
     host = jax.tree.map(np.asarray, params)
-    write_hf(tmp_path / "out", plan.model, lambda path: _at(host, path))
+    write_hf(tmp_path / "out", plan.model, lambda path: at(host, path))
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out",
                                                           attn_implementation="eager")
     ref = np.load(UNTIED / "reference.npz")
