@@ -7,6 +7,7 @@ cannot represent are refused in one line."""
 from __future__ import annotations
 
 from jdist.errors import require
+from jdist.hf.family import refuse_quantized, require_architecture
 from jdist.models.config import ModelConfig, RopeScaling
 
 MODEL_TYPE, ARCHITECTURE = "deepseek_v3", "DeepseekV3ForCausalLM"
@@ -17,13 +18,9 @@ BIAS_RATE = 0.001
 def model_config(c: dict, where: str, rope: tuple[float, dict]) -> ModelConfig:
     """The `ModelConfig` of a DeepseekV3 config.json `c` (read from `where`); `rope`:
     (rope_theta, scaling or {}) as `jdist.hf.config.rope_fields` reads them."""
-    require(c.get("architectures", [ARCHITECTURE]) == [ARCHITECTURE],
-            f"{where}: architectures {c.get('architectures')} with model_type {MODEL_TYPE!r}; "
-            f"only {ARCHITECTURE} is supported")
+    require_architecture(c, where, MODEL_TYPE, ARCHITECTURE)
     theta, scaling = rope
-    require("quantization_config" not in c, f"{where}: the weights are quantized "
-            f"({c.get('quantization_config', {}).get('quant_method', '?')}: the published "
-            "checkpoint's FP8 blocks); dequantize them to bfloat16 first")
+    refuse_quantized(c, where, "the published checkpoint's FP8 blocks")
     require(not c.get("attention_bias", False) and c.get("hidden_act", "silu") == "silu",
             f"{where}: attention_bias or a hidden_act other than silu is not supported")
     require(c.get("topk_method", "noaux_tc") == "noaux_tc" and

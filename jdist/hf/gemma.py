@@ -9,6 +9,7 @@ soft-capping, bidirectional attention."""
 from __future__ import annotations
 
 from jdist.errors import require
+from jdist.hf.family import require_architecture
 from jdist.models.config import ModelConfig, RopeScaling
 from jdist.models.runs import window_of
 
@@ -52,9 +53,7 @@ def _rope(c: dict, where: str) -> tuple[float, float, RopeScaling | None]:
 
 def model_config(c: dict, where: str) -> ModelConfig:
     """The `ModelConfig` of a Gemma3ForCausalLM config.json `c` (read from `where`)."""
-    require(c.get("architectures", [ARCHITECTURE]) == [ARCHITECTURE],
-            f"{where}: architectures {c.get('architectures')} with model_type {MODEL_TYPE!r}; "
-            f"only {ARCHITECTURE} (text) is supported")
+    require_architecture(c, where, MODEL_TYPE, ARCHITECTURE, " (text)")
     act = c.get("hidden_activation") or c.get("hidden_act") or ACTIVATION
     require(act == ACTIVATION, f"{where}: hidden_activation {act!r} is not supported; "
             f"Gemma 3's is {ACTIVATION}")

@@ -7,6 +7,7 @@ layouts are `jdist.hf.layout`'s."""
 from __future__ import annotations
 
 from jdist.errors import require
+from jdist.hf.family import refuse_quantized, require_architecture
 from jdist.models import yarn
 from jdist.models.config import ModelConfig, RopeScaling
 from jdist.models.runs import window_of
@@ -29,13 +30,9 @@ def full_every(types: list, where: str) -> int:
 def model_config(c: dict, where: str, rope: tuple[float, dict]) -> ModelConfig:
     """The `ModelConfig` of a GptOss config.json `c` (read from `where`); `rope`:
     (rope_theta, scaling or {}) as `jdist.hf.config.rope_fields` reads them."""
-    require(c.get("architectures", [ARCHITECTURE]) == [ARCHITECTURE],
-            f"{where}: architectures {c.get('architectures')} with model_type {MODEL_TYPE!r}; "
-            f"only {ARCHITECTURE} is supported")
+    require_architecture(c, where, MODEL_TYPE, ARCHITECTURE)
     theta, s = rope
-    require("quantization_config" not in c, f"{where}: the weights are quantized "
-            f"({c.get('quantization_config', {}).get('quant_method', '?')}: the published "
-            "checkpoint's MXFP4 experts); dequantize them to bfloat16 first")
+    refuse_quantized(c, where, "the published checkpoint's MXFP4 experts")
     kind = s.get("rope_type", s.get("type"))
     require(not s or (kind == "yarn" and not s.get("attention_factor") and not s.get("mscale")),
             f"{where}: rope {kind!r} (or yarn with attention_factor/mscale) is not supported "
