@@ -171,6 +171,7 @@ def _copy_with_config(tmp_path, **changes) -> Path:
     ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]},
      "dense layers between the MoE ones"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantized \\(gptq"),
 ])
 def test_unsupported_checkpoints_are_refused(tmp_path, changes, says):
     d = _copy_with_config(tmp_path, **changes)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from jdist.errors import require
 from jdist.hf import deepseek, gemma, gpt_oss
+from jdist.hf.family import refuse_quantized
 from jdist.models.config import ModelConfig, RopeScaling
 
 CONFIG = "config.json"
@@ -71,9 +72,13 @@ def _refuse_unsupported(c: dict, where: str) -> None:
     require(kind in ARCHITECTURES and archs == [ARCHITECTURES[kind]],
             f"{where}: architecture {archs} (model_type {kind!r}) is not supported; only "
             f"{' and '.join(ARCHITECTURES.values())} checkpoints can be imported")
+    # Quantized community re-uploads (GPTQ, AWQ, bitsandbytes) store packed tensors under
+    # other names: refused here rather than as a missing-tensor error halfway through loading.
+    refuse_quantized(c, where, "a quantized re-upload; --qlora quantizes bfloat16 weights "
+                               "itself")
     window = c.get("use_sliding_window", kind == "mixtral" and c.get("sliding_window"))
-    require(not window, f"{where}: a sliding attention window is not supported (jdist attends "
-            "over the whole context); use a checkpoint without one")
+    require(not window, f"{where}: a sliding attention window is not read from {kind} configs "
+            "yet (the gpt-oss and Gemma 3 readers carry theirs); use a checkpoint without one")
     if kind == "qwen3_moe":
         require(c.get("decoder_sparse_step", 1) == 1 and not c.get("mlp_only_layers"),
                 f"{where}: dense layers between the MoE ones (decoder_sparse_step, "
