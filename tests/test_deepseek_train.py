@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jdist.models import get_preset
+from jdist.parallel.pipeline import PipelineConfig
 from jdist.tools.equivalence import assert_matches, config, train_steps
 
 DEEPSEEK = get_preset("deepseek-tiny")
@@ -62,3 +63,15 @@ def test_mla_on_ring_context_parallelism_matches_single_device(corpus, single_de
     """The ring kernel over MLA's keys and zero-padded values, sequence split in two."""
     run = train_steps(MLA, "cp=2,fsdp=2", corpus.train, config(cp_strategy="ring"))
     assert_matches(run, single_device(MLA))
+
+
+def test_mla_runs_in_ring_pipeline_stages_match_single_device(corpus, single_device):
+    """pp=2 over a heterogeneous MLA stack (two dense blocks, then two MoE ones: each run a
+    chunk of every stage, interleaved with V = 2), the ring splitting the sequence inside
+    each stage. Against one device accumulating the same 4 micro-batches (the balance loss
+    is per micro-batch)."""
+    model = dataclasses.replace(MLA, n_layers=4, first_dense_layers=2)
+    run = train_steps(model, "pp=2,sp=2", corpus.train, config(cp_strategy="ring",
+                                                               batch_size=16),
+                      pipeline=PipelineConfig("interleaved", 4, 2))
+    assert_matches(run, single_device(model, batch_size=16, grad_accum=4))

@@ -22,6 +22,7 @@ from jdist.hf.config import model_config
 from jdist.hf.load import load_params
 from jdist.models.config import RopeScaling, get_preset
 from jdist.models.runs import runs
+from jdist.parallel.pipeline import PipelineConfig
 from jdist.plan.__main__ import main as plan_main
 from jdist.spmd.mesh import build_mesh
 from jdist.tools.equivalence import assert_matches, config, train_steps
@@ -131,4 +132,13 @@ def test_gemma_blocks_match_single_device(corpus, single_device):
     device (xla, full logits): loss, grad_norm and first-step gradients at 1e-5."""
     run = train_steps(GEMMA_TINY, "fsdp=2,tp=2", corpus.train, config(attention="flash"))
     assert {"attn_out_norm", "mlp_out_norm"} <= set(run.grads["blocks"]["layer_0"])
+    assert_matches(run, single_device(GEMMA_TINY))
+
+
+@pytest.mark.slow  # 2 compiles, one of them a pipeline
+def test_gemma_blocks_in_ring_pipeline_stages_match_single_device(corpus, single_device):
+    """pp=2, one (sliding, full) period per stage, the ring splitting the sequence inside
+    each stage (its window crossing the ring's chunks)."""
+    run = train_steps(GEMMA_TINY, "pp=2,sp=2", corpus.train, config(cp_strategy="ring"),
+                      pipeline=PipelineConfig("1f1b", 4, 1))
     assert_matches(run, single_device(GEMMA_TINY))

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jdist.hf.config import model_config
-from jdist.tools.equivalence import assert_matches, train_steps
+from jdist.parallel.pipeline import PipelineConfig
+from jdist.tools.equivalence import assert_matches, config, train_steps
 
 GPT_OSS = Path(__file__).parent / "fixtures" / "hf" / "gpt-oss"
 MODEL = dataclasses.replace(model_config(GPT_OSS), swiglu_limit=0.1)
@@ -29,3 +30,14 @@ def test_matches_single_device(corpus, single_device, mesh):
                      block["mlp"]["router_b"], block["mlp"]["b_gate"], block["mlp"]["b_down"]):
             assert np.abs(grad).max() > 0
     assert_matches(run, single_device(MODEL))
+
+
+def test_ring_inside_pipeline_stages_matches_single_device(corpus, single_device):
+    """pp=2 with two (sliding, full) periods, one per stage, and the ring splitting the
+    sequence inside each: windows, sinks, biases and experts together. Against one device
+    accumulating the same 4 micro-batches (the balance loss is per micro-batch)."""
+    model = dataclasses.replace(MODEL, n_layers=4)
+    run = train_steps(model, "pp=2,sp=2", corpus.train, config(cp_strategy="ring",
+                                                               batch_size=16),
+                      pipeline=PipelineConfig("1f1b", 4, 1))
+    assert_matches(run, single_device(model, batch_size=16, grad_accum=4))

@@ -22,7 +22,6 @@ from jdist.parallel.attention import cudnn_attention
 from jdist.parallel.attention.context import ALL_GATHER, RING, ULYSSES, ContextParallel
 from jdist.parallel.attention.flash import flash_attention
 from jdist.parallel.attention.load_balance import ring_work
-from jdist.parallel.pipeline import PipelineConfig
 from jdist.runtime import target
 from jdist.spmd.mesh import build_mesh, parse_mesh
 from jdist.spmd.rules import DEFAULT_RULES
@@ -277,16 +276,6 @@ def test_cudnn_requested_with_sinks_says_flash_runs_in_one_line(capsys):
     _, plan, _ = plan_for(config)
     assert plan.compute.attention == "flash"
     assert capsys.readouterr().err.splitlines() == [f"jdist: {attn.SINKS_ON_CUDNN}"]
-
-
-def test_ring_inside_pipeline_stages_with_window_and_sinks_matches_single_device(
-        corpus, single_device):
-    # Nested in a stage the ring shifts by all-gather, and the sinks' gradient is summed
-    # over the ring alone (the stage and replica axes are the step's).
-    deep = dataclasses.replace(LOCAL, n_layers=4)
-    run = train_steps(deep, mesh_of("pp=2,sp=2"), corpus.train, config(cp_strategy=RING),
-                      pipeline=PipelineConfig("1f1b", 4, 1))
-    assert_matches(run, single_device(deep))
 
 
 def test_flash_with_window_sinks_and_packed_documents_matches_dense():
