@@ -32,7 +32,7 @@ from jdist.parallel.attention.blockwise import KEY_TILE, Q_TILE
 from jdist.parallel.moe import expert_factor, overlap_pieces
 from jdist.parallel.vocab import chunk_size
 from jdist.spmd.sharding import per_device_bytes
-from jdist.step import muon_cost, trainable
+from jdist.step import device_walk, muon_cost, trainable
 
 COMPONENTS = ("params", "grads", "optimizer", "activations")
 
@@ -329,9 +329,12 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
     # donated). XLA's GPU compiler fuses that scaling into the update: no such tree (full
     # fine-tuning of 1B/8B/70B on one H100 target, jax 0.10.2).
     # Muon's update also holds its owned matrices whole (`jdist.step.muon_cost.update_bytes`).
-    # `--offload params` updates on the host (`jdist.step.host_update`).
-    update = 0 if plan.streams else (0 if on_gpu(plan) else grads) + muon_cost.update_bytes(
-        plan.abstract.opt_state, plan.opt_device_shardings, dict(plan.mesh.shape), plan.names)
+    # `--offload params` updates on the host (`jdist.step.host_update`), Muon's on the
+    # device a chunk of layers at a time (`jdist.step.device_walk`).
+    update = device_walk.device_bytes(plan) if plan.streams else \
+        (0 if on_gpu(plan) else grads) + muon_cost.update_bytes(
+            plan.abstract.opt_state, plan.opt_device_shardings, dict(plan.mesh.shape),
+            plan.names)
     return Breakdown(params, grads, optimizer, max(backward, update))
 
 

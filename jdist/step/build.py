@@ -15,7 +15,7 @@ from jdist.parallel import collective_matmul
 from jdist.runtime import target
 from jdist.spmd import axes as ax
 from jdist.spmd.sharding import replicated
-from jdist.step import host_update, trainable
+from jdist.step import device_walk, host_update, trainable
 from jdist.step.grads import step_eval, step_grads
 from jdist.step.optim import updates_applied
 from jdist.step.pipelined import pipeline_eval, pipeline_grads
@@ -90,7 +90,10 @@ def make_train_step(plan: Plan, schedule: optax.Schedule | None = None, *,
         if schedule is not None:
             metrics["lr"] = schedule(updates_applied(opt_state))
         trained = trainable.select(plan.model, state.params)  # frozen leaves: None
-        if plan.streams:  # --offload params: on the host, clipped by the norm just taken
+        if device_walk.applies(plan):  # --offload params, Muon: on the device by chunks
+            new_trained, opt_state = device_walk.update(plan, grads, opt_state, trained,
+                                                        metrics["grad_norm"])
+        elif plan.streams:  # --offload params: on the host, clipped by the norm just taken
             new_trained, opt_state = host_update.update(plan.tx, grads, opt_state, trained,
                                                         metrics["grad_norm"])
         else:

@@ -174,8 +174,6 @@ def check_streaming(config: TrainConfig, model: ModelConfig, mesh) -> None:
         return
     why = {
         "--mesh with pp": mesh.shape[ax.STAGE] > 1,
-        "--optimizer muon (its owner-layout all-to-alls cannot run in a host computation)":
-            config.optim.optimizer == "muon",
         "--on-nan skip (its finiteness test is a global norm, which a host computation "
         "cannot take)": config.checkpoint.on_nan == "skip",
         "--grad-accum above 1": config.memory.grad_accum > 1,
