@@ -377,8 +377,9 @@ def state_bytes(plan) -> tuple[int, int, int, int]:
     optimizer = 0 if plan.offload else per_device_bytes(plan.abstract.opt_state,
                                                         plan.shardings.opt_state)
     in_flight = in_flight_bytes(plan, plan.compute.dtype.itemsize)
-    if plan.streams:  # --offload params: all three live in host memory
-        return 0, 0, 0, in_flight + streamed_bytes(plan)
+    if plan.streams:  # --offload params: all three live in host memory, but a pipeline
+        # stage's gradients, accumulated over the ticks on the device (`jdist.step.pipelined`)
+        return 0, grads if plan.pipeline is not None else 0, 0, in_flight + streamed_bytes(plan)
     return params, grads, optimizer, in_flight
 
 

@@ -47,14 +47,15 @@ from jdist.runtime.target import overlap_by_default
 
 
 def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool, remat,
-        stream: bool = False):
+        stream: bool = False, grads_home: bool | None = None):
     """`layer(x, params) -> (x, stats)` over the stacked layers -> (x, stats [n, ...]).
     `stored`: the stored blocks [n, ...] (read); `primal`: their gradient-layout blocks
     (differentiated; None for a frozen leaf); `sync`: one layer's `grad_sync.Sync` per leaf;
     `remat`: the activation-checkpointing wrapper (`jdist.models.remat.wrapper`); `stream`:
     the blocks and their gradients live in host memory (`--offload params`): each layer is
     brought to the device where it is gathered, one ahead, and its reduced gradient goes
-    back to the host."""
+    back to the host, unless `grads_home` is False (a pipeline stage accumulates its
+    gradients over ticks on the device: `jdist.step.pipelined`)."""
     trained = jax.tree.map(lambda p: p is not None, primal, is_leaf=lambda p: p is None)
     gather = functools.partial(_gather, stored, sync, trained, dtype, stream)
     # Closed-over values (the rotary tables, ...) become arguments: a custom VJP must not
@@ -63,7 +64,7 @@ def run(layer, x, stored: dict, primal: dict, sync: dict, *, dtype, defer: bool,
         lambda x, w, f: remat(layer)(x, merge(w, f, trained)), x,
         *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(gather, 0)))
     steps = _Loop(jax.tree.leaves(stored)[0].shape[0], gather, fn, sync, trained, primal,
-                  defer, stream)
+                  defer, stream if grads_home is None else grads_home)
     loop = jax.custom_vjp(steps.loop)
     loop.defvjp(steps.loop_fwd, steps.loop_bwd)
     return loop(x, primal, consts)
@@ -98,7 +99,7 @@ class _Loop:
     trained: dict
     primal: dict               # the differentiated blocks: the gradients' tree and dtypes
     defer: bool
-    stream: bool               # blocks and gradients in host memory (`run`)
+    grads_home: bool           # gradients to host memory (`run`'s `grads_home`)
     # How a layer's pullback is rebuilt from its stashed leaves: (tree, per leaf the index
     # of the weight or const it is, else None). Set by the forward's trace, read by the
     # backward's.
@@ -128,7 +129,7 @@ class _Loop:
         # would have no compute left beside it. The last layer is pulled back before the
         # loop (nothing to reduce yet), the first after it (nothing to prefetch), and the
         # first layer's gradient reduced last.
-        grads = jax.tree.map(lambda p: to_host(jnp.zeros(p.shape, jnp.float32), self.stream),
+        grads = jax.tree.map(lambda p: to_host(jnp.zeros(p.shape, jnp.float32), self.grads_home),
                              self.primal)
         w = self.gather(n - 2) if n > 2 else w_first
         dx, pending, dconsts = pb.back(n - 1, dy, w_last, [jnp.zeros_like(c) for c in consts])
@@ -194,7 +195,7 @@ class _Pullback:
     def put(self, grads, dw, i):
         """Layer i's gradient reduced (`grad_sync.reduce`) into the stacked gradient."""
         return jax.tree.map(lambda acc, g, y: lax.dynamic_update_index_in_dim(
-            acc, to_host(gs.reduce(g, y, self.steps.defer), self.steps.stream), i, 0),
+            acc, to_host(gs.reduce(g, y, self.steps.defer), self.steps.grads_home), i, 0),
             grads, dw, self.synced)
 
     def body(self, carry, i):

@@ -162,7 +162,8 @@ class Forward:
                             jax.tree.leaves(sync), n, stream):
             return prefetch.run(layer, x, stored, primal, sync,
                                 dtype=self.plan.compute.dtype, defer=self.defer,
-                                remat=checkpointed, stream=stream)
+                                remat=checkpointed, stream=stream,
+                                grads_home=stream and self.plan.pipeline is None)
 
         def one(x, scanned):
             layer_stored, layer_primal = scanned

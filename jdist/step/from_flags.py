@@ -173,7 +173,9 @@ def check_streaming(config: TrainConfig, model: ModelConfig, mesh) -> None:
     if config.memory.offload != "params":
         return
     why = {
-        "--mesh with pp": mesh.shape[ax.STAGE] > 1,
+        "pipeline chunks of one layer (nothing to stream ahead; give each stage's chunk "
+        "two or more)": mesh.shape[ax.STAGE] > 1 and model.n_layers < 2 * mesh.shape[
+            ax.STAGE] * config.parallel.pp_virtual_stages,
         "--on-nan skip (its finiteness test is a global norm, which a host computation "
         "cannot take)": config.checkpoint.on_nan == "skip",
         "--grad-accum above 1": config.memory.grad_accum > 1,

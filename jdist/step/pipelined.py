@@ -27,6 +27,7 @@ from jdist.parallel import grad_sync as gs
 from jdist.parallel.pipeline import check_remat, stashes
 from jdist.parallel.pipeline import program as stage_program
 from jdist.parallel.pipeline import shared as stage_shared
+from jdist.parallel.prefetch import to_device
 from jdist.spmd import axes as ax
 from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk
@@ -37,6 +38,7 @@ from jdist.step.grads import (
     micro_batches,
     replica_count,
     replica_map,
+    resident,
     stacked,
     syncs,
     trained_primal,
@@ -59,13 +61,20 @@ def _run(plan, params: dict, batch: dict, train: bool):
 
     def local(stored, inputs, targets):
         # The embedding and head are stored split over `stage`: whole for the ticks.
-        stored = stage_shared.gather(stored, plan.shardings.params, sync)
+        # Under --offload params the blocks stay on the host for the layer loop to stream.
+        stored = stage_shared.gather(resident(plan, stored), plan.shardings.params, sync)
         scale = goal.scale(table.micro * n_replicas, targets, MANUAL)
         tokens, labels, segments, positions = fw.in_kernel_order(inputs, targets)
         tokens, labels = micro_batches((tokens, labels), table.micro)
         if segments is not None:  # packed documents: per-row layouts, per micro-batch
             segments, positions = micro_batches((segments, positions), table.micro)
         primal = trained_primal(plan, stored, stacked_syncs) if train else stored
+        if plan.streams and train:
+            # --offload params: the stage accumulates its blocks' gradients over the ticks
+            # on the device (a host computation cannot take part in the schedule's loop) and
+            # they go to the host once, after it; their type is the primal's. The layer loop
+            # reads the blocks from `stored`, streamed, never this copy.
+            primal = jax.tree.map(to_device, primal)
         stored = jax.lax.stop_gradient(stored)  # read only (see jdist.step.grads)
         shared = Params(primal, stored, sync).shared()
 
