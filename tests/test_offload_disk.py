@@ -12,6 +12,7 @@ from jdist import checkpoint as ckpt
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.models import get_preset
+from jdist.parallel.pipeline import PipelineConfig
 from jdist.step import moment_files
 from jdist.step.from_flags import plan_for
 from jdist.tools.equivalence import assert_matches, config, train_steps
@@ -20,6 +21,15 @@ from jdist.train.loop import train
 from jdist.train.resume import start_state
 
 TINY = get_preset("tiny")
+TINY4 = get_preset("tiny", n_layers=4)  # two layers per stage at pp=2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def eight_devices():
+    """The CLI test's `main` simulates only the devices its mesh needs if JAX is not up yet
+    (`jdist.runtime.distributed.configure_devices`): run alone, it left the tests after it
+    two devices (jax 0.10.2 and 0.12). Start JAX with conftest's 8 first."""
+    assert len(jax.devices()) == 8
 
 
 def test_moments_on_disk_match_single_device(corpus, single_device, tmp_path):
@@ -38,9 +48,26 @@ def test_moments_on_disk_match_single_device(corpus, single_device, tmp_path):
     assert nu.shape == (TINY.n_layers, 64, 8, 8) and nu.min() >= 0 and nu.max() > 0
 
 
+@pytest.mark.parametrize("model, mesh, zero, pipeline", [
+    (TINY, "dp=2,fsdp=2,tp=2", 3, None),
+    (TINY4, "pp=2,fsdp=2", 1, PipelineConfig("1f1b", 4, 1))], ids=["dp-fsdp-tp-zero3", "pp2"])
+def test_muon_on_disk_matches_single_device(corpus, single_device, tmp_path, model, mesh,
+                                            zero, pipeline):
+    """Muon's momentum (and AdamW's moments of the rest) in files, each layer's matrices
+    orthogonalised alone: equal to one device at 1e-5. On pp=2 a group is one layer per
+    stage (rows j and j + 2 of the stage-split stack); the files hold the stored stack."""
+    run = train_steps(model, mesh, corpus.train, config(
+        optimizer="muon", zero=zero, offload="disk", offload_dir=str(tmp_path)),
+        pipeline=pipeline)
+    assert_matches(run, single_device(model, optimizer="muon"))
+    mu = np.load(next(tmp_path.glob("*muon*mu.blocks.attn.wq.npy")))
+    assert mu.shape == (model.n_layers, 64, 8, 8) and np.abs(mu).max(axis=(1, 2, 3)).all()
+    assert not list(tmp_path.glob("*adamw*blocks.attn.wq*"))  # a matrix has no AdamW moments
+
+
 @pytest.mark.parametrize("flags, what", [
-    ({"mesh": "pp=2,fsdp=2", "n_layers": 4}, "--mesh with pp"),
-    ({"optimizer": "muon"}, "--optimizer muon"),
+    ({"mesh": "pp=2,fsdp=2", "n_layers": 4, "pp_schedule": "interleaved",
+      "pp_virtual_stages": 2}, "a pipeline schedule of several chunks per stage"),
     ({"on_nan": "skip"}, "--on-nan skip"),
     ({"lora_rank": 4}, "LoRA")])
 def test_what_disk_offload_cannot_run_is_refused(flags, what):
@@ -50,18 +77,19 @@ def test_what_disk_offload_cannot_run_is_refused(flags, what):
 
 
 def test_refusal_is_one_line_and_exit_2(capsys, tmp_path):
-    code = main(["--model", "tiny", "--mesh", "fsdp=2", "--offload", "disk", "--optimizer",
-                 "muon", "--run-dir", str(tmp_path / "r")])
+    code = main(["--model", "tiny", "--mesh", "fsdp=2", "--offload", "disk", "--on-nan",
+                 "skip", "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--offload disk does not run with" in err[0], err
 
 
 def test_resume_carries_the_moments(tmp_path):
-    """Saved at step 2 under --offload disk on fsdp=2,tp=2 and resumed there: steps 3 and 4
-    repeat bitwise (step 4's update reads the moments the checkpoint carried). The last
-    checkpoint, restored for dp=2,tp=2, rewrites the files bitwise as the run left them."""
+    """Muon under --offload disk (its momentum and AdamW's moments in files), saved at step
+    2 on fsdp=2,tp=2 and resumed there: steps 3 and 4 repeat bitwise (step 4's update reads
+    the state the checkpoint carried). The last checkpoint, restored for dp=2,tp=2,
+    rewrites the files bitwise as the run left them."""
     common = dict(model="tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
-                  log_every=100, steps=4, offload="disk")
+                  log_every=100, steps=4, offload="disk", optimizer="muon")
     losses = lambda history: {r["step"]: r["loss"] for r in history if r["step"] > 2}
     first = losses(train(TrainConfig.of(**common, mesh="fsdp=2,tp=2", checkpoint_every=2,
                                         run_dir=str(tmp_path / "a"))))

@@ -22,6 +22,7 @@ from jdist.parallel import collective_matmul
 from jdist.parallel.attention.context import check_context_parallel
 from jdist.parallel.moe import overlap_pieces
 from jdist.parallel.pipeline import pipeline_for
+from jdist.parallel.pipeline import schedule as sched
 from jdist.runtime.distributed import mesh_devices
 from jdist.runtime.target import overlap_by_default
 from jdist.spmd import axes as ax
@@ -194,9 +195,9 @@ def check_disk(config: TrainConfig, model: ModelConfig, mesh) -> None:
     why = {
         "several processes (each would need its own shards' files)":
             jax.process_count() > 1,
-        "--mesh with pp (the stages' layers are split over devices)": mesh.shape[ax.STAGE] > 1,
-        "--optimizer muon (it orthogonalises whole matrices across devices)":
-            config.optim.optimizer == "muon",
+        "a pipeline schedule of several chunks per stage (its layers are stored out of "
+        "model order)": mesh.shape[ax.STAGE] > 1 and sched.virtual_stages(
+            config.parallel.pp_schedule, config.parallel.pp_virtual_stages) > 1,
         "--on-nan skip (its test wraps the whole-tree update)":
             config.checkpoint.on_nan == "skip",
         "--inject-nan-at-step": bool(config.checkpoint.inject_nan_at_step),

@@ -30,10 +30,13 @@ def on_devices(tree):
 
 
 def param_key(state_path) -> str | None:
-    """The parameter a moment leaf belongs to (`keystr` of its dict path: the optimizer
-    state holds one tree shaped like the parameters per moment), None for a scalar leaf."""
-    first = next((n for n, k in enumerate(state_path) if isinstance(k, DictKey)), None)
-    return None if first is None else keystr(state_path[first:])
+    """The parameter a moment leaf belongs to (`keystr` of its path's trailing dict keys:
+    the optimizer state holds trees shaped like the parameters, under optax's tuples and
+    named fields, and under Muon's partition's own dict), None for a scalar leaf."""
+    first = len(state_path)
+    while first and isinstance(state_path[first - 1], DictKey):
+        first -= 1
+    return None if first == len(state_path) else keystr(state_path[first:])
 
 
 def stacked_keys(plan) -> dict[str, int]:
