@@ -72,7 +72,7 @@ def memory_row(mode: str) -> dict:
     row = {"offload": mode, "device_arguments": device_args,
            "host_arguments": sum(b for b, host in args if host), "temporaries": temp,
            "device_total": device_args + temp,
-           "predicted": 0 if plan.on_disk else predict(plan, BATCH, SEQ).total,
+           "predicted": predict(plan, BATCH, SEQ).total,
            "compile_s": round(seconds, 1)}
     if plan.on_disk:
         row["update_peak"] = disk_update_peak(plan)
@@ -91,6 +91,7 @@ def target_row(mode: str, target: str) -> dict:
     row = {"offload": mode, "target": target, "step_total": a.argument_size_in_bytes
            + a.output_size_in_bytes - a.alias_size_in_bytes + a.temp_size_in_bytes}
     row["update_peak"] = disk_update_peak(plan) if plan.on_disk else 0
+    row["predicted"] = predict(plan, BATCH, SEQ).total
     return row
 
 
@@ -231,12 +232,13 @@ def main() -> None:
             yield (f"{row['target']} compiler (deviceless), --offload {row['offload']}: step "
                    f"{row['step_total'] / GiB:.2f} GiB per device"
                    + (f", the walk's largest program {row['update_peak'] / GiB:.2f}"
-                      if row["update_peak"] else ""))
+                      if row["update_peak"] else "")
+                   + f"; predicted {row['predicted'] / GiB:.2f}")
         for row in rows:
             if "update_peak" in row:
                 yield (f"--offload disk: the walk's largest program {row['update_peak'] / GiB:.2f} "
                        "GiB per device (device total is the larger of it and the gradient "
-                       "program's; predicted: the memory model does not know disk yet, 0)")
+                       "program's)")
 
     common.emit({"memory": rows, "disk": disk, "streaming": streams, "target": gpu},
                 args.json, text)

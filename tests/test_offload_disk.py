@@ -16,6 +16,7 @@ from jdist.parallel.pipeline import PipelineConfig
 from jdist.step import moment_files
 from jdist.step.from_flags import plan_for
 from jdist.tools.equivalence import assert_matches, config, train_steps
+from jdist.train import fit
 from jdist.train.__main__ import main
 from jdist.train.loop import train
 from jdist.train.resume import start_state
@@ -104,3 +105,20 @@ def test_resume_carries_the_moments(tmp_path):
     assert [p.name for p in left] == sorted(p.name for p in (tmp_path / "c").iterdir())
     for path in left:
         np.testing.assert_array_equal(np.load(path), np.load(tmp_path / "c" / path.name))
+
+
+@pytest.mark.gpu_compiler
+def test_auto_takes_the_disk_when_only_the_disk_fits(capsys):
+    """For an H100 target only none and disk plan (the host-memory modes are refused with
+    --target): under a budget below no offload's prediction and above the disk's (its
+    moments off the device, one layer's during the update), auto takes the disk."""
+    flags = dict(model="tiny", mesh="fsdp=2", batch_size=8, seq_len=32, target="h100-80gb")
+    need = {}
+    for mode in ("none", "disk"):
+        trial = TrainConfig.of(**flags, offload=mode)
+        need[mode] = fit.plan_breakdown(trial, plan_for(trial)[1]).total
+    assert need["none"] > need["disk"], need
+    for budget, chosen in [(need["none"], "none"), (need["none"] - 1, "disk")]:
+        auto = TrainConfig.of(**flags, offload="auto", device_memory_gb=budget / 2**30)
+        assert fit.resolve_offload(auto).memory.offload == chosen, (budget, need)
+    assert "--offload auto: disk" in capsys.readouterr().out

@@ -8,7 +8,8 @@ The plan makes mixed-precision Adam's accounting explicit, per device:
                its update's temporaries in the activations term), sharded over data from
                ZeRO-1 (on the host with --offload optimizer; with --offload params all
                three are, and the device holds two layers' stored blocks and the shared
-               parameters with their gradients: `streamed_bytes`)
+               parameters with their gradients: `streamed_bytes`; with --offload disk
+               in files, the update holding one layer's: `disk_update.group_moment_bytes`)
   activations  the larger of the backward's and the update's temporaries. The backward:
                every layer's residuals by --remat policy for one micro-batch, one layer's
                backward working set (or the loss's), one layer's gathered parameters and a
@@ -32,7 +33,7 @@ from jdist.parallel.attention.blockwise import KEY_TILE, Q_TILE
 from jdist.parallel.moe import expert_factor, overlap_pieces
 from jdist.parallel.vocab import chunk_size
 from jdist.spmd.sharding import per_device_bytes
-from jdist.step import device_walk, muon_cost, trainable
+from jdist.step import device_walk, disk_update, muon_cost, trainable
 
 COMPONENTS = ("params", "grads", "optimizer", "activations")
 
@@ -335,6 +336,8 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
         (0 if on_gpu(plan) else grads) + muon_cost.update_bytes(
             plan.abstract.opt_state, plan.opt_device_shardings, dict(plan.mesh.shape),
             plan.names)
+    if plan.on_disk:  # `--offload disk`: one group's state in and out (`disk_update`)
+        update = 2 * disk_update.group_moment_bytes(plan)
     return Breakdown(params, grads, optimizer, max(backward, update))
 
 
@@ -374,7 +377,7 @@ def state_bytes(plan) -> tuple[int, int, int, int]:
     # Gradients of the trained parameters only (with LoRA: the adapters).
     grads = per_device_bytes(trainable.select(plan.model, plan.abstract.params),
                              plan.grad_shardings)
-    optimizer = 0 if plan.offload else per_device_bytes(plan.abstract.opt_state,
+    optimizer = 0 if plan.offload or plan.on_disk else per_device_bytes(plan.abstract.opt_state,
                                                         plan.shardings.opt_state)
     in_flight = in_flight_bytes(plan, plan.compute.dtype.itemsize)
     if plan.streams:  # --offload params: all three live in host memory, but a pipeline

@@ -9,6 +9,7 @@ group's read runs on a thread while the current one updates."""
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -153,6 +154,17 @@ class LayerUpdate:
         return jax.jit(update, donate_argnums=(0,), out_shardings=(
             self.plan.shardings.params, self.moment_shardings(whole, members),
             replicated(self.plan.mesh)))
+
+
+def group_moment_bytes(plan) -> int:
+    """Per device, the optimizer state of the walk's largest group: what the update holds of
+    the files at once (its moments in, and their new values out: the memory model counts
+    two)."""
+    walk = LayerUpdate(plan)
+    sizes = [sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                 for a in walk.abstract_args(j is None, members)[2].values())
+             for j, members in walk.walk]
+    return max(sizes, default=0)
 
 
 def init_on_disk(plan, seed: int, directory) -> TrainState:

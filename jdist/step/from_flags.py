@@ -128,7 +128,8 @@ def plan_for(config: TrainConfig) -> tuple[ModelConfig, Plan, object]:
     model = model_of(config)
     offload = config.memory.offload
     require(offload != "auto", "--offload auto is chosen by the trainer's fit check "
-            "(python -m jdist.train, --dry-run); here give a mode: none, optimizer or params")
+            "(python -m jdist.train, --dry-run); here give a mode: none, optimizer, params or "
+            "disk")
     require(not (config.devices.target and offload not in ("none", "disk")),
             f"--offload {offload} cannot be compiled for --target {config.devices.target}: "
             "jax's "

@@ -46,6 +46,12 @@ def stacked_keys(plan) -> dict[str, int]:
     return {keystr(p): s.shape[0] for p, s in shapes if names[p][:1] == (ax.LAYERS,)}
 
 
+def file_bytes(abstract_opt_state) -> int:
+    """Bytes of all the moment files (global shapes: one copy, whatever the mesh)."""
+    return sum(a.size * a.dtype.itemsize for p, a in
+               tree_flatten_with_path(abstract_opt_state)[0] if param_key(p) is not None)
+
+
 def file_name(state_key: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]+", ".", state_key).strip(".") + ".npy"
 

@@ -50,29 +50,32 @@ def device_budget(config) -> int | None:
 
 # `--offload auto` tries these in order: each moves more state to the host, and costs more
 # host traffic per step (the optimizer state twice; then every layer's parameters in the
-# forward and backward and its gradient back).
-OFFLOADS = ("none", "optimizer", "params")
+# forward and backward and its gradient back); last the disk (the optimizer state read and
+# written a layer at a time, at the disk's bandwidth), for what params cannot run or fit.
+OFFLOADS = ("none", "optimizer", "params", "disk")
 
 
 def resolve_offload(config):
     """`--offload auto`: the first of `OFFLOADS` whose predicted memory fits the device
-    (`device_budget`; none when there is no budget, as on a CPU), else params (the fit check
-    then says what more is needed). JAX cannot page state to the host under memory pressure
-    (every buffer's memory space is fixed when the step compiles), so this is chosen once,
-    before the step compiles. One line says what was chosen."""
+    (`device_budget`; none when there is no budget, as on a CPU), else the one that needs
+    least (the fit check then says what more is needed). JAX cannot page state to the host
+    under memory pressure (every buffer's memory space is fixed when the step compiles), so
+    this is chosen once, before the step compiles. One line says what was chosen."""
     if config.memory.offload != "auto":
         return config
-    budget, choice, need = device_budget(config), OFFLOADS[-1], None
+    budget, tried = device_budget(config), {}
     for mode in OFFLOADS if budget else OFFLOADS[:1]:
         trial = config.replace(offload=mode)
         try:
             _, plan, _ = plan_for(trial)
         except ConfigError:  # a mode this run cannot use (e.g. params with pp)
             continue
-        need = plan_breakdown(trial, plan).total
-        if not budget or need <= budget:
-            choice = mode
+        tried[mode] = plan_breakdown(trial, plan).total
+        if not budget or tried[mode] <= budget:
             break
+    fitting = [m for m in tried if not budget or tried[m] <= budget]
+    choice = fitting[0] if fitting else min(tried, key=tried.get) if tried else OFFLOADS[-1]
+    need = tried.get(choice)
     fits = f"predicted {gib(need).strip()}" if need is not None else "nothing fits"
     print(f"--offload auto: {choice} ({fits} per device"
           + (f", budget {gib(budget).strip()})" if budget else ", no device budget)"),

@@ -14,6 +14,7 @@ import jax
 from jdist.files import write_atomically
 from jdist.spmd import sharding as sh
 from jdist.spmd.mesh import describe
+from jdist.step import moment_files
 from jdist.step.forward import attention_of
 from jdist.step.state import Plan
 from jdist.tools.throughput import flops_per_token, peak_tflops, utilisation
@@ -40,7 +41,11 @@ def layout_table(plan: Plan) -> str:
                      f" {spec:28} {sharding.shard_shape(leaf.shape)}")
     params = sh.per_device_bytes(plan.abstract.params, plan.shardings.params)
     opt = sh.per_device_bytes(plan.abstract.opt_state, plan.shardings.opt_state)
-    lines.append(f"per-device bytes: parameters {_mb(params)}, optimizer state {_mb(opt)}")
+    state = f"optimizer state {_mb(opt)}" + (" (host memory)" if plan.offload else "")
+    if plan.on_disk:
+        state = (f"optimizer state in files {_mb(moment_files.file_bytes(plan.abstract.opt_state))}"
+                 " (one copy; a layer's on the devices during the update)")
+    lines.append(f"per-device bytes: parameters {_mb(params)}, {state}")
     return "\n".join(lines)
 
 
