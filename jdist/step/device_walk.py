@@ -27,7 +27,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from jdist.parallel.prefetch import to_device, to_host
 from jdist.step import muon_cost
-from jdist.step.disk_update import clipped, nest
+from jdist.step.layer_walk import clipped, nest
 from jdist.step.moment_files import stacked_keys
 from jdist.step.muon import owner_axes
 

@@ -60,19 +60,24 @@ def put(x, split: int, j, rows):
     return x.reshape(split, -1, *x.shape[1:]).at[:, j].set(rows).reshape(x.shape)
 
 
+def nest(flat: dict) -> dict:
+    """{path of DictKeys: leaf} as the nested dict those paths name."""
+    out: dict = {}
+    for path, leaf in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k.key, {})
+        node[path[-1].key] = leaf
+    return out
+
+
 def group(tree, members, j, stacked: dict, f=lambda x: x) -> dict:
     """`tree`'s (parameter-shaped) `members`, whole (j None) or their group-j rows, each
     through `f`, as a pruned tree: its paths are the whole tree's, so the optimizer's masks
     and Muon's logical names apply."""
     flat = {keystr(p): (p, x) for p, x in tree_flatten_with_path(tree)[0]}
-    out: dict = {}
-    for k in members:
-        path, x = flat[k]
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key.key, {})
-        node[path[-1].key] = f(x if j is None else take(x, stacked[k][0], j))
-    return out
+    return nest({flat[k][0]: f(flat[k][1] if j is None else take(flat[k][1], stacked[k][0], j))
+                 for k in members})
 
 
 def clipped(g, norm, max_norm: float):
