@@ -233,14 +233,17 @@ def test_matches_single_device(corpus, single_device, mesh):
     assert_matches(train_steps(MOE, mesh, corpus.train), single_device(MOE))
 
 
-@pytest.mark.parametrize("mesh, routing", [("fsdp=2,ep=2,tp=2", "grouped"),
-                                           ("fsdp=2,ep=4", "dropless")])
-def test_overlapped_exchanges_match_single_device(corpus, single_device, mesh, routing):
+@pytest.mark.parametrize("mesh, routing, remat", [("fsdp=2,ep=2,tp=2", "grouped", "none"),
+                                                  ("fsdp=2,ep=4", "dropless", "none"),
+                                                  ("ep=4", "grouped", "full")])
+def test_overlapped_exchanges_match_single_device(corpus, single_device, mesh, routing, remat):
     """`--moe-overlap on`: each exchange in pieces (what NVIDIA GPUs get by default) computes
     what one device computes, and the step really runs the pieces: OVERLAP_PIECES times
-    the all-to-alls of the unsplit step."""
+    the all-to-alls of the unsplit step without remat. Under `--remat full` too: the policy
+    keeps what the exchanges delivered (`remat.EXPERT_EXCHANGE`), so the backward sends
+    nothing again."""
     model = dataclasses.replace(MOE, moe_routing=routing)
-    run = train_steps(model, mesh, corpus.train, config(moe_overlap="on"))
+    run = train_steps(model, mesh, corpus.train, config(moe_overlap="on", remat=remat))
     assert_matches(run, single_device(MOE))
     plan = plan_of(mesh, model="moe-tiny", moe_routing=routing, moe_overlap="off")
     tokens = jax.ShapeDtypeStruct((16, 32), jnp.int32)  # the harness's batch

@@ -24,11 +24,13 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jdist.models.config import ModelConfig
 from jdist.models.grouped import grouped_swiglu
 from jdist.models.layers import INIT_STD, param, zeros
 from jdist.models.precision import accumulator
+from jdist.models.remat import EXPERT_EXCHANGE
 from jdist.models.routing import within_best_groups
 from jdist.spmd.axes import EMBED, EXPERTS, MLP
 
@@ -158,7 +160,7 @@ def padded_experts(buf, w, ep_axes=(), tp_axes=(), n_ep: int = 1, fp8=None,
     buffers travel to their experts' devices and back by all-to-all."""
     capacity = buf.shape[1]
     if n_ep > 1:  # [E, C, d] -> my experts' tokens from every source: [n*E_local, C, d]
-        buf = jax.lax.all_to_all(buf, ep_axes, 0, 0, tiled=True)
+        buf = exchange(buf, ep_axes)
     local = buf.shape[0] // n_ep
     h = buf.reshape(n_ep, local, capacity, -1).swapaxes(0, 1).reshape(local, n_ep * capacity, -1)
     biases = {k: w[k] for k in EXPERT_BIASES if k in w}
@@ -168,7 +170,12 @@ def padded_experts(buf, w, ep_axes=(), tp_axes=(), n_ep: int = 1, fp8=None,
     if biases:  # once per slot, after the sum; weighted by the router in `combine`
         out = out + biases["b_down"].astype(out.dtype)[:, None]
     out = out.reshape(local, n_ep, capacity, -1).swapaxes(0, 1).reshape(n_ep * local, capacity, -1)
-    return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True) if n_ep > 1 else out
+    return exchange(out, ep_axes) if n_ep > 1 else out
+
+
+def exchange(a, ep_axes):
+    """`a` sent to its peers, named for the remat policies to keep (`remat.EXPERT_EXCHANGE`)."""
+    return checkpoint_name(jax.lax.all_to_all(a, ep_axes, 0, 0, tiled=True), EXPERT_EXCHANGE)
 
 
 def even_pieces(n: int, pieces: int) -> int:

@@ -25,13 +25,19 @@ MATMUL_OUTPUTS = (QUERY, KEY, VALUE, ATTENTION_OUT, MLP_GATE, MLP_UP, MLP_DOWN)
 # A layer's parameters as gathered/cast for compute (jdist.parallel.grad_sync): never kept
 # for the backward pass, which gathers again (FSDP's just-in-time parameters).
 GATHERED = "gathered_params"
+# What an expert-parallel all-to-all delivered (the rows at their experts, the outputs back):
+# kept by `selective` and `full`, so the backward does not send them again. Recomputed, the
+# exchanges sat beside the backward's own with no matmul to hide them (ep=8 grouped, 4
+# pieces: 41.7% of the all-to-all bytes exposed under `full`, docs/measurements.md#expert-exchange).
+EXPERT_EXCHANGE = "expert_exchange"
 
 _cp = jax.checkpoint_policies
 POLICIES: dict[str, Callable | None] = {
-    "full": _cp.nothing_saveable,  # keep only each block's input; recompute the block
+    # Keep only each block's input (and an MoE layer's exchanges); recompute the block.
+    "full": _cp.save_only_these_names(EXPERT_EXCHANGE),
     # Megatron-style selective: keep projections, recompute norms, softmax and the
     # attention score matrix (the O(S^2) part) and elementwise ops.
-    "selective": _cp.save_only_these_names(*MATMUL_OUTPUTS),
+    "selective": _cp.save_only_these_names(*MATMUL_OUTPUTS, EXPERT_EXCHANGE),
     "dots_saveable": _cp.dots_saveable,
     "dots_with_no_batch_dims_saveable": _cp.dots_with_no_batch_dims_saveable,
     "everything_saveable": _cp.everything_saveable,

@@ -21,9 +21,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jdist.models.grouped import grouped_swiglu
+from jdist.models.moe import exchange as kept_exchange
 from jdist.models.precision import accumulator
+from jdist.models.remat import EXPERT_EXCHANGE
 from jdist.spmd.varying import alike, zeros
 
 ROUND_FACTOR = 1.2  # per-peer room per round over the even share (bytes and FLOPs per round)
@@ -65,11 +68,13 @@ def _exchange(a, ep_axes):
 
 
 def _round_inputs(x, flat, idx, k: int, e_local: int, ep_axes):
-    """The rows and local expert ids one round delivers to this device, flattened."""
+    """The rows and local expert ids one round delivers to this device, flattened (named for
+    the remat policies to keep: `_rounds_fwd`)."""
     d = x.shape[-1]
     rows = x.at[idx // k].get(mode="fill", fill_value=0)
     ids = flat.at[idx].get(mode="fill", fill_value=0) % e_local
-    return _exchange(rows, ep_axes).reshape(-1, d), _exchange(ids, ep_axes).reshape(-1, 1)
+    return kept_exchange(rows, ep_axes).reshape(-1, d), \
+        kept_exchange(ids, ep_axes).reshape(-1, 1)
 
 
 def _round_vjp(x, weights, flat, idx, k: int, ep_axes, fp8):
@@ -111,7 +116,10 @@ def _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep, fp8):
 
     _, out = jax.lax.while_loop(lambda c: c[0] < rounds, later_round,
                                 (jnp.ones((), jnp.int32), out))
-    return out, (x, gate, up, down, experts, first_vjp)
+    # With the first round's received rows, what `selective` and `full` keep: a backward
+    # recomputing this layer redoes the first round's expert matmuls, no exchange and no
+    # later round.
+    return checkpoint_name(out, EXPERT_EXCHANGE), (x, gate, up, down, experts, first_vjp)
 
 
 def _rounds_bwd(ep_axes, n_ep, fp8, res, g):
