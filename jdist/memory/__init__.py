@@ -380,9 +380,9 @@ def state_bytes(plan) -> tuple[int, int, int, int]:
     optimizer = 0 if plan.offload or plan.on_disk else per_device_bytes(plan.abstract.opt_state,
                                                         plan.shardings.opt_state)
     in_flight = in_flight_bytes(plan, plan.compute.dtype.itemsize)
-    if plan.streams:  # --offload params: all three live in host memory, but a pipeline
-        # stage's gradients, accumulated over the ticks on the device (`jdist.step.pipelined`)
-        return 0, grads if plan.pipeline is not None else 0, 0, in_flight + streamed_bytes(plan)
+    if plan.streams:  # --offload params: all three live in host memory, but gradients
+        # that accumulate (pipeline ticks, micro-batches) do so on the device
+        return 0, 0 if plan.grads_stream else grads, 0, in_flight + streamed_bytes(plan)
     return params, grads, optimizer, in_flight
 
 

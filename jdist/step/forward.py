@@ -163,7 +163,7 @@ class Forward:
             return prefetch.run(layer, x, stored, primal, sync,
                                 dtype=self.plan.compute.dtype, defer=self.defer,
                                 remat=checkpointed, stream=stream,
-                                grads_home=stream and self.plan.pipeline is None)
+                                grads_home=self.plan.grads_stream)
 
         def one(x, scanned):
             layer_stored, layer_primal = scanned

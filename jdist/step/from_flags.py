@@ -180,7 +180,6 @@ def check_streaming(config: TrainConfig, model: ModelConfig, mesh) -> None:
             ax.STAGE] * config.parallel.pp_virtual_stages,
         "--on-nan skip (its finiteness test is a global norm, which a host computation "
         "cannot take)": config.checkpoint.on_nan == "skip",
-        "--grad-accum above 1": config.memory.grad_accum > 1,
         "LoRA (its frozen base needs no host offload)": model.lora is not None,
         "a model of one layer (nothing to stream ahead)": model.n_layers < 2}
     for what, refused in why.items():

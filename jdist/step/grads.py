@@ -108,6 +108,16 @@ def trained_primal(plan, stored: dict, stacked_syncs: dict) -> dict:
                               stacked_syncs)
 
 
+def accumulated_primal(plan, stored: dict, stacked_syncs: dict) -> dict:
+    """`trained_primal` where gradients accumulate (`Plan.grads_stream` false): under
+    `--offload params` in device memory, since a custom VJP's cotangent has its primal's
+    memory space and the accumulator must be on the device (a host computation cannot take
+    part in the scan over micro-batches or ticks); they go to the host once, for the update.
+    The layer loop reads the blocks from `stored`, streamed, never this copy."""
+    primal = trained_primal(plan, stored, stacked_syncs)
+    return jax.tree.map(prefetch.to_device, primal) if plan.streams else primal
+
+
 def replica_terms(fw: Forward, params: Params, tokens, targets, scale) -> jax.Array:
     """This replica's `jdist.models.loss.loss_terms` for its tokens (the cross-entropy summed over
     counted targets times `scale`, `jdist.models.loss.piece_cross_entropy`): the whole model as
@@ -129,7 +139,8 @@ def step_grads(plan, params: dict, batch: dict) -> tuple[jax.Array, dict, int]:
 
     def local(stored, tokens, targets):
         stored = resident(plan, stored)
-        primal = trained_primal(plan, stored, stacked_syncs)
+        primal = trained_primal(plan, stored, stacked_syncs) if micro == 1 else \
+            accumulated_primal(plan, stored, stacked_syncs)
         # Read, never differentiated: else the layer loop's transpose builds a (zero)
         # cotangent for the stored stack too, a full extra gradient buffer.
         stored = jax.lax.stop_gradient(stored)

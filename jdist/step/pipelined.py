@@ -27,12 +27,12 @@ from jdist.parallel import grad_sync as gs
 from jdist.parallel.pipeline import check_remat, stashes
 from jdist.parallel.pipeline import program as stage_program
 from jdist.parallel.pipeline import shared as stage_shared
-from jdist.parallel.prefetch import to_device
 from jdist.spmd import axes as ax
 from jdist.step import trainable
 from jdist.step.forward import Forward, Params, chunk
 from jdist.step.grads import (
     MANUAL,
+    accumulated_primal,
     block_syncs,
     manual_specs,
     micro_batches,
@@ -41,7 +41,6 @@ from jdist.step.grads import (
     resident,
     stacked,
     syncs,
-    trained_primal,
 )
 
 PIPE_MANUAL = (ax.STAGE, *MANUAL)
@@ -68,13 +67,9 @@ def _run(plan, params: dict, batch: dict, train: bool):
         tokens, labels = micro_batches((tokens, labels), table.micro)
         if segments is not None:  # packed documents: per-row layouts, per micro-batch
             segments, positions = micro_batches((segments, positions), table.micro)
-        primal = trained_primal(plan, stored, stacked_syncs) if train else stored
-        if plan.streams and train:
-            # --offload params: the stage accumulates its blocks' gradients over the ticks
-            # on the device (a host computation cannot take part in the schedule's loop) and
-            # they go to the host once, after it; their type is the primal's. The layer loop
-            # reads the blocks from `stored`, streamed, never this copy.
-            primal = jax.tree.map(to_device, primal)
+        # --offload params: the stage accumulates its blocks' gradients over the ticks on
+        # the device (a host computation cannot take part in the schedule's loop).
+        primal = accumulated_primal(plan, stored, stacked_syncs) if train else stored
         stored = jax.lax.stop_gradient(stored)  # read only (see jdist.step.grads)
         shared = Params(primal, stored, sync).shared()
 

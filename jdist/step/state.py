@@ -104,6 +104,13 @@ class Plan:
         return jax.tree.leaves(self.shardings.params)[0].memory_kind == HOST
 
     @property
+    def grads_stream(self) -> bool:
+        """`--offload params` writes each layer's gradient to the host as the backward makes
+        it, unless something accumulates them first (pipeline ticks, micro-batches): then
+        they accumulate on the device and go to the host once, for the update."""
+        return self.streams and self.pipeline is None and self.compute.grad_accum == 1
+
+    @property
     def on_disk(self) -> bool:
         """`--offload disk`: the moments live in files, updated a layer at a time
         (`jdist.step.disk_update`) by the optimizer `HostUpdate` (the clip outside)."""
