@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib.metadata
 import math
 import os
@@ -309,8 +310,9 @@ FAMILIES = [
 ]
 
 
-def compile_family(fam: Family) -> Program:
-    config = {**COMMON, **fam.config}
+@functools.cache
+def _compiled(flags: tuple) -> Program:
+    config = {**COMMON, **dict(flags)}
     packed = config.pop("packing", None)
     _, plan, _ = plan_for(TrainConfig.of(**config))
     if packed:  # as jdist.train.setup.prepare does for data with an end-of-document id
@@ -321,6 +323,17 @@ def compile_family(fam: Family) -> Program:
     program = read(plan, compiled)
     program.report = step_report(compiled, plan, config["batch_size"], config["seq_len"])
     return program
+
+
+def compile_config(config: dict) -> Program:
+    """The step of COMMON + `config` compiled for the target, once per test process: a test
+    that reads the step of a family's flags reads that family's program (a GPU compile is
+    seconds to tens of seconds; jax's compilation cache cannot read GPU programs back here)."""
+    return _compiled(tuple(sorted(config.items())))
+
+
+def compile_family(fam: Family) -> Program:
+    return compile_config(fam.config)
 
 
 def verdict(program: Program, fam: Family) -> None:
@@ -368,7 +381,8 @@ def test_tensor_parallel_gathers_and_reduces_only_shards(config):
     assert not [k for k in got if k[0] == "all-gather" and "tensor" in k[1]], got
 
 
-@pytest.mark.parametrize("config", [dict(mesh="fsdp=2,tp=4"),
+# (fsdp2-tp4 is the sequence-parallel family's step: cuDNN, as `auto` resolves on the target.)
+@pytest.mark.parametrize("config", [dict(mesh="fsdp=2,tp=4", attention="cudnn"),
                                     dict(mesh="dp=2,fsdp=2,tp=2", zero=3, remat="full")],
                          ids=["fsdp2-tp4", "dp2-fsdp2-tp2-zero3-remat"])
 def test_sequence_parallel_activations_travel_beside_matmuls(config):
@@ -380,9 +394,8 @@ def test_sequence_parallel_activations_travel_beside_matmuls(config):
     transfers outlast their matmuls.)"""
     from jdist.plan import traffic
 
-    config = {**COMMON, **config, "sequence_parallel": True}
-    _, plan, _ = plan_for(TrainConfig.of(**config))
-    report = step_report(compile_step(plan, BATCH, SEQ), plan, BATCH, SEQ)
+    program = compile_config({**config, "sequence_parallel": True})
+    plan, report = program.plan, program.report
     got = {(r.kind, r.axes): r for r in report.rows}
     want = {(r.kind, r.axes): r.bytes for r in traffic.step_traffic(plan, BATCH, SEQ)}
     moved = ("collective-permute", ("tensor",))
