@@ -49,6 +49,7 @@ OLD_CONFIG_JSON = {
     "n_expert_groups": None, "topk_groups": None, "routed_scale": None,  # newer: DeepSeek
     "kv_lora_rank": None, "mtp_depth": None, "mtp_weight": None,
     "moe_overlap": "auto",  # newer: MoE all-to-alls in pieces
+    "expert_matmul": "auto",  # newer: grouped expert matmuls as Pallas kernels
 }
 # The flags that resume.RESULT_FLAGS listed by hand before the "result" metadata.
 OLD_RESULT_FLAGS = {"seed", "batch_size", "seq_len", "steps", "lr", "warmup", "weight_decay",

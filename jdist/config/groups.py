@@ -223,6 +223,11 @@ class MemoryFlags:
         "auto", "under expert parallelism, send each MoE layer's all-to-alls in pieces, so one "
         "piece's transfer runs beside another's expert matmuls: on, off, or auto (on NVIDIA "
         "GPUs: benchmarks/moe.py)")
+    expert_matmul: Literal["auto", "loop", "kernel"] = flag(
+        "auto", "grouped routing's expert matmuls: loop (XLA matmuls over chunks of "
+        "one-expert blocks), kernel (one Pallas kernel per projection over all the blocks: "
+        "Triton on NVIDIA GPUs, interpreted elsewhere; not yet timed on a GPU), or auto "
+        "(loop)")
     collective_matmul: Literal["auto", "on", "off"] = flag(
         "auto", "under sequence parallelism, bring the residual stream's length chunks to "
         "the tensor-parallel projections (and their partial sums away) by point-to-point "
@@ -268,6 +273,11 @@ class MemoryFlags:
                 "--compute-dtype float64 needs 64-bit JAX: set JAX_ENABLE_X64=1")
         require(self.fp8 in ("off", "tensorwise", "rowwise"),
                 f"unknown --fp8 {self.fp8!r}; use off, tensorwise or rowwise")
+        require(self.expert_matmul in ("auto", "loop", "kernel"),
+                f"unknown --expert-matmul {self.expert_matmul!r}; use auto, loop or kernel")
+        require(self.expert_matmul != "kernel" or self.fp8 == "off",
+                "--expert-matmul kernel runs the experts in the compute dtype, not FP8; use "
+                "--fp8 off or --expert-matmul loop")
         require(self.fp8 == "off" or not self.tp_halves,
                 "--fp8 scales over all of a micro-batch's tokens, --tp-halves splits them; "
                 "drop one")

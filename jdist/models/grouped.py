@@ -10,6 +10,8 @@ to a dense matmul over every group, E times the routed FLOPs (benchmarks/expert_
 docs/measurements.md#expert-matmuls), and its Pallas-Triton lowering is missing from jax 0.10.2
 and gone in 0.12. The blocks run in a loop, `chunk` blocks at a time, so only a few experts'
 weights are gathered at once; a custom VJP keeps the backward from saving them per iteration.
+Or (`--expert-matmul kernel`) each projection is one Pallas kernel over all the blocks
+(`models.grouped_kernel`), on the same layout.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jdist.models import grouped_kernel
 from jdist.models.precision import accumulator
 from jdist.spmd.varying import alike, varying, vma, zeros
 
@@ -27,10 +30,10 @@ GATHER_BYTES = 64 * 2**20  # weights gathered per loop iteration (bounds the chu
 CHUNK_ROWS = 512           # rows per loop iteration when the weights are small
 
 
-def block_rows(assignments: int, n_experts: int) -> int:
-    """Rows per block: the largest power of two in 8..128 whose padding (at most one partial
-    block per expert) stays within an eighth of the routed rows."""
-    block = 8
+def block_rows(assignments: int, n_experts: int, least: int = 8) -> int:
+    """Rows per block: the largest power of two in `least`..128 whose padding (at most one
+    partial block per expert) stays within an eighth of the routed rows."""
+    block = least
     while block < 128 and n_experts * block * 2 * 8 <= assignments:
         block *= 2
     return block
@@ -48,10 +51,11 @@ class Blocks(NamedTuple):
     chunk: int
 
 
-def blocks_for(assignments: int, n_experts: int, weight_bytes: int) -> Blocks:
+def blocks_for(assignments: int, n_experts: int, weight_bytes: int, least: int = 8) -> Blocks:
     """The block count is the static bound sum_e ceil(n_e / block) <= (N + E (block - 1)) /
-    block, whatever the routing, rounded up to whole chunks of (nearly) the largest size."""
-    block = block_rows(assignments, n_experts)
+    block, whatever the routing, rounded up to whole chunks of (nearly) the largest size.
+    `least`: the smallest block (the kernels' tiles: `models.grouped_kernel.MIN_TILE`)."""
+    block = block_rows(assignments, n_experts, least)
     bound = (assignments + n_experts * (block - 1)) // block
     loops = -(-bound // chunk_blocks(block, weight_bytes))
     chunk = -(-bound // loops)  # as even as the loop count allows: < `loops` blocks over
@@ -61,6 +65,7 @@ def blocks_for(assignments: int, n_experts: int, weight_bytes: int) -> Blocks:
 class Layout(NamedTuple):
     rows: jax.Array          # [N] each assignment's row in the blocked buffer
     block_expert: jax.Array  # [n_blocks] the expert whose weights each block uses
+    expert_blocks: tuple     # ([E] first block, [E] block count) of each expert's group
 
 
 def layout(experts: jax.Array, n_experts: int, shape: Blocks) -> Layout:
@@ -76,7 +81,8 @@ def layout(experts: jax.Array, n_experts: int, shape: Blocks) -> Layout:
     rows = jnp.zeros(n, jnp.int32).at[order].set(first_row[ranked] + rank)
     block_expert = jnp.searchsorted(jnp.cumsum(blocks), jnp.arange(shape.n_blocks),
                                     side="right")
-    return Layout(rows, jnp.minimum(block_expert, n_experts - 1).astype(jnp.int32))
+    return Layout(rows, jnp.minimum(block_expert, n_experts - 1).astype(jnp.int32),
+                  (jnp.cumsum(blocks) - blocks, blocks))
 
 
 def _chunks(a: jax.Array, chunk: int) -> jax.Array:
@@ -128,13 +134,16 @@ def _gmm_bwd(chunk, fp8, res, g):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def grouped_swiglu(x, experts, gate, up, down, fp8=None) -> jax.Array:
+def grouped_swiglu(x, experts, gate, up, down, fp8=None, kernel=None) -> jax.Array:
     """Tokens x [T, d] through their experts (ids [T, k]) -> each assignment's output
     [T, k, d]; the weights gate/up [E, d, f] and down [E, f, d] are in the compute dtype.
-    `fp8`: a `jdist.quant.fp8.ExpertDots`, or None."""
+    `fp8`: a `jdist.quant.fp8.ExpertDots`, or None. `kernel`: a
+    `models.grouped_kernel.Kernel` to run the matmuls as on-chip kernels, or None (the loop)."""
     t, k = experts.shape
     n_experts, d, f = gate.shape
-    shape = blocks_for(t * k, n_experts, d * f * gate.dtype.itemsize)
+    kernel = grouped_kernel.chosen(kernel, d, f, fp8)
+    shape = blocks_for(t * k, n_experts, d * f * gate.dtype.itemsize,
+                       grouped_kernel.MIN_TILE if kernel else 8)
     lay = layout(experts.reshape(-1), n_experts, shape)
     n_rows, chunk = shape.n_blocks * shape.block, shape.chunk
     # Which token each row holds (T: none, a padding row of zeros).
@@ -144,8 +153,14 @@ def grouped_swiglu(x, experts, gate, up, down, fp8=None) -> jax.Array:
     # backward sums their gradient once, [T, d], not each projection's [rows, d].
     x = varying(x, vma(gate))
     rows = x.at[token_of_row].get(mode="fill", fill_value=0).reshape(-1, shape.block, d)
+    if kernel:
+        def matmul(h, w, _):
+            return grouped_kernel.gmm(h, w, lay.block_expert, lay.expert_blocks, kernel)
+    else:
+        def matmul(h, w, dot):
+            return gmm(h, w, lay.block_expert, chunk, dot)
     dot_in, dot_out = (fp8.grouped_in, fp8.grouped_out) if fp8 else (None, None)
-    a = gmm(rows, gate, lay.block_expert, chunk, dot_in)
-    b = gmm(rows, up, lay.block_expert, chunk, dot_in)
-    out = gmm(jax.nn.silu(a) * b, down, lay.block_expert, chunk, dot_out).reshape(n_rows, d)
+    a = matmul(rows, gate, dot_in)
+    b = matmul(rows, up, dot_in)
+    out = matmul(jax.nn.silu(a) * b, down, dot_out).reshape(n_rows, d)
     return out[lay.rows].reshape(t, k, d)

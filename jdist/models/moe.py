@@ -139,10 +139,11 @@ def rebalanced_bias(bias: jax.Array, loads: jax.Array, rate: float) -> jax.Array
     return bias + (rate * step).astype(bias.dtype)
 
 
-def local_experts(x, experts, w, fp8=None) -> jax.Array:
-    """Each assignment's expert output [T, k, d], all experts on this device."""
+def local_experts(x, experts, w, fp8=None, kernel=None) -> jax.Array:
+    """Each assignment's expert output [T, k, d], all experts on this device (`kernel`: the
+    grouped matmuls' `models.grouped_kernel.Kernel`, or None for the loop)."""
     gate, up, down = (w[k].astype(x.dtype) for k in ("w_gate", "w_up", "w_down"))
-    return grouped_swiglu(x, experts, gate, up, down, fp8)
+    return grouped_swiglu(x, experts, gate, up, down, fp8, kernel)
 
 
 def grouped_group(x, weights, experts, w, tp_axes=(), experts_run=local_experts):

@@ -37,12 +37,14 @@ def round_capacity(assignments: int, n_ep: int) -> int:
     return max(1, math.ceil(ROUND_FACTOR * assignments / n_ep))
 
 
-def routed_rounds(x, w, experts, ep_axes: tuple, n_ep: int, fp8=None) -> jax.Array:
+def routed_rounds(x, w, experts, ep_axes: tuple, n_ep: int, fp8=None,
+                  kernel=None) -> jax.Array:
     """Every assignment's expert output [T k, d] (partial over `tensor` where the experts'
     hidden units are split). Inside a shard_map over `ep_axes`; w holds the local experts.
-    `fp8`: a `jdist.quant.fp8.ExpertDots`, or None."""
+    `fp8`: a `jdist.quant.fp8.ExpertDots`, or None; `kernel`: `models.grouped_kernel.Kernel`
+    or None (the grouped matmuls' loop)."""
     x, *w = alike(x, *(w[k].astype(x.dtype) for k in ("w_gate", "w_up", "w_down")))
-    return _rounds(x, *w, experts, tuple(ep_axes), n_ep, fp8)
+    return _rounds(x, *w, experts, tuple(ep_axes), n_ep, (fp8, kernel))
 
 
 def _plan(experts, e_local: int, n_ep: int, capacity: int, ep_axes):
@@ -78,9 +80,10 @@ def _round_inputs(x, flat, idx, k: int, e_local: int, ep_axes):
 
 
 def _round_vjp(x, weights, flat, idx, k: int, ep_axes, fp8):
-    """The experts' outputs for the rows one round delivers here, and their VJP."""
+    """The experts' outputs for the rows one round delivers here, and their VJP; `fp8`:
+    (`ExpertDots` or None, `Kernel` or None)."""
     rows, ids = _round_inputs(x, flat, idx, k, weights[0].shape[0], ep_axes)
-    return jax.vjp(lambda r, *w: grouped_swiglu(r, ids, *w, fp8), rows, *weights)
+    return jax.vjp(lambda r, *w: grouped_swiglu(r, ids, *w, *fp8), rows, *weights)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

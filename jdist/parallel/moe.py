@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jdist.models.grouped import blocks_for
+from jdist.models.grouped_kernel import Kernel
 from jdist.models.moe import (
     CAPACITY,
     DROPLESS,
@@ -48,11 +49,11 @@ WEIGHT_NAMES = {"router": (None, None), ROUTER_BIAS: (None,), "w_gate": (ax.EXPE
 
 
 def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off",
-            pieces: int = 1):
+            pieces: int = 1, kernel=None):
     """x [B, S, d] -> (y [B, S, d], balance sums over the kernel's tokens): one shard_map
     over the mesh axes the rules give tokens and experts; the experts' matmuls in FP8
-    unless `fp8` is off (`jdist.quant.fp8.ExpertDot`); under expert parallelism each
-    exchange in `pieces`."""
+    unless `fp8` is off (`jdist.quant.fp8.ExpertDot`), grouped ones as `kernel`
+    (`expert_kernel`); under expert parallelism each exchange in `pieces`."""
     d = x.shape[-1]
     x_spec = resolve(X_NAMES, rules, mesh)
     w_specs = {k: resolve(WEIGHT_NAMES[k], rules, mesh) for k in w}
@@ -62,12 +63,12 @@ def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off",
     n_ep = math.prod(mesh.shape[a] for a in ep_axes)
     pieces = pieces if n_ep > 1 else 1  # nothing travels: nothing to overlap
     dots = None if fp8 == "off" else expert_dots(fp8, tp_axes)
-    run = functools.partial(local_experts, fp8=dots)
+    run = functools.partial(local_experts, fp8=dots, kernel=kernel)
     if n_ep > 1 and cfg.moe_routing == GROUPED:
         def run(x, experts, w):
             n = even_pieces(x.shape[0], pieces)
             parts = zip(jnp.split(x, n), jnp.split(experts, n))
-            return jnp.concatenate([routed_rounds(a, w, e, ep_axes, n_ep, dots)
+            return jnp.concatenate([routed_rounds(a, w, e, ep_axes, n_ep, dots, kernel)
                                     for a, e in parts]).reshape(*experts.shape, d)
 
     def kernel(x, w):
@@ -93,10 +94,23 @@ def overlap_pieces(setting: str, mesh) -> int:
     return OVERLAP_PIECES if on else 1
 
 
-def expert_dispatch(mesh, rules: Rules, fp8: str = "off", pieces: int = 1):
+def expert_kernel(setting: str, mesh) -> Kernel | None:
+    """The grouped matmuls under `--expert-matmul setting` on `mesh`: None for the loop;
+    `kernel` runs them as Pallas kernels (Triton on NVIDIA GPUs, interpreted elsewhere).
+    auto is the loop until the kernels have been timed on a GPU: so far they have only
+    been compiled for one (docs/moe.md)."""
+    from jdist.runtime.target import overlap_by_default
+
+    if setting != "kernel":
+        return None
+    return Kernel(interpret=not overlap_by_default(mesh), required=True)
+
+
+def expert_dispatch(mesh, rules: Rules, fp8: str = "off", pieces: int = 1, kernel=None):
     """`ModelContext.moe` for a step on `mesh` under `rules` (`--fp8`: `fp8`; exchanges in
-    `pieces`)."""
-    return functools.partial(moe_ffn, mesh=mesh, rules=rules, fp8=fp8, pieces=pieces)
+    `pieces`; grouped matmuls as `kernel`)."""
+    return functools.partial(moe_ffn, mesh=mesh, rules=rules, fp8=fp8, pieces=pieces,
+                             kernel=kernel)
 
 
 def expert_factor(model, group_tokens: float, n_ep: int, pieces: int = 1) -> float:

@@ -44,7 +44,7 @@ from jdist.parallel import attention as attn
 from jdist.parallel import collective_matmul, embedding, halves, prefetch
 from jdist.parallel import grad_sync as gs
 from jdist.parallel.attention.context import ContextParallel
-from jdist.parallel.moe import expert_dispatch, overlap_pieces
+from jdist.parallel.moe import expert_dispatch, expert_kernel, overlap_pieces
 from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
 from jdist.quant import fp8
@@ -283,7 +283,8 @@ def model_context(plan, manual: tuple[str, ...], seq_len: int,
         attention=cp.attention if cp.size > 1 else attn.kernel(
             name, mesh=plan.mesh, q_spec=cp.q_spec, kv_spec=cp.kv_spec),
         moe=expert_dispatch(plan.mesh, rules, plan.compute.fp8,
-                            overlap_pieces(plan.compute.moe_overlap, plan.mesh))
+                            overlap_pieces(plan.compute.moe_overlap, plan.mesh),
+                            expert_kernel(plan.compute.expert_matmul, plan.mesh))
         if plan.model.n_experts else None,
         embed_lookup=embed_lookup, compute_dtype=plan.compute.dtype, **extra)
 

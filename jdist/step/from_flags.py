@@ -248,7 +248,8 @@ def compute_of(config: TrainConfig, plan: Plan, pipelined: bool) -> Compute:
     if memory.attention == attn.CUDNN and attention != attn.CUDNN:  # sinks: flash instead
         print(f"jdist: {attn.SINKS_ON_CUDNN}", file=sys.stderr)
     overlap = overlap_pieces(memory.moe_overlap, plan.mesh) > 1
-    return dataclasses.replace(compute, attention=attention, moe_overlap=on_off(overlap))
+    return dataclasses.replace(compute, attention=attention, moe_overlap=on_off(overlap),
+                               expert_matmul=memory.expert_matmul)
 
 
 def on_off(value: bool) -> str:

@@ -63,6 +63,7 @@ class Compute:
     cp_strategy: str = "ring"      # attention over a sharded sequence (parallel.attention)
     eod_id: int | None = None      # packed documents split at this id (jdist.data.packing)
     moe_overlap: str = "auto"      # expert exchanges in pieces (parallel.moe.overlap_pieces)
+    expert_matmul: str = "auto"    # grouped expert matmuls: loop or kernel (parallel.moe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +195,7 @@ def make_plan(cfg: ModelConfig, mesh, rules: Rules, tx: optax.GradientTransforma
     compute = Compute(compute_dtype, memory.remat, memory.prefetch, memory.tp_halves,
                       memory.collective_matmul, memory.fp8, memory.grad_accum,
                       memory.attention, memory.loss, parallel.cp_strategy, eod_id,
-                      memory.moe_overlap)
+                      memory.moe_overlap, memory.expert_matmul)
     return Plan(cfg, mesh, rules, tx, graphdef, names, abstract, state_sh, batch_sharding,
                 zero, grads_sh, opt_device, quantize=quantize,
                 double_quant=double_quant, compute=compute)

@@ -39,6 +39,9 @@ MATMUL_CALLS = ("__cublas$", "__cudnn$")
 _CALLED = re.compile(r"(?:calls|body|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
                      r"|branch_computations=\{([^}]*)\}")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+# A Pallas Triton kernel that says its matmul FLOPs in its metadata (`models.grouped_kernel`):
+# the call's shapes do not tell them. Its quotes print escaped (\\22) in the HLO text.
+_KERNEL_FLOPS = re.compile(r'matmul_flops(?:\\22|\\"|")[:\s]*(?:\\22|\\"|")(\d+)')
 
 
 @dataclasses.dataclass
@@ -104,7 +107,11 @@ def _own_matmul(i: hlo.Instruction) -> bool:
     if i.op in ("dot", "convolution"):
         return True
     target = _TARGET.search(i.rest) if i.op == "custom-call" else None
-    return bool(target) and target.group(1).startswith(MATMUL_CALLS)
+    return bool(target) and target.group(1).startswith(MATMUL_CALLS) or _kernel_gemm(i)
+
+
+def _kernel_gemm(i: hlo.Instruction) -> bool:
+    return i.op == "custom-call" and bool(_KERNEL_FLOPS.search(i.rest))
 
 
 def is_matmul(i: hlo.Instruction, heavy: set[str]) -> bool:
@@ -146,9 +153,10 @@ def report(hlo_text: str, mesh, model_flops: float = 0.0,
 
 
 def _gemm(i: hlo.Instruction) -> bool:
-    """A gemm: a dot (alone or in a Triton gemm fusion) or a cuBLAS call."""
+    """A gemm: a dot (alone or in a Triton gemm fusion), a cuBLAS call or a matmul kernel."""
     target = _TARGET.search(i.rest) if i.op == "custom-call" else None
-    return i.op == "dot" or bool(target) and target.group(1).startswith("__cublas$")
+    return i.op == "dot" or bool(target) and target.group(1).startswith("__cublas$") \
+        or _kernel_gemm(i)
 
 
 def _fp8(i: hlo.Instruction, types: dict[str, str]) -> bool:
@@ -235,6 +243,8 @@ def _flops(i: hlo.Instruction, types: dict[str, str]) -> float:
         return 2.0 * math.prod(_dims(i.type)[0]) * k
     if i.op != "custom-call":
         return 0.0
+    if kernel := _KERNEL_FLOPS.search(i.rest):
+        return float(kernel.group(1))
     target = _TARGET.search(i.rest)
     name = target.group(1) if target else ""
     config = _backend_config(i.rest)
