@@ -150,11 +150,14 @@ def test_grouped_rounds_serve_every_token_when_routing_is_skewed():
         assert rel(g[1][k], g_ref[1][k]) <= 1e-5, k
 
 
-@pytest.mark.parametrize("mesh", ["dp=2,fsdp=2,tp=2", "ep=8", "dp=2,ep=4", "fsdp=2,ep=2,tp=2"])
-def test_grouped_matches_padded_single_device(corpus, single_device, mesh):
-    """Grouped on the mesh against the padded dropless path on one device."""
+@pytest.mark.parametrize("mesh, matmul", [("dp=2,fsdp=2,tp=2", "loop"), ("ep=8", "loop"),
+                                          ("dp=2,ep=4", "loop"), ("fsdp=2,ep=2,tp=2", "kernel")])
+def test_grouped_matches_padded_single_device(corpus, single_device, mesh, matmul):
+    """Grouped on the mesh against the padded dropless path on one device; on one layout
+    with its matmuls as the Pallas kernels (`--expert-matmul kernel`, interpreted here)."""
     grouped_moe = dataclasses.replace(MOE, moe_routing="grouped")
-    assert_matches(train_steps(grouped_moe, mesh, corpus.train), single_device(MOE))
+    run = train_steps(grouped_moe, mesh, corpus.train, config(expert_matmul=matmul))
+    assert_matches(run, single_device(MOE))
 
 
 SHARED = dataclasses.replace(MOE, shared_d_ff=32, shared_gate=True)

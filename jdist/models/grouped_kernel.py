@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from jdist.errors import require
 from jdist.models.precision import accumulator
-from jdist.spmd.varying import alike
+from jdist.spmd.varying import alike, vma, zeros
 
 MIN_TILE = 16   # Triton's smallest dot dimension
 TILE = 128      # output columns (and contraction depth) per program
@@ -66,12 +66,90 @@ def chosen(kernel: Kernel | None, d: int, f: int, fp8=None) -> Kernel | None:
 def _params(interpret: bool, flops: float) -> dict:
     """The matmul FLOPs ride along in the custom call's metadata, where
     `jdist.tools.gpu_report` counts them (a Triton call's shapes do not say)."""
-    meta = {"metadata": {"matmul_flops": json.dumps(int(flops))}}
     if interpret:
         return {"interpret": True}
     from jax.experimental.pallas import triton as plt
 
-    return {"compiler_params": plt.CompilerParams(num_warps=4, num_stages=3), **meta}
+    return {"compiler_params": plt.CompilerParams(num_warps=4, num_stages=3),
+            "metadata": {"matmul_flops": json.dumps(int(flops))}}
+
+
+class Spec(NamedTuple):
+    """A kernel operand's or output's blocks: None for the whole array."""
+    shape: tuple | None = None
+    index: object = None  # grid ids -> block ids
+
+    def pallas(self):
+        return pl.BlockSpec(self.shape, self.index) if self.shape else pl.BlockSpec()
+
+
+def _launch(body, grid, out: Spec, out_shape, dtype, specs, args, interpret: bool,
+            flops: float):
+    """out_shape [dtype] whose block at out.index(*ids) is body(ids, *operand refs), for
+    every `ids` of `grid`. Pallas runs it on an NVIDIA GPU, or interprets it; inside a
+    shard_map, whose operands vary over its axes, jax's own loop runs the same body
+    (`_emulate`): Pallas's interpreter replays a kernel traced without those types on
+    operands that have them, and fails ("dynamic_slice requires varying manual axes to
+    match", jax 0.10.2 and 0.12)."""
+    args = alike(*args)
+    if interpret and vma(args[0]):
+        return _emulate(body, grid, out, out_shape, dtype, specs, args)
+
+    def kernel(*refs):
+        refs[-1][...] = body(tuple(pl.program_id(i) for i in range(len(grid))), *refs[:-1])
+
+    return pl.pallas_call(
+        kernel, out_shape=_out(out_shape, dtype, args[0]), grid=grid,
+        in_specs=[s.pallas() for s in specs], out_specs=out.pallas(),
+        **_params(interpret, flops))(*args)
+
+
+class _Ref:
+    """An array read as a kernel reads its ref: `ref[e, pl.ds(start, size), :]`."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        index = () if index == (Ellipsis,) else index
+        index += (slice(None),) * (self.a.ndim - len(index))
+        starts, sizes = [], []
+        for i, n in zip(index, self.a.shape):
+            full, ranged = isinstance(i, slice), isinstance(i, pl.Slice)
+            starts.append(0 if full else i.start if ranged else i)
+            sizes.append(n if full else i.size if ranged else 1)
+        block = jax.lax.dynamic_slice(self.a, starts, sizes)
+        drop = tuple(d for d, i in enumerate(index) if not isinstance(i, (slice, pl.Slice)))
+        return block.squeeze(drop) if drop else block
+
+
+def _emulate(body, grid, out: Spec, out_shape, dtype, specs, args):
+    """`_launch` as a jax loop over the grid (each program in turn, as Pallas interprets)."""
+    import math
+
+    def block(a, spec, ids):
+        if not spec.shape:
+            return _Ref(a)
+        starts = [b * n for b, n in zip(spec.index(*ids), spec.shape)]
+        return _Ref(jax.lax.dynamic_slice(a, starts, spec.shape))
+
+    def program(p, result):
+        ids = jnp.unravel_index(p, grid)
+        tile = body(ids, *(block(a, s, ids) for a, s in zip(args, specs)))
+        starts = [b * n for b, n in zip(out.index(*ids), out.shape)]
+        return jax.lax.dynamic_update_slice(result, tile.astype(dtype), starts)
+
+    result = zeros(out_shape, dtype, like=args[0])
+    return jax.lax.fori_loop(0, math.prod(grid), program, result)
+
+
+def _out(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A kernel's output type, varying over the manual axes `like` does (a pallas_call
+    inside a shard_map must say so; jax 0.10.2 and 0.12 spell it `manual_axis_type`)."""
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=getattr(jax.typeof(like), "manual_axis_type",
+                                                         None))
 
 
 def _dot(a, b, acc_dtype, trans_a=False, trans_b=False):
@@ -87,8 +165,8 @@ def block_matmul(x, w, block_expert, *, transpose: bool = False, interpret: bool
     tn, tk = tile_of(cols), tile_of(depth)
     acc = accumulator(x, w)
 
-    def grouped_matmul(ids_ref, x_ref, w_ref, o_ref):
-        i, j = pl.program_id(0), pl.program_id(1)
+    def grouped_matmul(ids, ids_ref, x_ref, w_ref):
+        i, j = ids
         e = ids_ref[i]
 
         def step(s, total):
@@ -99,17 +177,13 @@ def block_matmul(x, w, block_expert, *, transpose: bool = False, interpret: bool
                 ws = w_ref[e, pl.ds(s * tk, tk), pl.ds(j * tn, tn)]
             return total + _dot(xs, ws, acc, trans_b=transpose)
 
-        total = jax.lax.fori_loop(0, depth // tk, step, jnp.zeros((block, tn), acc))
-        o_ref[0] = total.astype(o_ref.dtype)
+        total = jax.lax.fori_loop(0, depth // tk, step, zeros((block, tn), acc, like=e))
+        return total.astype(x.dtype)[None]
 
-    return pl.pallas_call(
-        grouped_matmul, out_shape=jax.ShapeDtypeStruct((n_blocks, block, cols), x.dtype),
-        grid=(n_blocks, cols // tn),
-        in_specs=[pl.BlockSpec(), pl.BlockSpec((1, block, depth),
-                                                               lambda i, j: (i, 0, 0)),
-                  pl.BlockSpec()],
-        out_specs=pl.BlockSpec((1, block, tn), lambda i, j: (i, 0, j)),
-        **_params(interpret, 2.0 * n_blocks * block * cols * depth))(block_expert, x, w)
+    return _launch(grouped_matmul, (n_blocks, cols // tn),
+                   Spec((1, block, tn), lambda i, j: (i, 0, j)), (n_blocks, block, cols),
+                   x.dtype, (Spec(), Spec((1, block, depth), lambda i, j: (i, 0, 0)), Spec()),
+                   (block_expert, x, w), interpret, 2.0 * n_blocks * block * cols * depth)
 
 
 def expert_grads(x, g, first_block, n_blocks_of, n_experts: int, *, interpret: bool = False):
@@ -121,8 +195,8 @@ def expert_grads(x, g, first_block, n_blocks_of, n_experts: int, *, interpret: b
     td, tf = tile_of(d), tile_of(f)
     acc = accumulator(x, g)
 
-    def grouped_weight_grad(start_ref, count_ref, x_ref, g_ref, o_ref):
-        e, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    def grouped_weight_grad(ids, start_ref, count_ref, x_ref, g_ref):
+        e, i, j = ids
         start = start_ref[e]
 
         def step(b, total):
@@ -130,14 +204,12 @@ def expert_grads(x, g, first_block, n_blocks_of, n_experts: int, *, interpret: b
             gs = g_ref[start + b, :, pl.ds(j * tf, tf)]
             return total + _dot(xs, gs, acc, trans_a=True)
 
-        o_ref[0] = jax.lax.fori_loop(0, count_ref[e], step, jnp.zeros((td, tf), acc))
+        return jax.lax.fori_loop(0, count_ref[e], step, zeros((td, tf), acc, like=start))[None]
 
-    return pl.pallas_call(
-        grouped_weight_grad, out_shape=jax.ShapeDtypeStruct((n_experts, d, f), acc),
-        grid=(n_experts, d // td, f // tf),
-        in_specs=[pl.BlockSpec()] * 4,
-        out_specs=pl.BlockSpec((1, td, tf), lambda e, i, j: (e, i, j)),
-        **_params(interpret, 2.0 * x.size * f))(first_block, n_blocks_of, x, g)
+    return _launch(grouped_weight_grad, (n_experts, d // td, f // tf),
+                   Spec((1, td, tf), lambda e, i, j: (e, i, j)), (n_experts, d, f), acc,
+                   (Spec(),) * 4, (first_block, n_blocks_of, x, g), interpret,
+                   2.0 * x.size * f)
 
 
 def gmm(x, w, block_expert, expert_blocks, kernel: Kernel) -> jax.Array:

@@ -49,10 +49,10 @@ WEIGHT_NAMES = {"router": (None, None), ROUTER_BIAS: (None,), "w_gate": (ax.EXPE
 
 
 def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off",
-            pieces: int = 1, kernel=None):
+            pieces: int = 1, gmm_kernel=None):
     """x [B, S, d] -> (y [B, S, d], balance sums over the kernel's tokens): one shard_map
     over the mesh axes the rules give tokens and experts; the experts' matmuls in FP8
-    unless `fp8` is off (`jdist.quant.fp8.ExpertDot`), grouped ones as `kernel`
+    unless `fp8` is off (`jdist.quant.fp8.ExpertDot`), grouped ones as `gmm_kernel`
     (`expert_kernel`); under expert parallelism each exchange in `pieces`."""
     d = x.shape[-1]
     x_spec = resolve(X_NAMES, rules, mesh)
@@ -63,12 +63,12 @@ def moe_ffn(x: jax.Array, w: dict, cfg, *, mesh, rules: Rules, fp8: str = "off",
     n_ep = math.prod(mesh.shape[a] for a in ep_axes)
     pieces = pieces if n_ep > 1 else 1  # nothing travels: nothing to overlap
     dots = None if fp8 == "off" else expert_dots(fp8, tp_axes)
-    run = functools.partial(local_experts, fp8=dots, kernel=kernel)
+    run = functools.partial(local_experts, fp8=dots, kernel=gmm_kernel)
     if n_ep > 1 and cfg.moe_routing == GROUPED:
         def run(x, experts, w):
             n = even_pieces(x.shape[0], pieces)
             parts = zip(jnp.split(x, n), jnp.split(experts, n))
-            return jnp.concatenate([routed_rounds(a, w, e, ep_axes, n_ep, dots, kernel)
+            return jnp.concatenate([routed_rounds(a, w, e, ep_axes, n_ep, dots, gmm_kernel)
                                     for a, e in parts]).reshape(*experts.shape, d)
 
     def kernel(x, w):
@@ -110,7 +110,7 @@ def expert_dispatch(mesh, rules: Rules, fp8: str = "off", pieces: int = 1, kerne
     """`ModelContext.moe` for a step on `mesh` under `rules` (`--fp8`: `fp8`; exchanges in
     `pieces`; grouped matmuls as `kernel`)."""
     return functools.partial(moe_ffn, mesh=mesh, rules=rules, fp8=fp8, pieces=pieces,
-                             kernel=kernel)
+                             gmm_kernel=kernel)
 
 
 def expert_factor(model, group_tokens: float, n_ep: int, pieces: int = 1) -> float:

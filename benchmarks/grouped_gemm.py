@@ -1,0 +1,93 @@
+"""The grouped experts' matmuls as a loop of XLA matmuls or as Pallas kernels
+(`--expert-matmul loop|kernel`), from the GPU compiler (deviceless, `--target`): one
+Qwen3-30B-A3B MoE layer (128 experts, top-8, d 2048, f 768, bf16) on 8 GPUs with ep=8,
+4096 tokens per device (the issue's 8 x 4096 batch), grouped routing, its exchanges in
+`OVERLAP_PIECES` pieces (the GPU default), forward and backward per device:
+
+  matmul ops   matmul executions (gpu_report: dots, cuBLAS calls, matmul kernels; loops
+               counted by their trip counts; the later rounds' loop 0 times: near balance)
+  TFLOP        their executed FLOPs (the kernels' from their metadata), the router's in
+  bytes GiB    XLA's cost analysis "bytes accessed" (a kernel counts its operands and
+               outputs once; a loop's body once)
+  peak GiB     compiled arguments + outputs + temporaries (`jdist.memory.peak`)
+
+Compile only: nothing runs, so no timings.
+
+    python benchmarks/grouped_gemm.py [--json] [--target h100-80gb] [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import common
+from common import Column
+
+common.setup_devices(8, cpu_only=True)
+
+COLUMNS = (Column("matmul", "7"), Column("matmul ops", "11.0f", "gemms"),
+           Column("TFLOP", "8.3f", "tflop"), Column("bytes GiB", "10.2f", "bytes_gib"),
+           Column("peak GiB", "9.2f", "peak_gib"), Column("compile s", "10.1f", "compile_s"))
+SHAPE = {"experts": 128, "k": 8, "d": 2048, "f": 768}  # Qwen3-30B-A3B
+
+
+def measure(target: str, tokens: int, n_ep: int = 8) -> list[dict]:
+    import dataclasses
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from jdist.memory import peak
+    from jdist.models import get_preset
+    from jdist.models.grouped_kernel import Kernel
+    from jdist.parallel.moe import OVERLAP_PIECES, WEIGHT_NAMES, X_NAMES, moe_ffn
+    from jdist.runtime.target import COMPILER_OPTIONS, devices
+    from jdist.spmd.mesh import build_mesh
+    from jdist.spmd.rules import DEFAULT_RULES, resolve
+    from jdist.tools import gpu_report
+
+    e, d, f = SHAPE["experts"], SHAPE["d"], SHAPE["f"]
+    mesh = build_mesh(f"ep={n_ep}", devices(target, n_ep))
+    sharded = lambda names, shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(mesh, resolve(names, DEFAULT_RULES, mesh)))
+    x = sharded(X_NAMES, (n_ep, tokens, d))
+    w = {"router": sharded(WEIGHT_NAMES["router"], (d, e), jnp.float32),
+         **{key: sharded(WEIGHT_NAMES[key], (e, *dims)) for key, dims in
+            (("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d)))}}
+    cfg = dataclasses.replace(get_preset("qwen3-30b-a3b"), moe_routing="grouped")
+    rows = []
+    for name, kernel in (("loop", None), ("kernel", Kernel(interpret=False, required=True))):
+        layer = lambda x, w, kernel=kernel: moe_ffn(x, w, cfg, mesh=mesh, rules=DEFAULT_RULES,
+                                                    pieces=OVERLAP_PIECES,
+                                                    gmm_kernel=kernel)[0]
+        loss = lambda x, w, layer=layer: jnp.sum(layer(x, w).astype(jnp.float32) ** 2)
+        start = time.perf_counter()
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile(
+            dict(COMPILER_OPTIONS))
+        seconds = time.perf_counter() - start
+        rep = gpu_report.report(compiled.as_text(), mesh, unknown_trips=0)
+        cost = compiled.cost_analysis() or {}
+        cost = cost[0] if isinstance(cost, list) else cost
+        rows.append({"matmul": name, "gemms": rep.gemms, "tflop": rep.executed_flops / 1e12,
+                     "bytes_gib": cost.get("bytes accessed", float("nan")) / 2**30,
+                     "peak_gib": peak(compiled) / 2**30, "compile_s": seconds,
+                     "tokens_per_device": tokens, "n_ep": n_ep})
+    return rows
+
+
+def main() -> None:
+    parser = common.make_parser(__doc__)
+    parser.add_argument("--target", default="h100-80gb")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per device")
+    args = parser.parse_args()
+    from jdist.runtime.target import prepare_target
+
+    prepare_target(args.target)
+    rows = measure(args.target, args.tokens)
+    common.emit(rows, args.json, lambda: [
+        f"one Qwen3-30B-A3B MoE layer, ep=8, {args.tokens} tokens per device, forward + "
+        f"backward, {args.target} compiler:", *common.table(rows, COLUMNS)])
+
+
+if __name__ == "__main__":
+    main()
