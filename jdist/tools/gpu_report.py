@@ -40,7 +40,7 @@ _CALLED = re.compile(r"(?:calls|body|to_apply|true_computation|false_computation
                      r"|branch_computations=\{([^}]*)\}")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # A Pallas Triton kernel that says its matmul FLOPs in its metadata (`models.grouped_kernel`):
-# the call's shapes do not tell them. Its quotes print escaped (\\22) in the HLO text.
+# the call's shapes do not tell them. Its quotes print escaped (\22) in the HLO text.
 _KERNEL_FLOPS = re.compile(r'matmul_flops(?:\\22|\\"|")[:\s]*(?:\\22|\\"|")(\d+)')
 
 
