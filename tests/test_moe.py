@@ -296,6 +296,9 @@ def test_metrics_report_balance_and_drops(tmp_path):
     (["--mesh", "ep=3", "--n-experts", "8"], "experts dimension 8 is not divisible by expert=3"),
     (["--capacity-factor", "0"], "--capacity-factor 0.0 must be positive"),
     (["--router-bias-rate", "-1"], "--router-bias-rate -1.0 must be 0 (off) or positive"),
+    (["--expert-matmul", "kernel"], "--expert-matmul kernel runs grouped routing's expert "
+     "matmuls; add --moe-routing grouped"),
+    (["--expert-matmul", "kernel", "--fp8", "rowwise"], "use --fp8 off or --expert-matmul loop"),
 ])
 def test_bad_moe_input(args, message):
     result = cli(*args)

@@ -234,6 +234,9 @@ def compute_of(config: TrainConfig, plan: Plan, pipelined: bool) -> Compute:
     memory, seq_len = config.memory, config.data.seq_len
     check_context_parallel(plan.model.n_heads, seq_len, plan.mesh, plan.rules,
                            config.parallel.cp_strategy)
+    require(memory.expert_matmul != "kernel" or plan.model.moe_routing == "grouped",
+            "--expert-matmul kernel runs grouped routing's expert matmuls; add --moe-routing "
+            "grouped, or leave --expert-matmul out")
     # The kernels' own `auto` (prefetch.applies, collective_matmul.applies) reads the same
     # test, so a plan made directly (tests, benchmarks) computes as this one does.
     prefetch = memory.prefetch == "on" or (memory.prefetch == "auto"
