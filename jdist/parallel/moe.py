@@ -98,7 +98,7 @@ def expert_kernel(setting: str, mesh) -> Kernel | None:
     """The grouped matmuls under `--expert-matmul setting` on `mesh`: None for the loop;
     `kernel` runs them as Pallas kernels (Triton on NVIDIA GPUs, interpreted elsewhere).
     auto is the loop until the kernels have been timed on a GPU: so far they have only
-    been compiled for one (docs/moe.md)."""
+    been compiled for one (docs/parallelism.md#mixture-of-experts)."""
     from jdist.runtime.target import overlap_by_default
 
     if setting != "kernel":
