@@ -123,29 +123,44 @@ EP_COLUMNS = (Column("shape", "14"), Column("routing", "9"),
               Column("x routed", "9.2f", "flops_ratio"))
 
 
+def ep_layer(name: str, target: str, n_ep: int, tokens: int = 0):
+    """(mesh, x, w): the abstract inputs of one MoE layer of shape `name` on `n_ep` GPUs
+    with ep=n_ep, `tokens` per device (0: the shape's), bf16 (the router's weight float32)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from jdist.parallel.moe import WEIGHT_NAMES, X_NAMES
+    from jdist.runtime.target import devices
+    from jdist.spmd.mesh import build_mesh
+    from jdist.spmd.rules import DEFAULT_RULES, resolve
+
+    _, experts, _, d, f = SHAPES[name]
+    mesh = build_mesh(f"ep={n_ep}", devices(target, n_ep))
+    sharded = lambda names, shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(mesh, resolve(names, DEFAULT_RULES, mesh)))
+    x = sharded(X_NAMES, (n_ep, tokens or SHAPES[name][0], d))
+    w = {"router": sharded(WEIGHT_NAMES["router"], (d, experts), jnp.float32),
+         **{key: sharded(WEIGHT_NAMES[key], (experts, *dims)) for key, dims in
+            (("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d)))}}
+    return mesh, x, w
+
+
 def measure_ep(name: str, target: str, n_ep: int = 8) -> list[dict]:
     """One MoE layer (router included, its FLOPs taken off) on `n_ep` GPUs with ep=n_ep."""
     import dataclasses
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
 
     from jdist.models import get_preset
-    from jdist.parallel.moe import WEIGHT_NAMES, X_NAMES, moe_ffn
-    from jdist.runtime.target import COMPILER_OPTIONS, devices
-    from jdist.spmd.mesh import build_mesh
-    from jdist.spmd.rules import DEFAULT_RULES, resolve
+    from jdist.parallel.moe import moe_ffn
+    from jdist.runtime.target import COMPILER_OPTIONS
+    from jdist.spmd.rules import DEFAULT_RULES
     from jdist.tools import gpu_report
 
     tokens, experts, k, d, f = SHAPES[name]
-    mesh = build_mesh(f"ep={n_ep}", devices(target, n_ep))
-    sharded = lambda names, shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
-        shape, dtype, sharding=NamedSharding(mesh, resolve(names, DEFAULT_RULES, mesh)))
-    x = sharded(X_NAMES, (n_ep, tokens, d))
-    w = {"router": sharded(WEIGHT_NAMES["router"], (d, experts), jnp.float32),
-         **{key: sharded(WEIGHT_NAMES[key], (experts, *dims)) for key, dims in
-            (("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d)))}}
+    mesh, x, w = ep_layer(name, target, n_ep)
     routed_bytes = tokens * k * d * 2 * 2  # there and back
     routed = 3 * 2.0 * tokens * k * d * f * 3
     router = 2.0 * tokens * d * experts * 3

@@ -18,6 +18,7 @@ returns nothing for these deviceless compiles (jax 0.10.2), so no bytes either.
 from __future__ import annotations
 
 import common
+import expert_matmuls
 from common import Column
 
 common.setup_devices(8, cpu_only=True)
@@ -25,7 +26,6 @@ common.setup_devices(8, cpu_only=True)
 COLUMNS = (Column("matmul", "7"), Column("matmul ops", "11.0f", "gemms"),
            Column("TFLOP", "8.3f", "tflop"), Column("peak GiB", "9.2f", "peak_gib"),
            Column("compile s", "10.1f", "compile_s"))
-SHAPE = {"experts": 128, "k": 8, "d": 2048, "f": 768}  # Qwen3-30B-A3B
 
 
 def measure(target: str, tokens: int, n_ep: int = 8) -> list[dict]:
@@ -34,25 +34,16 @@ def measure(target: str, tokens: int, n_ep: int = 8) -> list[dict]:
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
 
     from jdist.memory import peak
     from jdist.models import get_preset
     from jdist.models.grouped_kernel import Kernel
-    from jdist.parallel.moe import OVERLAP_PIECES, WEIGHT_NAMES, X_NAMES, moe_ffn
-    from jdist.runtime.target import COMPILER_OPTIONS, devices
-    from jdist.spmd.mesh import build_mesh
-    from jdist.spmd.rules import DEFAULT_RULES, resolve
+    from jdist.parallel.moe import OVERLAP_PIECES, moe_ffn
+    from jdist.runtime.target import COMPILER_OPTIONS
+    from jdist.spmd.rules import DEFAULT_RULES
     from jdist.tools import gpu_report
 
-    e, d, f = SHAPE["experts"], SHAPE["d"], SHAPE["f"]
-    mesh = build_mesh(f"ep={n_ep}", devices(target, n_ep))
-    sharded = lambda names, shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
-        shape, dtype, sharding=NamedSharding(mesh, resolve(names, DEFAULT_RULES, mesh)))
-    x = sharded(X_NAMES, (n_ep, tokens, d))
-    w = {"router": sharded(WEIGHT_NAMES["router"], (d, e), jnp.float32),
-         **{key: sharded(WEIGHT_NAMES[key], (e, *dims)) for key, dims in
-            (("w_gate", (d, f)), ("w_up", (d, f)), ("w_down", (f, d)))}}
+    mesh, x, w = expert_matmuls.ep_layer("qwen3-30b-a3b", target, n_ep, tokens)
     cfg = dataclasses.replace(get_preset("qwen3-30b-a3b"), moe_routing="grouped")
     rows = []
     for name, kernel in (("loop", None), ("kernel", Kernel(interpret=False, required=True))):
