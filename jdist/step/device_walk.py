@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.tree_util import keystr, tree_flatten_with_path
@@ -27,8 +28,8 @@ from optax.contrib import MuonDimensionNumbers
 
 from jdist.parallel.prefetch import to_device, to_host
 from jdist.step import muon_cost
-from jdist.step.layer_walk import clipped, nest
-from jdist.step.moment_files import stacked_keys
+from jdist.step.layer_walk import group_update, put, take
+from jdist.step.moment_files import param_key, stacked_keys
 from jdist.step.muon import owner_axes
 
 
@@ -50,77 +51,48 @@ def device_bytes(plan) -> int:
     return owned * chunk(layers, dict(plan.mesh.shape)) // layers
 
 
-def param_of(state_path, params: set):
-    """The parameter key (of `params`) a state leaf belongs to, None for a scalar: the
-    path's suffix that names a parameter (under Muon the state's first dict key is the
-    partition's label, 'muon' or 'adamw', not the parameter's)."""
-    return next((keystr(state_path[i:]) for i in range(len(state_path))
-                 if keystr(state_path[i:]) in params), None)
-
-
 def chunk(layers: int, mesh_shape: dict) -> int:
     """Layers per walk step: those Muon's owner layout puts one per device (or a divisor)."""
     axes = owner_axes((layers,), MuonDimensionNumbers((), ()), mesh_shape)[0] or ()
     return math.prod(mesh_shape[a] for a in axes)
 
 
-def update_group(tx, members: dict, params: dict, grads: dict, moments: dict, counts: dict,
-                 norm):
-    """The optimizer `tx` (a `HostUpdate`) on one group: `members` (parameter key -> its
-    path), their `params` and `grads` and the state's `moments` (state key -> array) as
-    the device holds them, the state's scalars `counts`, gradients clipped by the global
-    `norm`. -> (new params, new moments, new counts), keyed as given."""
-    sub_p = nest({path: params[k] for k, path in members.items()})
-    sub_g = nest({path: clipped(grads[k], norm, tx.clip_norm) for k, path in members.items()})
-    given = {**moments, **counts}
-    state = jax.tree_util.tree_map_with_path(lambda p, _: given[keystr(p)],
-                                             jax.eval_shape(tx.init, sub_p))
-    updates, state = tx.update(sub_g, state, sub_p)
-    new_p = {keystr(p): x for p, x in tree_flatten_with_path(
-        optax.apply_updates(sub_p, updates))[0]}
-    new_s = {keystr(p): x for p, x in tree_flatten_with_path(state)[0]}
-    return new_p, {k: new_s[k] for k in moments}, {k: new_s[k] for k in counts}
+def walk_stacks(plan) -> dict[str, tuple[int, int]]:
+    """`layer_walk.stacks` for this walk: key -> (the chunk's layers, chunks); chunk j is
+    rows j, j + chunks, ... (`layer_walk.take`)."""
+    mesh_shape = dict(plan.mesh.shape)
+    return {k: (chunk(n, mesh_shape), n // chunk(n, mesh_shape))
+            for k, n in stacked_keys(plan).items()}
 
 
 def update(plan, grads, opt_state, params, grad_norm):
     """(new parameters, new optimizer state), both in host memory as given: each run of
-    stacked layers walked in chunks (a `lax.scan`), then the shared parameters."""
-    flat = lambda tree: {keystr(p): x for p, x in tree_flatten_with_path(tree)[0]}
-    p_all, g_all, s_all = flat(params), flat(grads), flat(opt_state)
-    paths = {keystr(p): p for p, _ in tree_flatten_with_path(params)[0]}
-    owner = {keystr(p): param_of(p, set(paths))
-             for p, _ in tree_flatten_with_path(opt_state)[0]}
-    counts = {k: to_device(x) for k, x in s_all.items() if owner[k] is None}
-    stacked = stacked_keys(plan)
-    for layers in sorted(set(stacked.values())):
-        members = {k: paths[k] for k, n in stacked.items() if n == layers}
-        size = chunk(layers, dict(plan.mesh.shape))
-        state_keys = [k for k in s_all if owner[k] in members]
+    stacked layers walked a chunk at a time (a `lax.scan` of `layer_walk.group_update`),
+    then the shared parameters as one group."""
+    tx, stacked = plan.tx, walk_stacks(plan)
+    moments = {keystr(p): x for p, x in tree_flatten_with_path(opt_state)[0]}
+    owner = {keystr(p): param_key(p) for p, _ in tree_flatten_with_path(opt_state)[0]}
+    counts = {k: to_device(x) for k, x in moments.items() if owner[k] is None}
+    for chunks in sorted({n for _, n in stacked.values()}):
+        members = tuple(k for k, (_, n) in stacked.items() if n == chunks)
+        mine = {k: x for k, x in moments.items() if owner[k] in members}
 
-        def body(carry, c, members=members, size=size):
-            p_run, s_run = carry
-            take = lambda x: to_device(lax.dynamic_slice_in_dim(x, c * size, size, 0))
-            put = lambda x, v: lax.dynamic_update_slice_in_dim(x, to_host(v), c * size, 0)
-            new_p, new_s, _ = update_group(
-                plan.tx, members, {k: take(p_run[k]) for k in members},
-                {k: take(g_all[k]) for k in members}, {k: take(s_run[k]) for k in s_run},
-                counts, grad_norm)
-            return ({k: put(p_run[k], new_p[k]) for k in p_run},
-                    {k: put(s_run[k], new_s[k]) for k in s_run}), None
+        def body(carry, j, members=members):
+            params, mine = carry
+            split = lambda k: stacked[owner[k]][0]
+            state = {k: to_device(take(x, split(k), j)) for k, x in mine.items()}
+            params, new = group_update(tx, params, grads, {**state, **counts}, grad_norm,
+                                       members, j, stacked, to_device, to_host)
+            return (params, {k: put(x, split(k), j, to_host(new[k]))
+                             for k, x in mine.items()}), None
 
-        (p_run, s_run), _ = lax.scan(body, ({k: p_all[k] for k in members},
-                                            {k: s_all[k] for k in state_keys}),
-                                     jax.numpy.arange(layers // size))
-        p_all.update(p_run)
-        s_all.update(s_run)
-    rest = {k: path for k, path in paths.items() if k not in stacked}
-    rest_state = [k for k in s_all if owner[k] in rest]
-    new_p, new_s, new_counts = update_group(
-        plan.tx, rest, {k: to_device(p_all[k]) for k in rest},
-        {k: to_device(g_all[k]) for k in rest}, {k: to_device(s_all[k]) for k in rest_state},
-        counts, grad_norm)
-    p_all.update({k: to_host(v) for k, v in new_p.items()})
-    s_all.update({k: to_host(v) for k, v in {**new_s, **new_counts}.items()})
-    unflat = lambda tree, values: jax.tree_util.tree_map_with_path(
-        lambda p, _: values[keystr(p)], tree)
-    return unflat(params, p_all), unflat(opt_state, s_all)
+        (params, mine), _ = lax.scan(body, (params, mine), jnp.arange(chunks))
+        moments.update(mine)
+    rest = tuple(keystr(p) for p, _ in tree_flatten_with_path(params)[0]
+                 if keystr(p) not in stacked)
+    state = {k: to_device(x) for k, x in moments.items() if owner[k] in rest}
+    params, new = group_update(tx, params, grads, {**state, **counts}, grad_norm, rest, None,
+                               stacked, to_device, to_host)
+    moments.update({k: to_host(x) for k, x in new.items()})
+    return params, jax.tree_util.tree_map_with_path(lambda p, _: moments[keystr(p)],
+                                                    opt_state)

@@ -1,7 +1,8 @@
 """An optimizer update a layer at a time: the walk's groups, each group's slice of a
 parameter-shaped tree, and the optimizer applied to that slice (`group_update`), which gives
 the whole-tree update's numbers: AdamW is elementwise and Muon orthogonalises each matrix
-(layer, expert) alone. Used by `--offload disk` (`jdist.step.disk_update`).
+(layer, expert) alone. Used by `--offload disk` (`jdist.step.disk_update`) and by
+`--offload params` under Muon (`jdist.step.device_walk`, in chunks of owner layers).
 
 Group j of a stack of n layers split over k devices on its layer axis (k = 1, or the pp
 stages) is rows j, j + n/k, ..., one per device: every device updates one of its own layers
@@ -88,20 +89,24 @@ def clipped(g, norm, max_norm: float):
     return jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm)
 
 
-def group_update(tx, params, grads, state: dict, norm, members, j, stacked: dict):
+def group_update(tx, params, grads, state: dict, norm, members, j, stacked: dict,
+                 bring=lambda x: x, back=lambda x: x):
     """One group's update by a `HostUpdate` `tx` (`jdist.step.optim`): `state` maps the
     group's optimizer-state keys (`keystr` of the whole state's paths) to their leaves, the
     moments sliced as the group, the counts whole. Returns (`params` with the group's rows
-    updated, the new state by the same keys)."""
-    sub_p = group(params, members, j, stacked)
-    sub_g = group(grads, members, j, stacked, lambda g: clipped(g, norm, tx.clip_norm))
+    updated, the new state by the same keys). `bring` and `back`: how a slice of `params`
+    and `grads` comes to where the update runs, and the new rows go back (`--offload
+    params`, whose trees are in host memory: to the device and back, `jdist.step.device_walk`)."""
+    sub_p = group(params, members, j, stacked, bring)
+    sub_g = group(grads, members, j, stacked,
+                  lambda g: clipped(bring(g), norm, tx.clip_norm))
     old = jax.tree_util.tree_map_with_path(lambda p, _: state[keystr(p)],
                                            jax.eval_shape(tx.init, sub_p))
     updates, new_state = tx.update(sub_g, old, sub_p)
     new = {keystr(p): x for p, x in tree_flatten_with_path(
         optax.apply_updates(sub_p, updates))[0]}
     flat, treedef = tree_flatten_with_path(params)
-    out = [x if keystr(p) not in new else new[keystr(p)] if j is None else
-           put(x, stacked[keystr(p)][0], j, new[keystr(p)]) for p, x in flat]
+    out = [x if keystr(p) not in new else back(new[keystr(p)]) if j is None else
+           put(x, stacked[keystr(p)][0], j, back(new[keystr(p)])) for p, x in flat]
     return treedef.unflatten(out), {keystr(p): x for p, x in
                                     tree_flatten_with_path(new_state)[0]}
