@@ -21,7 +21,7 @@ Streaming (`--disk DIR`): a real `--offload disk` run with its moments' files in
 bytes and seconds of the per-layer reads and writes (`streaming_row`).
 
     python benchmarks/offload.py [--modes none,optimizer,params,disk] [--disk DIR]
-        [--layers 4] [--stream-steps 2] [--target h100-80gb] [--json]
+        [--layers 4] [--stream-steps 2] [--target h100-80gb] [--optimizer muon] [--json]
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def arguments(hlo: str) -> list[tuple[int, bool]]:
     return out
 
 
-def memory_row(mode: str) -> dict:
+def memory_row(mode: str, optimizer: str = "adamw") -> dict:
     config = TrainConfig.of(model=MODEL, mesh=MESH, offload=mode, batch_size=BATCH,
-                            seq_len=SEQ, remat="full")
+                            seq_len=SEQ, remat="full", optimizer=optimizer)
     _, plan, _ = plan_for(config)
     start = time.perf_counter()
     compiled = lower_step(plan, BATCH, SEQ).compile()
@@ -69,7 +69,7 @@ def memory_row(mode: str) -> dict:
     # --offload disk's device program returns the gradients (the walk reads them); every
     # other mode's outputs alias its donated state.
     temp = analysis.temp_size_in_bytes + (analysis.output_size_in_bytes if plan.on_disk else 0)
-    row = {"offload": mode, "device_arguments": device_args,
+    row = {"offload": mode, "optimizer": optimizer, "device_arguments": device_args,
            "host_arguments": sum(b for b, host in args if host), "temporaries": temp,
            "device_total": device_args + temp,
            "predicted": predict(plan, BATCH, SEQ).total,
@@ -195,6 +195,7 @@ def main() -> None:
     parser.add_argument("--modes", default="none,optimizer,params")
     parser.add_argument("--disk", default="", help="a directory on the disk to measure")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--optimizer", default="adamw", help="adamw or muon (the memory rows)")
     parser.add_argument("--stream-steps", type=int, default=2,
                         help="with --disk: steps of a real --offload disk run to time")
     common.add_target(parser, "also compile --offload none and disk for this GPU",
@@ -202,14 +203,15 @@ def main() -> None:
     args = parser.parse_args()
     target = common.requested_target(parser, args, default=False)
     gpu = [target_row(mode, target) for mode in ("none", "disk")] if target else []
-    rows = [memory_row(mode) for mode in args.modes.split(",") if mode]
+    rows = [memory_row(mode, args.optimizer) for mode in args.modes.split(",") if mode]
     disk = disk_row(args.disk, args.layers) if args.disk else None
     streams = [streaming_row(args.disk, args.stream_steps, evict) for evict in (False, True)] \
         if args.disk and args.stream_steps else []
     gib = lambda key: Column(key.replace("_", " "), "10.2f", key, scale=GiB)
 
     def text():
-        yield (f"{MODEL} {MESH}, {BATCH} x {SEQ} tokens, remat full, float32 state; XLA CPU "
+        yield (f"{MODEL} {MESH}, {args.optimizer}, {BATCH} x {SEQ} tokens, remat full, "
+               "float32 state; XLA CPU "
                "compiler (the H100 target has no host memory space); GiB per device")
         yield from common.table(rows, [Column("offload", "<9"),
                                        gib("device_arguments"), gib("host_arguments"),
