@@ -12,6 +12,9 @@ import sys
 
 import pytest
 
+from jdist.config import parse_args
+from jdist.train.loop import train
+
 COMMON = ["--model", "tiny", "--steps", "4", "--batch-size", "16", "--seq-len", "32",
           "--eval-every", "4"]
 STRAGGLERS = ["--straggler-every", "1", "--straggler-windows", "2"]
@@ -63,10 +66,9 @@ def test_two_processes_match_one(tmp_path, mesh_args, banner):
         assert "straggler: process 1 on host" in outputs[0]
     else:
         assert "straggler" not in outputs[0] and not reported, outputs[0]
-    single = subprocess.run([sys.executable, "-m", "jdist.train", *args, "--run-dir",
-                             str(tmp_path / "single")], check=False, capture_output=True,
-                            text=True, timeout=300)
-    assert single.returncode == 0, single.stderr
+    # The reference: one process with all 8 devices, this one (no interpreter, jax and
+    # jdist to start again: 3 s of CPU), as tests/test_elastic.py's and test_slurm.py's.
+    train(parse_args([*args, "--run-dir", str(tmp_path / "single")]))
     multi, ref = losses(tmp_path / "p0"), losses(tmp_path / "single")
     assert len(multi) == 4
     for a, b in zip(multi, ref):
