@@ -57,3 +57,22 @@ def test_memory_benchmarks_name_the_cuda_extra_when_a_gpu_target_lacks_the_plugi
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and '".[cuda12]"' in lines[0] and not done.stdout, done.stderr
+
+
+def test_suite_schedule_replays_a_late_long_test_as_an_idle_tail(tmp_path, capsys,
+                                                                 monkeypatch):
+    """benchmarks/suite_schedule.py on a made-up suite: 40 one-second tests, then a 30 s
+    one. Collected last, it runs while the other worker idles; moved first, it does not."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from suite_schedule import main
+
+    ids = [f"tests/t.py::test_{i}" for i in range(40)] + ["tests/t.py::test_long"]
+    (tmp_path / "ids.txt").write_text("\n".join(ids))
+    (tmp_path / "log").write_text("\n".join(
+        f"{30.0 if i.endswith('long') else 1.0}s call     {i}" for i in ids))
+    main([str(tmp_path / "ids.txt"), str(tmp_path / "log"), "--total-wall", "35",
+          "--first", "tests/t.py::test_long", "--json"])
+    rows = {r["order"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["collection order"]["idle_tail_s_mean"] >= 20
+    assert rows["named tests first"]["idle_tail_s_mean"] <= 1
+    assert rows["named tests first"]["wall_s_median"] == 35
