@@ -9,7 +9,7 @@ The plan makes mixed-precision Adam's accounting explicit, per device:
                ZeRO-1 (on the host with --offload optimizer; with --offload params all
                three are, and the device holds two layers' stored blocks and the shared
                parameters with their gradients: `streamed_bytes`; with --offload disk
-               in files, the update holding one layer's: `disk_update.group_moment_bytes`)
+               in files, the update holding one group's: `disk_update.update_bytes`)
   activations  the larger of the backward's and the update's temporaries. The backward:
                every layer's residuals by --remat policy for one micro-batch, one layer's
                backward working set (or the loss's), one layer's gathered parameters and a
@@ -336,8 +336,8 @@ def predict(plan, micro_batch: int, seq_len: int, state: tuple[int, ...] | None 
         (0 if on_gpu(plan) else grads) + muon_cost.update_bytes(
             plan.abstract.opt_state, plan.opt_device_shardings, dict(plan.mesh.shape),
             plan.names)
-    if plan.on_disk:  # `--offload disk`: one group's state in and out (`disk_update`)
-        update = 2 * disk_update.group_moment_bytes(plan)
+    if plan.on_disk:  # `--offload disk`: a group of layers at a time (`disk_update`)
+        update = disk_update.update_bytes(plan)
     return Breakdown(params, grads, optimizer, max(backward, update))
 
 

@@ -17,20 +17,16 @@ The shared parameters (embedding, final norm, head: AdamW) are one group, whole.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.tree_util import keystr, tree_flatten_with_path
-from optax.contrib import MuonDimensionNumbers
 
 from jdist.parallel.prefetch import to_device, to_host
 from jdist.step import muon_cost
-from jdist.step.layer_walk import group_update, put, take
+from jdist.step.layer_walk import chunk, group_update, put, take
 from jdist.step.moment_files import param_key, stacked_keys
-from jdist.step.muon import owner_axes
 
 
 def applies(plan) -> bool:
@@ -49,12 +45,6 @@ def device_bytes(plan) -> int:
     owned = muon_cost.update_bytes(plan.abstract.opt_state, plan.opt_device_shardings,
                                    dict(plan.mesh.shape), plan.names)
     return owned * chunk(layers, dict(plan.mesh.shape)) // layers
-
-
-def chunk(layers: int, mesh_shape: dict) -> int:
-    """Layers per walk step: those Muon's owner layout puts one per device (or a divisor)."""
-    axes = owner_axes((layers,), MuonDimensionNumbers((), ()), mesh_shape)[0] or ()
-    return math.prod(mesh_shape[a] for a in axes)
 
 
 def walk_stacks(plan) -> dict[str, tuple[int, int]]:

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from jdist.spmd.sharding import replicated
-from jdist.step import layer_walk
+from jdist.step import layer_walk, muon_cost
 from jdist.step.moment_files import create, param_key
 from jdist.step.state import TrainState, init_params
 
@@ -156,15 +156,17 @@ class LayerUpdate:
             replicated(self.plan.mesh)))
 
 
-def group_moment_bytes(plan) -> int:
-    """Per device, the optimizer state of the walk's largest group: what the update holds of
-    the files at once (its moments in, and their new values out: the memory model counts
-    two)."""
+def update_bytes(plan) -> int:
+    """Per device, what the walk holds besides the parameters and gradients: the largest
+    group's optimizer state in and out, and under Muon one group's share of the owned
+    matrices whole (`muon_cost.update_bytes` counts all of a device's layers)."""
     walk = LayerUpdate(plan)
-    sizes = [sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-                 for a in walk.abstract_args(j is None, members)[2].values())
-             for j, members in walk.walk]
-    return max(sizes, default=0)
+    state = max((sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                     for a in walk.abstract_args(j is None, members)[2].values())
+                 for j, members in walk.walk), default=0)
+    owned = muon_cost.update_bytes(plan.abstract.opt_state, plan.opt_device_shardings,
+                                   dict(plan.mesh.shape), plan.names)
+    return 2 * state + owned // max(len(walk.walk) - 1, 1)
 
 
 def init_on_disk(plan, seed: int, directory) -> TrainState:
