@@ -92,6 +92,18 @@ def test_streamed_state_lives_in_host_memory():
     assert predicted.total < plain.total
 
 
+def test_accumulated_gradients_are_counted_on_the_device():
+    """Under pp or --grad-accum the gradients accumulate on the device and go to the host
+    once (`Plan.grads_stream`): the memory model counts what the same layout holds without
+    offload; streamed per layer, none."""
+    size = dict(batch_size=8, seq_len=32)
+    assert predict(plan_of("fsdp=2", offload="params", **size), 8, 32).grads == 0
+    for mesh, flags in [("fsdp=2", {"grad_accum": 2}), ("pp=2,fsdp=2", {"n_layers": 4})]:
+        grads = [predict(plan_of(mesh, offload=offload, **size, **flags), 4, 32).grads
+                 for offload in ("params", "none")]
+        assert grads[0] == grads[1] > 0, (mesh, grads)
+
+
 @pytest.mark.parametrize("flags, what", [
     ({"mesh": "pp=2,fsdp=2", "n_layers": 2}, "pipeline chunks of one layer"),
     ({"on_nan": "skip"}, "--on-nan skip"),
