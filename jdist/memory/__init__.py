@@ -161,7 +161,40 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     stash = layers * ((per_layer - weights_read) * held + weights_read * awaiting
                       + handover * (handed + copies)) + (chunk * 7 // 2 if held else chunk)
     return (stash + max(working, a.loss) + mask
+            + expert_grad_sums(plan, micro_batch, seq_len, compute_bytes)
             + (stashed + ticks) * a.x + accumulator + (transposed_stacks(plan) if gpu else 0))
+
+
+def expert_grad_sums(plan, micro_batch: int, seq_len: int, compute_bytes: int) -> int:
+    """Per device, what the backward of a grouped MoE layer under expert parallelism holds
+    of its local experts' weight gradients (`jdist.parallel.expert_rounds._rounds_bwd`): each
+    piece of the exchange (`--moe-overlap`) sums its rounds' gradients of gate, up and down
+    into float32 zeros of the local experts' shape, and the compiler hoists those zeros out
+    of the backward layer loop, so all pieces' sums are held through it; beside them, the
+    round's own three gradients in the compute dtype. Read off the H100-compiled steps (jax
+    0.10.2): DeepSeek-V3 on fsdp=8,ep=8 holds twelve f32[32, 7168, 2048] zeros (four pieces)
+    and three such gradients at its peak; a 16-expert ep=4 step eleven sums and the round's
+    weight-gradient dot in the layer's backward. That dot (`models.grouped._gmm_bwd`) makes
+    one float32 [d, f] gradient per block of its loop iteration before they are added in."""
+    from jdist.models.grouped import blocks_for
+    from jdist.models.moe import GROUPED, even_pieces
+    from jdist.parallel.expert_rounds import round_capacity
+    from jdist.spmd import axes as ax
+    from jdist.spmd.rules import batch_split
+
+    m, cfg = plan.mesh.shape, plan.model
+    if not cfg.n_experts or cfg.moe_routing != GROUPED or m[ax.EXPERT] == 1 or \
+            not any(r.moe for r in model_runs(cfg)):
+        return 0
+    # The kernel's tokens on one device (`jdist.parallel.moe.moe_ffn` splits them in pieces).
+    tokens = max(1, micro_batch // batch_split(m, plan.rules)[1]) * seq_len // m[ax.SEQUENCE]
+    pieces = even_pieces(tokens, overlap_pieces(plan.compute.moe_overlap, plan.mesh))
+    n_ep, d, f = m[ax.EXPERT], cfg.d_model, cfg.d_ff // m[ax.TENSOR]
+    local = cfg.n_experts // n_ep
+    # A round's rows on this device, blocked as `models.grouped.grouped_swiglu` blocks them.
+    rows = n_ep * round_capacity(tokens * cfg.top_k // pieces, n_ep)
+    chunk = blocks_for(rows, local, d * f * compute_bytes).chunk
+    return 3 * local * d * f * (4 * pieces + compute_bytes) + chunk * d * f * 4
 
 
 def _periods(plan, layers: int) -> tuple[int, int]:
