@@ -239,7 +239,8 @@ class _Sizes:
     dense attention's float32 [b, heads, s, t] score matrix (0 with a blockwise kernel),
     `every` all the residuals the backward of a layer reads (what remat "none" keeps per
     layer), `blocks` a blockwise kernel's score blocks live at once, `mask` dense
-    attention's boolean mask, `loss` the loss's own temporaries."""
+    attention's boolean mask, `loss` the loss's own temporaries, `exchanged` what an MoE
+    layer's expert all-to-alls delivered (kept by `selective` and `full`)."""
     x: int
     q: int
     k: int
@@ -249,6 +250,7 @@ class _Sizes:
     blocks: int
     mask: int
     loss: int
+    exchanged: int = 0
 
 
 def _per_layer(plan, micro_batch: int, seq_len: int, c: int) -> tuple[_Sizes, _Sizes]:
@@ -268,8 +270,9 @@ def _kept(a: _Sizes, remat: str, gathered: int) -> int:
     by the forward's loop. The compiler drops what the backward never reads (the last
     projection's output) and keeps XLA's own intermediates of the rest. `gathered`: one
     layer's parameters as gathered (`everything_saveable` keeps them)."""
-    kept = {"full": a.x,
-            "selective": a.x + a.q + 2 * a.k + a.x + 2 * a.f,  # +attention_out, gate, up
+    kept = {"full": a.x + a.exchanged,
+            "selective": a.x + a.q + 2 * a.k + a.x + 2 * a.f  # +attention_out, gate, up
+            + a.exchanged,
             "dots_with_no_batch_dims_saveable": a.x + a.q + 2 * a.k + a.x + 2 * a.f,
             "dots_saveable": a.x + 2 * a.q + 2 * a.k + a.x + 2 * a.f + a.scores,
             "offload_selective": a.x,  # the projections wait in host memory
@@ -340,7 +343,29 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int, run=None) -> _Siz
     if plan.compute.loss == CHUNKED:  # a few [tokens, chunk] float32 blocks, dh in float32
         chunk = chunk_size(tokens, cfg.vocab_size // tp)
         logits = tokens * chunk * 4 * 3 + tokens * d * 4
-    return _Sizes(x, q, k, hidden, scores, every, blocks, mask, logits)
+    return _Sizes(x, q, k, hidden, scores, every, blocks, mask, logits,
+                  _exchanged(plan, tokens, c) if run.moe else 0)
+
+
+def _exchanged(plan, tokens: int, c: int) -> int:
+    """Per device and MoE layer, what its expert all-to-alls delivered, which `selective`
+    and `full` keep (`jdist.models.remat.EXPERT_EXCHANGE`) for `tokens` tokens of `c`-byte
+    activations: grouped, each piece's first-round rows (d wide) and their int32 expert ids
+    at this device's experts (`jdist.parallel.expert_rounds`), and each assignment's output
+    back; padded, the [E, capacity, d] buffers at the experts and their outputs back."""
+    from jdist.models.moe import DROPLESS, GROUPED, capacity_of, even_pieces
+    from jdist.parallel.expert_rounds import round_capacity
+    from jdist.spmd import axes as ax
+
+    cfg, n_ep = plan.model, plan.mesh.shape[ax.EXPERT]
+    if n_ep == 1:
+        return 0
+    d, k = cfg.d_model, cfg.top_k
+    if cfg.moe_routing == GROUPED:
+        pieces = even_pieces(tokens, overlap_pieces(plan.compute.moe_overlap, plan.mesh))
+        rows = pieces * n_ep * round_capacity(tokens * k // pieces, n_ep)
+        return rows * (d * c + 4) + tokens * k * d * c
+    return 2 * cfg.n_experts * capacity_of(tokens, cfg, cfg.moe_routing == DROPLESS) * d * c
 
 
 def _attention(plan, seq_len: int) -> str:
