@@ -5,12 +5,17 @@ of the all-to-all bytes before and after `--moe-overlap` (its exchanges in piece
 The model with 2 layers, bf16, 4096 tokens per sequence, on three layouts: ep=8 (8 x 4096);
 the planner's best 16-GPU layout of this model (`jdist.plan.search`, 16 x 4096 on 2 hosts);
 fsdp=2,ep=8 (16 x 4096) for fsdp x ep. Each with grouped and padded dropless routing.
+`--quick` compiles only the memory cells (no `--moe-overlap off` step, no exposed shares);
+`--routings`/`--remats` pick cells. Layout `deepseek` is issue 49's cell instead: the
+`deepseek-v3` preset on 64 H100s (8 hosts), fsdp=8,ep=8, 64 x 4096, float32, grouped,
+`--remat full` (one compile of about 8 minutes on 2 shared cores).
 Exposed shares count each MoE layer's first round of `jdist.parallel.expert_rounds` (its
 later rounds run only when routing overflows 1.2x the even share; `exposed 1 later` counts
 one later round each, as `jdist.tools.gpu_report.step_report` does). Imported by
 benchmarks/moe.py (section 6), or run alone:
 
     python benchmarks/moe_at_scale.py [--json] [--target h100-80gb] [--layouts ep8,best16,fsdp-ep]
+        [--quick] [--routings grouped,dropless] [--remats none,selective,full]
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from common import Column, GiB
 
 MODEL, LAYERS, SEQ = "qwen3-30b-a3b", 2, 4096
 FIXED = {"ep8": (["--mesh", "ep=8"], 8, 1), "fsdp-ep": (["--mesh", "fsdp=2,ep=8"], 16, 2)}
+# Each layout's model flags: the 2-layer qwen3-30b-a3b in bf16, or all of DeepSeek-V3 in f32.
+QWEN = ["--model", MODEL, "--n-layers", str(LAYERS), "--compute-dtype", "bfloat16"]
+DEEPSEEK = (["--mesh", "fsdp=8,ep=8"], 64, 8)
 ROUTINGS, REMATS = ("grouped", "dropless"), ("none", "selective", "full")
 EXPOSED = (Column("layout", "30"), Column("routing", "9"),
            Column("exposed before", "15.1%", "exposed_before"),
@@ -48,17 +56,17 @@ def best_16(target: str) -> tuple[list[str], int, int]:
     return ["--mesh", *best.split()], 16, 2
 
 
-def compiled(flags: list[str], more: list[str], *, batch: int, hosts: int, target: str) -> dict:
-    """The step with `flags` and `more` compiled for `target`: its peak, the prediction and
-    the all-to-all rows."""
+def compiled(flags: list[str], more: list[str], *, batch: int, hosts: int, target: str,
+             model: list[str] = QWEN) -> dict:
+    """The step of `model` (flags) with `flags` and `more` compiled for `target`: its peak,
+    the prediction and the all-to-all rows."""
     flags = [*flags, *more]
     from jdist.config import parse_args
     from jdist.memory import compile_step, peak, predict
     from jdist.step.from_flags import plan_for
     from jdist.tools import gpu_report, progress
 
-    config = parse_args(["--model", MODEL, "--n-layers", str(LAYERS), "--batch-size", str(batch),
-                         "--seq-len", str(SEQ), "--compute-dtype", "bfloat16", "--target",
+    config = parse_args([*model, "--batch-size", str(batch), "--seq-len", str(SEQ), "--target",
                          target, "--hosts", str(hosts), *flags])
     _, plan, _ = plan_for(config)
     with progress.phase(f"compiling {' '.join(flags)}", "compiled"):
@@ -73,22 +81,28 @@ def compiled(flags: list[str], more: list[str], *, batch: int, hosts: int, targe
     return row
 
 
-def measure(target: str, layouts: list[str]) -> dict:
-    """{"exposed": rows, "memory": rows} over `layouts` (keys of FIXED, or best16)."""
+def measure(target: str, layouts: list[str], routings=ROUTINGS, remats=REMATS,
+            quick: bool = False) -> dict:
+    """{"exposed": rows, "memory": rows} over `layouts` (keys of FIXED, best16 or deepseek);
+    `quick`: the memory rows alone."""
     exposed, memory = [], []
     for name in layouts:
+        if name == "deepseek":  # issue 49's cell: one routing, one remat
+            row = compiled(DEEPSEEK[0], ["--moe-routing", "grouped", "--remat", "full"],
+                           batch=DEEPSEEK[1], hosts=DEEPSEEK[2], target=target,
+                           model=["--model", "deepseek-v3"])
+            memory.append(_memory_row("deepseek-v3 fsdp=8,ep=8 (64)", "grouped", "full", row))
+            continue
         flags, batch, hosts = best_16(target) if name == "best16" else FIXED[name]
         label = " ".join(flags[1:])
-        for routing in ROUTINGS:
+        for routing in routings:
             run = functools.partial(compiled, [*flags, "--moe-routing", routing],
                                     batch=batch, hosts=hosts, target=target)
-            before = run(["--remat", "none", "--moe-overlap", "off"])
-            for remat in REMATS:
+            before = None if quick else run(["--remat", "none", "--moe-overlap", "off"])
+            for remat in remats:
                 after = run(["--remat", remat, "--moe-overlap", "on"])
-                memory.append({"layout": label, "routing": routing, "remat": remat,
-                               "predicted": after["predicted"], "compiled": after["compiled"],
-                               "ratio": after["compiled"] / after["predicted"]})
-                if remat == "none":
+                memory.append(_memory_row(label, routing, remat, after))
+                if remat == "none" and before:
                     exposed.append({"layout": label, "routing": routing,
                                     "exposed_before": before["exposed"],
                                     "exposed_after": after["exposed"],
@@ -98,23 +112,34 @@ def measure(target: str, layouts: list[str]) -> dict:
     return {"exposed": exposed, "memory": memory}
 
 
+def _memory_row(label: str, routing: str, remat: str, row: dict) -> dict:
+    return {"layout": label, "routing": routing, "remat": remat, "predicted": row["predicted"],
+            "compiled": row["compiled"], "ratio": row["compiled"] / row["predicted"]}
+
+
 def lines(result: dict, target: str) -> list[str]:
-    return [f"{MODEL}, {LAYERS} layers, bf16, x {SEQ} tokens, {target} GPU compiler: "
-            "all-to-all bytes exposed, --remat none, --moe-overlap off (before) / on (after)",
-            *common.table(result["exposed"], EXPOSED),
-            "\nmemory model against the compiled peak (--moe-overlap on)",
+    exposed = [f"{MODEL}, {LAYERS} layers, bf16, x {SEQ} tokens, {target} GPU compiler: "
+               "all-to-all bytes exposed, --remat none, --moe-overlap off (before) / on (after)",
+               *common.table(result["exposed"], EXPOSED), ""] if result["exposed"] else []
+    return [*exposed, f"memory model against the {target}-compiled peak (--moe-overlap on)",
             *common.table(result["memory"], MEMORY)]
 
 
 def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--target", default="h100-80gb")
-    parser.add_argument("--layouts", default="ep8,best16,fsdp-ep")
+    parser.add_argument("--layouts", default="ep8,best16,fsdp-ep",
+                        help="of ep8, best16, fsdp-ep, deepseek")
+    parser.add_argument("--routings", default=",".join(ROUTINGS))
+    parser.add_argument("--remats", default=",".join(REMATS))
+    parser.add_argument("--quick", action="store_true",
+                        help="the memory cells alone (no --moe-overlap off step)")
     args = parser.parse_args()
     from jdist.runtime.target import prepare_target
 
     prepare_target(args.target)
-    result = measure(args.target, args.layouts.split(","))
+    result = measure(args.target, args.layouts.split(","), args.routings.split(","),
+                     args.remats.split(","), args.quick)
     common.emit(result, args.json, lambda: lines(result, args.target))
 
 
