@@ -10,9 +10,12 @@ fsdp=2,ep=8 (16 x 4096) for fsdp x ep. Each with grouped and padded dropless rou
 `deepseek-v3` preset on 64 H100s (8 hosts), fsdp=8,ep=8, 64 x 4096, float32, grouped,
 `--remat full` (one compile of about 8 minutes on 2 shared cores).
 Exposed shares count each MoE layer's first round of `jdist.parallel.expert_rounds` (its
-later rounds run only when routing overflows 1.2x the even share; `exposed 1 later` counts
-one later round each, as `jdist.tools.gpu_report.step_report` does). Imported by
-benchmarks/moe.py (section 6), or run alone:
+later rounds run only when routing overflows 1.2x the even share; `1 later round` counts
+one later round each, as `jdist.tools.gpu_report.step_report` does); `dispatch` the
+exchanges before the experts (forward: tokens to them; backward: output gradients to
+them), `combine` those after; `planner` is `jdist.plan.cost`'s share (`parallel.moe.
+exposed_share`). Under each of `--remats`, best16 under the planner's own remat. Imported
+by benchmarks/moe.py (section 6), or run alone:
 
     python benchmarks/moe_at_scale.py [--json] [--target h100-80gb] [--layouts ep8,best16,fsdp-ep]
         [--quick] [--routings grouped,dropless] [--remats none,selective,full]
@@ -33,19 +36,28 @@ FIXED = {"ep8": (["--mesh", "ep=8"], 8, 1), "fsdp-ep": (["--mesh", "fsdp=2,ep=8"
 QWEN = ["--model", MODEL, "--n-layers", str(LAYERS), "--compute-dtype", "bfloat16"]
 DEEPSEEK = (["--mesh", "fsdp=8,ep=8"], 64, 8)
 ROUTINGS, REMATS = ("grouped", "dropless"), ("none", "selective", "full")
-EXPOSED = (Column("layout", "30"), Column("routing", "9"),
+EXPOSED = (Column("layout", "30"), Column("routing", "9"), Column("remat", "10"),
            Column("exposed before", "15.1%", "exposed_before"),
            Column("after", "6.1%", "exposed_after"),
-           Column("exposed 1 later: before", "24.1%", "exposed_later_before"),
-           Column("after", "6.1%", "exposed_later_after"),
+           Column("dispatch: before", "16.1%", "dispatch_before"),
+           Column("after", "6.1%", "dispatch_after"),
+           Column("combine: before", "15.1%", "combine_before"),
+           Column("after", "6.1%", "combine_after"),
+           Column("planner: before", "15.1%", "planned_before"),
+           Column("after", "6.1%", "planned_after"),
+           Column("1 later round: after", "20.1%", "exposed_later_after"),
            Column("a2a GiB", "8.2f", "a2a_bytes", GiB))
+# Which side of the experts an exchange is on, from its op name (`models.moe.DISPATCH` and
+# COMBINE scopes; a transpose in the backward runs on the other side of the experts).
+SIDES = {"dispatch": True, "combine": False}
 MEMORY = (Column("layout", "30"), Column("routing", "9"), Column("remat", "10"),
           Column("predicted GiB", "13.2f", "predicted", GiB),
           Column("compiled GiB", "12.2f", "compiled", GiB), Column("comp/pred", "9.3f", "ratio"))
 
 
 def best_16(target: str) -> tuple[list[str], int, int]:
-    """The planner's first layout of the 2-layer model on 16 GPUs (2 hosts), as flags."""
+    """The planner's first layout of the 2-layer model on 16 GPUs (2 hosts), as flags (its
+    remat and `--moe-overlap` choices included)."""
     from jdist.config import TrainConfig
     from jdist.plan.profiles import load_profile
     from jdist.plan.search import search
@@ -63,6 +75,7 @@ def compiled(flags: list[str], more: list[str], *, batch: int, hosts: int, targe
     flags = [*flags, *more]
     from jdist.config import parse_args
     from jdist.memory import compile_step, peak, predict
+    from jdist.models.moe import DISPATCH
     from jdist.step.from_flags import plan_for
     from jdist.tools import gpu_report, progress
 
@@ -71,20 +84,46 @@ def compiled(flags: list[str], more: list[str], *, batch: int, hosts: int, targe
     _, plan, _ = plan_for(config)
     with progress.phase(f"compiling {' '.join(flags)}", "compiled"):
         text = (step := compile_step(plan, batch, SEQ)).as_text()
-    a2a = [[r for r in gpu_report.report(text, plan.mesh, 0, None, trips).rows
-            if r.kind == "all-to-all"] for trips in (0.0, 1.0)]
+
+    def exchanges(trips: float = 0.0, only=None):
+        rows = [r for r in gpu_report.report(text, plan.mesh, 0, None, trips, only).rows
+                if r.kind == "all-to-all" and "expert" in r.axes]
+        return rows[0] if rows else gpu_report.Row("all-to-all", ())
+
+    def side(first: bool):
+        return lambda rest: (DISPATCH in rest) == (first != ("transpose(" in rest))
+
     row = {"compiled": peak(step), "predicted": predict(plan, batch, SEQ).total,
-           "exposed": a2a[0][0].exposed if a2a[0] else 0.0,
-           "exposed_later": a2a[1][0].exposed if a2a[1] else 0.0,
-           "a2a_bytes": a2a[0][0].bytes if a2a[0] else 0.0}
+           "exposed": exchanges().exposed, "exposed_later": exchanges(1.0).exposed,
+           "a2a_bytes": exchanges().bytes, "planned": planned_share(plan, config, hosts, target),
+           **{name: exchanges(only=side(first)).exposed for name, first in SIDES.items()}}
     print(json.dumps({"flags": flags, **row}), file=sys.stderr, flush=True)  # a long run
     return row
 
 
+def planned_share(plan, config, hosts: int, target: str) -> float:
+    """The planner's exposed share of the step's expert all-to-alls (`jdist.plan.cost`)."""
+    from jdist.memory import predict
+    from jdist.plan.cost import expert_exchange
+    from jdist.plan.layouts import Layout
+    from jdist.plan.profiles import load_profile
+    from jdist.plan.search import _estimate, crossing
+    from jdist.spmd.mesh import dcn_sizes
+
+    shape = dict(plan.mesh.shape)
+    memory = predict(plan, config.data.batch_size, SEQ)
+    est = _estimate(Layout(tuple(shape.items())), plan, memory, load_profile(target),
+                    crossing(dcn_sizes(shape, {}, hosts)), config)
+    rows = [(row.bytes, 1 - h) for (row, _, _), h in zip(est.comm, est.hidden)
+            if expert_exchange(row, plan)]
+    return sum(b * e for b, e in rows) / max(1, sum(b for b, _ in rows))
+
+
 def measure(target: str, layouts: list[str], routings=ROUTINGS, remats=REMATS,
             quick: bool = False) -> dict:
-    """{"exposed": rows, "memory": rows} over `layouts` (keys of FIXED, best16 or deepseek);
-    `quick`: the memory rows alone."""
+    """{"exposed": rows, "memory": rows} over `layouts` (keys of FIXED, best16 or deepseek),
+    each under `remats` (best16 under the planner's own), `--moe-overlap` off and on;
+    `quick`: the memory rows alone (on)."""
     exposed, memory = [], []
     for name in layouts:
         if name == "deepseek":  # issue 49's cell: one routing, one remat
@@ -95,20 +134,25 @@ def measure(target: str, layouts: list[str], routings=ROUTINGS, remats=REMATS,
             continue
         flags, batch, hosts = best_16(target) if name == "best16" else FIXED[name]
         label = " ".join(flags[1:])
+        own = flags[flags.index("--remat") + 1] if "--remat" in flags else "none"
+        for flag in ("--remat", "--moe-overlap"):  # set below
+            if flag in flags:
+                del flags[flags.index(flag):flags.index(flag) + 2]
         for routing in routings:
             run = functools.partial(compiled, [*flags, "--moe-routing", routing],
                                     batch=batch, hosts=hosts, target=target)
-            before = None if quick else run(["--remat", "none", "--moe-overlap", "off"])
-            for remat in remats:
+            for remat in [own] if name == "best16" else remats:
                 after = run(["--remat", remat, "--moe-overlap", "on"])
                 memory.append(_memory_row(label, routing, remat, after))
-                if remat == "none" and before:
-                    exposed.append({"layout": label, "routing": routing,
-                                    "exposed_before": before["exposed"],
-                                    "exposed_after": after["exposed"],
-                                    "exposed_later_before": before["exposed_later"],
-                                    "exposed_later_after": after["exposed_later"],
-                                    "a2a_bytes": after["a2a_bytes"]})
+                if quick:
+                    continue
+                before = run(["--remat", remat, "--moe-overlap", "off"])
+                exposed.append({"layout": label, "routing": routing, "remat": remat,
+                                **{f"{key}_{when}": r[key] for when, r in
+                                   (("before", before), ("after", after))
+                                   for key in ("exposed", "dispatch", "combine", "planned",
+                                               "exposed_later")},
+                                "a2a_bytes": after["a2a_bytes"]})
     return {"exposed": exposed, "memory": memory}
 
 
@@ -119,7 +163,7 @@ def _memory_row(label: str, routing: str, remat: str, row: dict) -> dict:
 
 def lines(result: dict, target: str) -> list[str]:
     exposed = [f"{MODEL}, {LAYERS} layers, bf16, x {SEQ} tokens, {target} GPU compiler: "
-               "all-to-all bytes exposed, --remat none, --moe-overlap off (before) / on (after)",
+               "expert all-to-all bytes exposed, --moe-overlap off (before) / on (after)",
                *common.table(result["exposed"], EXPOSED), ""] if result["exposed"] else []
     return [*exposed, f"memory model against the {target}-compiled peak (--moe-overlap on)",
             *common.table(result["memory"], MEMORY)]

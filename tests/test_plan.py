@@ -43,7 +43,7 @@ def test_layout_flags_are_the_trainers():
     sizes = tuple((a, {ax.STAGE: 2, ax.FSDP: 2, ax.TENSOR: 2}.get(a, 1)) for a in ax.MESH_AXES)
     layout = layouts.Layout(sizes, zero=0, remat="full", sequence_parallel=True,
                             pp_schedule="interleaved", microbatches=4, virtual=2,
-                            attention="flash", offload=True)
+                            attention="flash", offload=True, moe_overlap="off")
     base = parse_args(["--model", "small", "--batch-size", "16", "--seq-len", "128"])
     planned = layout.to_config(base)
     parsed = parse_args(["--model", "small", "--batch-size", "16", "--seq-len", "128",

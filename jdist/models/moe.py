@@ -40,6 +40,10 @@ ROUTER_BIAS = "router_bias"  # the aux-loss-free routing bias, moved by the step
 # expert's on its gate, up and down projections.
 EXPERT_BIASES = ("router_b", "b_gate", "b_up", "b_down")
 STATS = ("counts", "prob_sum", "z_sum", "tokens", "dropped")  # additive balance statistics
+# Name scopes of the expert-parallel exchanges, in the compiled program's op names (their
+# autodiff transposes, and `expert_rounds`' own backward, keep their forward's): tokens to
+# their experts, outputs back (`jdist.tools.gpu_report.report`'s `only`).
+DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
 
 
 def route(x: jax.Array, router: jax.Array, cfg, bias: jax.Array | None = None,
@@ -161,7 +165,7 @@ def padded_experts(buf, w, ep_axes=(), tp_axes=(), n_ep: int = 1, fp8=None,
     buffers travel to their experts' devices and back by all-to-all."""
     capacity = buf.shape[1]
     if n_ep > 1:  # [E, C, d] -> my experts' tokens from every source: [n*E_local, C, d]
-        buf = exchange(buf, ep_axes)
+        buf = exchange(buf, ep_axes, DISPATCH)
     local = buf.shape[0] // n_ep
     h = buf.reshape(n_ep, local, capacity, -1).swapaxes(0, 1).reshape(local, n_ep * capacity, -1)
     biases = {k: w[k] for k in EXPERT_BIASES if k in w}
@@ -171,12 +175,15 @@ def padded_experts(buf, w, ep_axes=(), tp_axes=(), n_ep: int = 1, fp8=None,
     if biases:  # once per slot, after the sum; weighted by the router in `combine`
         out = out + biases["b_down"].astype(out.dtype)[:, None]
     out = out.reshape(local, n_ep, capacity, -1).swapaxes(0, 1).reshape(n_ep * local, capacity, -1)
-    return exchange(out, ep_axes) if n_ep > 1 else out
+    return exchange(out, ep_axes, COMBINE) if n_ep > 1 else out
 
 
-def exchange(a, ep_axes):
-    """`a` sent to its peers, named for the remat policies to keep (`remat.EXPERT_EXCHANGE`)."""
-    return checkpoint_name(jax.lax.all_to_all(a, ep_axes, 0, 0, tiled=True), EXPERT_EXCHANGE)
+def exchange(a, ep_axes, scope: str, keep: bool = True):
+    """`a` sent to its peers under name scope `scope` (DISPATCH or COMBINE); `keep`: named
+    for the remat policies to keep (`remat.EXPERT_EXCHANGE`)."""
+    with jax.named_scope(scope):
+        out = jax.lax.all_to_all(a, ep_axes, 0, 0, tiled=True)
+    return checkpoint_name(out, EXPERT_EXCHANGE) if keep else out
 
 
 def even_pieces(n: int, pieces: int) -> int:

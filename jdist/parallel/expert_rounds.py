@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jdist.models.grouped import grouped_swiglu
-from jdist.models.moe import exchange as kept_exchange
+from jdist.models.moe import COMBINE, DISPATCH, exchange
 from jdist.models.precision import accumulator
 from jdist.models.remat import EXPERT_EXCHANGE
 from jdist.spmd.varying import alike, zeros
@@ -65,18 +65,14 @@ def _sent(r, order, counts, starts, capacity: int):
     return jnp.where(slot < counts[:, None], picked, n)
 
 
-def _exchange(a, ep_axes):
-    return jax.lax.all_to_all(a, ep_axes, 0, 0, tiled=True)
-
-
 def _round_inputs(x, flat, idx, k: int, e_local: int, ep_axes):
     """The rows and local expert ids one round delivers to this device, flattened (named for
     the remat policies to keep: `_rounds_fwd`)."""
     d = x.shape[-1]
     rows = x.at[idx // k].get(mode="fill", fill_value=0)
     ids = flat.at[idx].get(mode="fill", fill_value=0) % e_local
-    return kept_exchange(rows, ep_axes).reshape(-1, d), \
-        kept_exchange(ids, ep_axes).reshape(-1, 1)
+    return exchange(rows, ep_axes, DISPATCH).reshape(-1, d), \
+        exchange(ids, ep_axes, DISPATCH).reshape(-1, 1)
 
 
 def _round_vjp(x, weights, flat, idx, k: int, ep_axes, fp8):
@@ -107,7 +103,7 @@ def _rounds_fwd(x, gate, up, down, experts, ep_axes, n_ep, fp8):
         """Round r's ids and its experts' VJP, whose value is the outputs sent back."""
         idx = _sent(r, order, counts, starts, capacity)
         out, vjp = _round_vjp(x, (gate, up, down), flat, idx, k, ep_axes, fp8)
-        return idx, _exchange(out.reshape(n_ep, capacity, d), ep_axes), vjp
+        return idx, exchange(out.reshape(n_ep, capacity, d), ep_axes, COMBINE, False), vjp
 
     idx, back, first_vjp = served(jnp.zeros((), jnp.int32))
     out = zeros((flat.shape[0], d), x.dtype, like=x).at[idx].add(back, mode="drop")
@@ -134,9 +130,11 @@ def _rounds_bwd(ep_axes, n_ep, fp8, res, g):
     def backward(r, vjp, dx, dw):
         """Round r's output gradients out, its input gradients back; weight gradients."""
         idx = _sent(r, order, counts, starts, capacity)
-        g_rows = _exchange(g.at[idx].get(mode="fill", fill_value=0), ep_axes).reshape(-1, 1, d)
+        # The transposes of the forward's combine and dispatch, scoped as theirs.
+        g_rows = exchange(g.at[idx].get(mode="fill", fill_value=0), ep_axes, COMBINE,
+                          False).reshape(-1, 1, d)
         d_rows, *d_w = vjp(g_rows)
-        back = _exchange(d_rows.reshape(n_ep, capacity, d), ep_axes)
+        back = exchange(d_rows.reshape(n_ep, capacity, d), ep_axes, DISPATCH, False)
         dw = tuple(a + b.astype(a.dtype) for a, b in zip(dw, d_w))
         return dx.at[idx // k].add(back.astype(dx.dtype), mode="drop"), dw
 

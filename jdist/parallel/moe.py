@@ -106,6 +106,20 @@ def expert_kernel(setting: str, mesh) -> Kernel | None:
     return Kernel(interpret=not overlap_by_default(mesh), required=True)
 
 
+def exposed_share(pieces: int) -> float:
+    """The share of a step's expert all-to-all bytes with no matmul beside them on the GPU
+    scheduler, each exchange in `pieces` (the planner's model, `jdist.plan.cost`). Per layer
+    the forward and the backward each send 2 x pieces exchanges, one piece's beside
+    another's expert matmuls; the forward's first dispatch and last combine have none, nor
+    the backward's first (the combine's transpose), while its last runs beside the weight
+    gradients': 3 of 4 x pieces. Under `selective` and `full` the same (the exchanges are
+    kept, not sent again: `remat.EXPERT_EXCHANGE`). Against the H100 compiler, qwen3-30b-a3b
+    (docs/measurements.md#expert-exchange): 1 piece 75% (measured 62.5-87.5%), 4 pieces
+    18.8% (measured 12.5-18.8% on ep=8 and the planner's 16-GPU layout, up to 56.3% on
+    fsdp=2,ep=8)."""
+    return 3 / (4 * pieces)
+
+
 def expert_dispatch(mesh, rules: Rules, fp8: str = "off", pieces: int = 1, kernel=None):
     """`ModelContext.moe` for a step on `mesh` under `rules` (`--fp8`: `fp8`; exchanges in
     `pieces`; grouped matmuls as `kernel`)."""

@@ -25,8 +25,9 @@ The model (every term is a function below, each checked by `benchmarks/planner.p
                (sequence parallelism on GPUs) under their chunks' matmuls. Tensor-parallel
                activation reductions, all-to-alls and pipeline permutes sit between
                dependent matmuls: `profile.overlap_tensor` of them hides
-               (0 in every shipped profile: exposed). Together no more hides than the
-               compute lasts.
+               (0 in every shipped profile: exposed), but the expert exchanges, which
+               hide on GPUs by `--moe-overlap`'s pieces (`jdist.parallel.moe.exposed_share`).
+               Together no more hides than the compute lasts.
   bubble       a pipelined step's work is spread over the executed schedule's ticks (the
                schedule simulator's table, `jdist.parallel.pipeline.schedule`), each as long as its
                slowest operation; the idle share stretches compute and exposed
@@ -46,10 +47,11 @@ import math
 from jdist.memory import Breakdown
 from jdist.models.loss import CHUNKED
 from jdist.parallel.attention.blockwise import Q_TILE
-from jdist.parallel.moe import expert_factor
+from jdist.parallel.moe import expert_factor, exposed_share, overlap_pieces
 from jdist.parallel.pipeline import stashes
 from jdist.plan.layouts import Layout
 from jdist.plan.traffic import group_size
+from jdist.runtime.target import overlap_by_default
 from jdist.spmd import axes as ax
 from jdist.step.muon_cost import newton_schulz_per_device
 from jdist.tools.comm import Row, transfer_time
@@ -165,6 +167,17 @@ def hideable(row: Row) -> bool:
     return row.kind == "collective-permute" and set(row.axes) in ({ax.SEQUENCE}, {ax.TENSOR})
 
 
+def expert_exchange(row: Row, plan) -> bool:
+    """Is this row a MoE layer's expert all-to-alls (over the expert axis)?"""
+    return bool(plan.model.n_experts) and row.kind == "all-to-all" and ax.EXPERT in row.axes
+
+
+def moe_pieces(plan) -> int:
+    """Pieces of each expert exchange of `plan` (`--moe-overlap`, already resolved)."""
+    return overlap_pieces(plan.compute.moe_overlap, plan.mesh) \
+        if plan.mesh.shape[ax.EXPERT] > 1 else 1
+
+
 def price(rows: list[Row], plan, profile, dcn_axes: frozenset) -> \
         list[tuple[Row, float, bool]]:
     """Each row's seconds per step on the link its axes cross: DCN when any of them spans
@@ -223,8 +236,9 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     stages = shape[ax.STAGE]
     devices = math.prod(shape.values())
     tokens_per_stage_group = batch_size * seq_len / (devices / stages)
+    pieces = moe_pieces(plan)
     experts = expert_factor(plan.model, tokens_per_stage_group / plan.compute.grad_accum,
-                            shape.get(ax.EXPERT, 1))
+                            shape.get(ax.EXPERT, 1), pieces)
     flops = executed_flops(plan.model, seq_len, tokens_per_stage_group, attention,
                            plan.compute.remat, stages > 1, plan.compute.loss, stages, experts) \
         + newton_schulz_per_device(plan.abstract.opt_state, plan.opt_device_shardings,
@@ -234,9 +248,12 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
                      experts) if plan.compute.fp8 != "off" else 0.0
     compute = (flops - fast + fast / profile.fp8_rate) / profile.achievable_flops
     comm = price(rows, plan, profile, dcn_axes)
-    # Each class hides its overlap fraction, the two together never more than the compute.
+    # Each class hides its overlap fraction, the two together never more than the compute;
+    # the expert exchanges by their pieces where the GPU scheduler overlaps them.
+    gpu = overlap_by_default(plan.mesh)
     wanted = {True: profile.overlap, False: profile.overlap_tensor}
     hidden = [1 - exposure.get((row.kind, row.axes), 1.0) if exposure is not None
+              else 1 - exposed_share(pieces) if gpu and expert_exchange(row, plan)
               else wanted[h] for row, _, h in comm]
     hide = sum(s * f for (_, s, _), f in zip(comm, hidden))
     scale = min(1.0, compute / hide) if hide else 0.0

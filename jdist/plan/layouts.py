@@ -40,6 +40,7 @@ class Layout:
     virtual: int = 1
     attention: str = "auto"
     offload: bool = False
+    moe_overlap: str = "auto"  # `--moe-overlap`: auto unless the search chose otherwise
 
     @property
     def shape(self) -> dict[str, int]:
@@ -73,6 +74,8 @@ class Layout:
             out += ["--attention", self.attention]
         if self.offload:
             out += ["--offload", "optimizer"]
+        if self.moe_overlap != "auto":
+            out += ["--moe-overlap", self.moe_overlap]
         return out
 
     def label(self) -> str:
@@ -88,6 +91,7 @@ class Layout:
             cp_strategy=self.cp_strategy, pp_schedule=self.pp_schedule,
             microbatches=self.microbatches, pp_virtual_stages=self.virtual,
             attention=self.attention, offload="optimizer" if self.offload else "none",
+            moe_overlap=self.moe_overlap,
             cpu_devices=math.prod(self.shape.values()))
 
 

@@ -2,8 +2,9 @@
 own checks (`plan_for`) and memory model, costed (`jdist.plan.cost`) and ranked.
 
 Per mesh shape and choice of ZeRO stage, sequence-parallel, context-parallel strategy and
-pipeline schedule, the trainer plans the layout once; remat policies, attention kernels
-and gradient accumulation are then varied on that plan (they change no sharding), the
+pipeline schedule, the trainer plans the layout once; remat policies, attention kernels,
+`--moe-overlap` where experts split over devices, and gradient accumulation are then
+varied on that plan (they change no sharding), the
 smallest accumulation that fits is kept for each, and the fastest fitting variant stands
 for the group. Optimizer offload is tried only where nothing else fits: it is never faster.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 from jdist.errors import ConfigError
 from jdist.memory import predict
@@ -69,6 +71,15 @@ def attentions(plan, seq_len: int) -> list[str]:
     except ConfigError:
         return ["auto"]
     return ["auto", other]
+
+
+def moe_overlaps(plan) -> list[str]:
+    """`--moe-overlap` settings to try, what `auto` resolved to first: on and off where
+    experts are split over devices (the pieces hide exchanges but keep more and run more
+    blocked rows: `cost.moe_pieces`), else the plan's own."""
+    if not plan.model.n_experts or plan.mesh.shape[ax.EXPERT] == 1:
+        return [plan.compute.moe_overlap]
+    return sorted(("on", "off"), key=lambda s: s != plan.compute.moe_overlap)
 
 
 def accumulations(per_replica: int, pipelined: bool) -> list[int]:
@@ -164,15 +175,17 @@ def _best_variant(base, layout: Layout, plan, state, profile, dcn_axes, budget: 
     shape = layout.shape
     replicas = batch_split(shape, plan.rules)[1]
     best = None
-    for remat in REMATS:
+    for remat, overlap in itertools.product(REMATS, moe_overlaps(plan)):
         if plan.pipeline and plan.pipeline.schedule in SPLIT_BACKWARD and not stashes(remat):
             continue  # a split backward reads a stash (`pipeline.check_remat`)
         for attention in attentions(plan, base.data.seq_len):
             for accum in accumulations(base.data.batch_size // replicas, plan.pipeline is not None):
-                variant = plan.computing(remat=remat, grad_accum=accum, attention=attention)
+                variant = plan.computing(remat=remat, grad_accum=accum, attention=attention,
+                                         moe_overlap=overlap)
                 memory = predict(variant, base.data.batch_size // accum, base.data.seq_len, state)
-                chosen = dataclasses.replace(layout, remat=remat, grad_accum=accum,
-                                             attention=attention)
+                chosen = dataclasses.replace(
+                    layout, remat=remat, grad_accum=accum, attention=attention,
+                    moe_overlap="auto" if overlap == plan.compute.moe_overlap else overlap)
                 if memory.total > budget:
                     if result.smallest is None or memory.total < result.smallest[0]:
                         result.smallest = (memory.total, chosen)

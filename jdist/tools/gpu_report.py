@@ -121,10 +121,11 @@ def is_matmul(i: hlo.Instruction, heavy: set[str]) -> bool:
 
 def report(hlo_text: str, mesh, model_flops: float = 0.0,
            branch_shares: dict[int, tuple[float, ...]] | None = None,
-           unknown_trips: float = 1.0) -> GpuReport:
+           unknown_trips: float = 1.0, only=None) -> GpuReport:
     """The report of scheduled GPU HLO text on `mesh` (module docstring); loops whose trip
     count depends on data run `unknown_trips` times (the MoE's extra rounds: 0 when routing
-    is near balance)."""
+    is near balance). `only(attributes)`: count only the collectives whose attributes'
+    text (op name and all) it accepts."""
     comps = hlo.computations(hlo_text)
     heavy = matmul_computations(comps)
     runs = executions(hlo_text, comps, branch_shares, unknown_trips)
@@ -141,6 +142,8 @@ def report(hlo_text: str, mesh, model_flops: float = 0.0,
                 fp8_gemms += times
                 fp8_flops += times * _flops(i, types)
         for kind, nbytes, rest, exposed in _collectives(body, heavy):
+            if only is not None and not only(rest):
+                continue
             groups = hlo.device_groups(rest, mesh.devices.size)
             axes = axes_of(groups, mesh)
             row = rows.setdefault((kind, axes), Row(kind, axes))

@@ -156,8 +156,10 @@ def moe_forward(st: Step) -> list[Collective]:
 
 def moe_backward(st: Step) -> list[Collective]:
     """The MoE kernel's backward; `--remat full` redoes its forward first (not checked
-    against a compile)."""
+    against a compile), but for the expert all-to-alls, whose outputs it keeps
+    (`remat.EXPERT_EXCHANGE`)."""
     if not st.moe:
         return []
-    again = _moe_moves(st, False) if st.plan.compute.remat == "full" else []
+    again = [c for c in _moe_moves(st, False) if c.kind != A2A] \
+        if st.plan.compute.remat == "full" else []
     return again + _moe_moves(st, True)
