@@ -8,10 +8,11 @@ stays in host memory between steps and the walk brings in one chunk of layers at
 its gradients, moments and parameters come to the device, the optimizer's own update runs
 on that slice of every tree (the same transform, so the same numbers as the whole-tree
 update; AdamW's leaves of those layers, their norms, go the same way), and the new
-parameters and moments go back into the host stacks. A chunk is as many layers as Muon's
-owner layout spreads over the mesh (`muon.owner_axes`): each device orthogonalises one
-layer's matrices whole per chunk, as it would without offload, and holds one layer's
-matrices (gradient, momentum, update and the iteration's temporaries), not all of its own.
+parameters and moments go back into the host stacks. The chunks are `--offload disk`'s
+groups (`jdist.step.layer_walk.stacks`): as many layers as Muon's owner layout spreads over
+the mesh (times the pp stages), so each device orthogonalises one layer's matrices whole per
+chunk, as it would without offload, and holds one layer's matrices (gradient, momentum,
+update and the iteration's temporaries), not all of its own.
 The shared parameters (embedding, final norm, head: AdamW) are one group, whole.
 """
 
@@ -25,8 +26,8 @@ from jax.tree_util import keystr, tree_flatten_with_path
 
 from jdist.parallel.prefetch import to_device, to_host
 from jdist.step import muon_cost
-from jdist.step.layer_walk import chunk, group_update, put, take
-from jdist.step.moment_files import param_key, stacked_keys
+from jdist.step.layer_walk import group_update, put, stacks, take
+from jdist.step.moment_files import param_key
 
 
 def applies(plan) -> bool:
@@ -37,29 +38,21 @@ def applies(plan) -> bool:
 
 def device_bytes(plan) -> int:
     """Per device, what the walk holds of Muon's matrices at once (0 where it does not
-    run): one chunk's share of the owned matrices whole (`muon_cost.update_bytes`, which
-    counts all of a device's layers), that is one layer's per device."""
+    run): one group's share of the owned matrices whole (`muon_cost.update_bytes` counts
+    all of a device's layers; the walk takes them in `groups` steps), about one layer's."""
     if not applies(plan):
         return 0
-    layers = max(stacked_keys(plan).values())
+    groups = max(n for _, n in stacks(plan).values())
     owned = muon_cost.update_bytes(plan.abstract.opt_state, plan.opt_device_shardings,
                                    dict(plan.mesh.shape), plan.names)
-    return owned * chunk(layers, dict(plan.mesh.shape)) // layers
-
-
-def walk_stacks(plan) -> dict[str, tuple[int, int]]:
-    """`layer_walk.stacks` for this walk: key -> (the chunk's layers, chunks); chunk j is
-    rows j, j + chunks, ... (`layer_walk.take`)."""
-    mesh_shape = dict(plan.mesh.shape)
-    return {k: (chunk(n, mesh_shape), n // chunk(n, mesh_shape))
-            for k, n in stacked_keys(plan).items()}
+    return owned // groups
 
 
 def update(plan, grads, opt_state, params, grad_norm):
     """(new parameters, new optimizer state), both in host memory as given: each run of
     stacked layers walked a chunk at a time (a `lax.scan` of `layer_walk.group_update`),
     then the shared parameters as one group."""
-    tx, stacked = plan.tx, walk_stacks(plan)
+    tx, stacked = plan.tx, stacks(plan)
     moments = {keystr(p): x for p, x in tree_flatten_with_path(opt_state)[0]}
     owner = {keystr(p): param_key(p) for p, _ in tree_flatten_with_path(opt_state)[0]}
     counts = {k: to_device(x) for k, x in moments.items() if owner[k] is None}
