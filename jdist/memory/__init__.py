@@ -193,8 +193,13 @@ def expert_grad_sums(plan, micro_batch: int, seq_len: int, compute_bytes: int) -
     local = cfg.n_experts // n_ep
     # A round's rows on this device, blocked as `models.grouped.grouped_swiglu` blocks them.
     rows = n_ep * round_capacity(tokens * cfg.top_k // pieces, n_ep)
-    chunk = blocks_for(rows, local, d * f * compute_bytes).chunk
-    return 3 * local * d * f * (4 * pieces + compute_bytes) + chunk * d * f * 4
+    shape = blocks_for(rows, local, d * f * compute_bytes)
+    # Each piece's d-wide row cotangents, whose zeros are hoisted out of the loop the same
+    # way: the rows it received and their blocked copy (`grouped_swiglu`'s gather and the
+    # gate/up matmuls' input gradient; four of each at qwen3-30b-a3b ep=8, four and eight
+    # at dp=2,ep=2,tp=4, where tensor parallelism leaves them d wide on every rank).
+    rows_back = pieces * (rows + shape.n_blocks * shape.block) * cfg.d_model * compute_bytes
+    return 3 * local * d * f * (4 * pieces + compute_bytes) + shape.chunk * d * f * 4 + rows_back
 
 
 def _periods(plan, layers: int) -> tuple[int, int]:
