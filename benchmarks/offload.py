@@ -80,35 +80,48 @@ def memory_row(mode: str, optimizer: str = "adamw") -> dict:
     return row
 
 
-def target_row(mode: str, target: str) -> dict:
+def target_row(mode: str, target: str, optimizer: str = "adamw") -> dict:
     """`--target`: the step compiled for a GPU deviceless, for the modes it can compile
     (none and disk: the GPU target has no host memory space); device bytes from the
     compiler's own totals (arguments + outputs - aliased + temporaries)."""
     config = TrainConfig.of(model=MODEL, mesh=MESH, offload=mode, batch_size=BATCH,
-                            seq_len=SEQ, remat="full", target=target)
+                            seq_len=SEQ, remat="full", target=target, optimizer=optimizer)
     _, plan, _ = plan_for(config)
     a = lower_step(plan, BATCH, SEQ).compile().memory_analysis()
     row = {"offload": mode, "target": target, "step_total": a.argument_size_in_bytes
            + a.output_size_in_bytes - a.alias_size_in_bytes + a.temp_size_in_bytes}
-    row["update_peak"] = disk_update_peak(plan) if plan.on_disk else 0
+    row.update(disk_walk(plan) if plan.on_disk else
+               {"update_peak": 0, "walk_collective_bytes": 0})
     row["predicted"] = predict(plan, BATCH, SEQ).total
     return row
 
 
 def disk_update_peak(plan) -> int:
-    """--offload disk: the largest per-device footprint of the walk's programs (one layer's,
+    """--offload disk: the largest per-device footprint of the walk's programs (one group's,
     and the embedding's and head's), each compiled on abstract inputs: parameters and
     gradients whole, one group's moments in and out, temporaries."""
-    from jdist.step.disk_update import LayerUpdate
+    return disk_walk(plan)["update_peak"]
 
-    update, peak = LayerUpdate(plan), 0
+
+def disk_walk(plan) -> dict:
+    """--offload disk's walk compiled: its largest program's peak per device, and the bytes
+    its collectives move per device per step (each stacked group's program runs once per
+    group: under Muon, the owner layout's all-to-alls)."""
+    from jdist.step.disk_update import LayerUpdate
+    from jdist.tools.comm import collectives
+
+    update, peak, moved = LayerUpdate(plan), 0, 0
     for whole in (False, True):
         members = next(m for layer, m in update.walk if (layer is None) == whole)
-        a = update.compiled(whole, members).lower(
-            *update.abstract_args(whole, members)).compile().memory_analysis()
+        compiled = update.compiled(whole, members).lower(
+            *update.abstract_args(whole, members)).compile()
+        a = compiled.memory_analysis()
         peak = max(peak, a.argument_size_in_bytes + a.output_size_in_bytes
                    - a.alias_size_in_bytes + a.temp_size_in_bytes)
-    return peak
+        runs = 1 if whole else len(update.walk) - 1
+        moved += runs * sum(c.bytes * c.times for c in collectives(
+            compiled.as_text(), plan.mesh.devices.size))
+    return {"update_peak": peak, "walk_collective_bytes": moved}
 
 
 def streaming_row(directory: str, steps: int, evict: bool) -> dict:
@@ -202,7 +215,8 @@ def main() -> None:
                       "default none")
     args = parser.parse_args()
     target = common.requested_target(parser, args, default=False)
-    gpu = [target_row(mode, target) for mode in ("none", "disk")] if target else []
+    gpu = [target_row(mode, target, args.optimizer) for mode in ("none", "disk")] \
+        if target else []
     rows = [memory_row(mode, args.optimizer) for mode in args.modes.split(",") if mode]
     disk = disk_row(args.disk, args.layers) if args.disk else None
     streams = [streaming_row(args.disk, args.stream_steps, evict) for evict in (False, True)] \
@@ -235,6 +249,8 @@ def main() -> None:
                    f"{row['step_total'] / GiB:.2f} GiB per device"
                    + (f", the walk's largest program {row['update_peak'] / GiB:.2f}"
                       if row["update_peak"] else "")
+                   + (f" (its collectives {row['walk_collective_bytes'] / GiB:.1f} GiB a "
+                      "step)" if row["update_peak"] else "")
                    + f"; predicted {row['predicted'] / GiB:.2f}")
         for row in rows:
             if "update_peak" in row:
