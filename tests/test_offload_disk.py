@@ -43,11 +43,11 @@ def test_moments_on_disk_match_single_device(corpus, single_device, tmp_path):
                       config(offload="disk", offload_dir=str(tmp_path), zero=2))
     assert_matches(run, single_device(MOE))
     whole = train_steps(MOE, "dp=2,ep=2,tp=2", corpus.train, config(zero=2))
-    # Bitwise on jax 0.10.2; on jax 0.12 the whole-tree program rounds some expert weights
-    # differently in the last bit (3.7e-9 apart after 3 steps; tiny on fsdp=2,tp=2: bitwise).
-    off = 0 if jax.__version__.startswith("0.10.") else 1e-8
+    # Bitwise on jax 0.10.2; on jax 0.12 a few elements differ in the last bit from run to
+    # run (expert weights by 3.7e-9, norm scales by one ulp; tiny on fsdp=2,tp=2: bitwise).
+    exact = jax.__version__.startswith("0.10.")
     for a, b in zip(jax.tree.leaves(run.params), jax.tree.leaves(whole.params)):
-        np.testing.assert_allclose(a, b, rtol=0, atol=off)
+        np.testing.assert_allclose(a, b, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-8)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) == 2 * len(jax.tree.leaves(run.params)), files  # mu and nu per leaf
     nu = np.load(tmp_path / next(f for f in files if "nu.blocks.attn.wq" in f))
