@@ -115,8 +115,8 @@ def exposed_share(pieces: int) -> float:
     gradients': 3 of 4 x pieces. Under `selective` and `full` the same (the exchanges are
     kept, not sent again: `remat.EXPERT_EXCHANGE`). Against the H100 compiler, qwen3-30b-a3b
     (docs/measurements.md#expert-exchange): 1 piece 75% (measured 62.5-87.5%), 4 pieces
-    18.8% (measured 12.5-18.8% on ep=8 and the planner's 16-GPU layout, up to 56.3% on
-    fsdp=2,ep=8)."""
+    18.8% (measured 12.5-18.8% on ep=8 and dp=2,ep=2,tp=4; not where fsdp splits grouped
+    routing's tokens: 56.3% on fsdp=2,ep=8, 62.5% on fsdp=2,ep=2,tp=4)."""
     return 3 / (4 * pieces)
 
 
