@@ -67,6 +67,19 @@ def test_streamed_pipeline_matches_single_device(corpus, single_device):
     assert_matches(run, single_device(TINY4))
 
 
+# The third mode beside params and disk: AdamW's state in pinned host memory, the update
+# unchanged. dp=2,fsdp=2,tp=2 at ZeRO 1 (AdamW and Muon) is in test_zero and test_muon.
+@pytest.mark.slow
+@pytest.mark.parametrize("model, mesh, zero, pipeline", [
+    pytest.param(TINY4, "pp=2,fsdp=2", 2, PipelineConfig("1f1b", 4, 1), id="pp2-zero2"),
+    pytest.param(MOE, "dp=2,ep=2,tp=2", 3, None, id="ep-zero3")])
+def test_host_optimizer_state_matches_single_device(corpus, single_device, model, mesh, zero,
+                                                    pipeline):
+    run = train_steps(model, mesh, corpus.train, config(offload="optimizer", zero=zero),
+                      pipeline=pipeline)
+    assert_matches(run, single_device(model))
+
+
 def entry_arguments(hlo: str) -> list[str]:
     """The compiled entry computation's parameter layouts, one string each."""
     inputs = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo).group(1)
