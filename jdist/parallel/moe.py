@@ -106,6 +106,15 @@ def expert_kernel(setting: str, mesh) -> Kernel | None:
     return Kernel(interpret=not overlap_by_default(mesh), required=True)
 
 
+def pieces_hide(model, mesh_shape: dict) -> bool:
+    """Whether the pieces hide the exchanges on the GPU compiler: not for grouped routing
+    whose tokens fsdp splits, where XLA fuses the four pieces' block gathers into one
+    multi-output fusion, so every expert matmul waits for every exchange (H100 compiler,
+    jax 0.10.2: fsdp=2,ep=8 75.0% -> 56.3% exposed, fsdp=2,ep=2,tp=4 62.5% -> 62.5%;
+    docs/measurements.md#expert-exchange)."""
+    return not (model.moe_routing == GROUPED and mesh_shape.get("fsdp", 1) > 1)
+
+
 def exposed_share(pieces: int) -> float:
     """The share of a step's expert all-to-all bytes with no matmul beside them on the GPU
     scheduler, each exchange in `pieces` (the planner's model, `jdist.plan.cost`). Per layer

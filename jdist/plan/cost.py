@@ -47,7 +47,7 @@ import math
 from jdist.memory import Breakdown
 from jdist.models.loss import CHUNKED
 from jdist.parallel.attention.blockwise import Q_TILE
-from jdist.parallel.moe import expert_factor, exposed_share, overlap_pieces
+from jdist.parallel.moe import expert_factor, exposed_share, overlap_pieces, pieces_hide
 from jdist.parallel.pipeline import stashes
 from jdist.plan.layouts import Layout
 from jdist.plan.traffic import group_size
@@ -251,9 +251,10 @@ def estimate(layout: Layout, plan, memory: Breakdown, rows: list[Row], profile,
     # Each class hides its overlap fraction, the two together never more than the compute;
     # the expert exchanges by their pieces where the GPU scheduler overlaps them.
     gpu = overlap_by_default(plan.mesh)
+    hiding = pieces if pieces_hide(plan.model, shape) else 1
     wanted = {True: profile.overlap, False: profile.overlap_tensor}
     hidden = [1 - exposure.get((row.kind, row.axes), 1.0) if exposure is not None
-              else 1 - exposed_share(pieces) if gpu and expert_exchange(row, plan)
+              else 1 - exposed_share(hiding) if gpu and expert_exchange(row, plan)
               else wanted[h] for row, _, h in comm]
     hide = sum(s * f for (_, s, _), f in zip(comm, hidden))
     scale = min(1.0, compute / hide) if hide else 0.0
