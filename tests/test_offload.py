@@ -156,7 +156,8 @@ def test_resume_onto_another_mesh(tmp_path, optimizer):
     """Saved under --offload params on fsdp=2 at step 2, resumed on dp=2,tp=2 without
     offload: step 3 repeats within 1e-5 (another mesh sums in another order; on the same
     mesh, resuming repeated the losses bitwise by hand); the saved state restores onto
-    either layout bitwise. Muon's too (its update walked on the device)."""
+    either layout bitwise, and under --offload optimizer on a third. Muon's too (its update
+    walked on the device)."""
     common = dict(model="tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
                   log_every=100, steps=3, optimizer=optimizer)
     losses = lambda history: {r["step"]: r["loss"] for r in history if r["step"] > 2}
@@ -170,11 +171,18 @@ def test_resume_onto_another_mesh(tmp_path, optimizer):
     # The saved state itself lands on the other mesh bitwise, and in host memory again
     # under --offload params.
     restored = {}
-    for mesh, offload in [("dp=2,tp=2", "none"), ("fsdp=2", "params")]:
+    for mesh, offload in [("dp=2,tp=2", "none"), ("fsdp=2", "params"),
+                          ("dp=2,fsdp=2", "optimizer")]:
         plan = plan_for(TrainConfig.of(**common, mesh=mesh, offload=offload))[1]
         restored[offload], _ = ckpt.restore(tmp_path / "a" / "checkpoints" / "2",
                                             plan.abstract, plan.shardings)
     assert {a.sharding.memory_kind for a in jax.tree.leaves(restored["params"]["params"])} \
         == {"pinned_host"}
-    for a, b in zip(*(jax.tree.leaves(restored[k]) for k in ("none", "params"))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # ... and under --offload optimizer, its optimizer state in host memory on a third mesh.
+    state = [k for k in restored["optimizer"] if k != "params" and jax.tree.leaves(
+        restored["optimizer"][k])]
+    assert {a.sharding.memory_kind for k in state
+            for a in jax.tree.leaves(restored["optimizer"][k]) if a.ndim} == {"pinned_host"}
+    for other in ("params", "optimizer"):
+        for a, b in zip(*(jax.tree.leaves(restored[k]) for k in ("none", other))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
