@@ -5,6 +5,9 @@ of the all-to-all bytes before and after `--moe-overlap` (its exchanges in piece
 The model with 2 layers, bf16, 4096 tokens per sequence, on three layouts: ep=8 (8 x 4096);
 the planner's best 16-GPU layout of this model (`jdist.plan.search`, 16 x 4096 on 2 hosts);
 fsdp=2,ep=8 (16 x 4096) for fsdp x ep. Each with grouped and padded dropless routing.
+Beside the compiled peak, `live`: the most the step's buffers hold at once (XLA's own
+account, `jdist.memory.breakdown.live_peak`); the compiled peak lies above it by what the
+heap's placement leaves unused.
 `--quick` compiles only the memory cells (no `--moe-overlap off` step, no exposed shares);
 `--routings`/`--remats` pick cells. Layout `deepseek` is issue 49's cell instead: the
 `deepseek-v3` preset on 64 H100s (8 hosts), fsdp=8,ep=8, 64 x 4096, float32, grouped,
@@ -52,7 +55,8 @@ EXPOSED = (Column("layout", "30"), Column("routing", "9"), Column("remat", "10")
 SIDES = {"dispatch": True, "combine": False}
 MEMORY = (Column("layout", "30"), Column("routing", "9"), Column("remat", "10"),
           Column("predicted GiB", "13.2f", "predicted", GiB),
-          Column("compiled GiB", "12.2f", "compiled", GiB), Column("comp/pred", "9.3f", "ratio"))
+          Column("compiled GiB", "12.2f", "compiled", GiB), Column("comp/pred", "9.3f", "ratio"),
+          Column("live GiB", "8.2f", "live", GiB), Column("live/pred", "9.3f", "live_ratio"))
 
 
 def best_16(target: str) -> tuple[list[str], int, int]:
@@ -75,6 +79,7 @@ def compiled(flags: list[str], more: list[str], *, batch: int, hosts: int, targe
     flags = [*flags, *more]
     from jdist.config import parse_args
     from jdist.memory import compile_step, peak, predict
+    from jdist.memory.breakdown import live_peak
     from jdist.models.moe import DISPATCH
     from jdist.step.from_flags import plan_for
     from jdist.tools import gpu_report, progress
@@ -83,7 +88,7 @@ def compiled(flags: list[str], more: list[str], *, batch: int, hosts: int, targe
                          target, "--hosts", str(hosts), *flags])
     _, plan, _ = plan_for(config)
     with progress.phase(f"compiling {' '.join(flags)}", "compiled"):
-        text = (step := compile_step(plan, batch, SEQ)).as_text()
+        text = (step := compile_step(plan, batch, SEQ, lines := [])).as_text()
 
     def exchanges(trips: float = 0.0, only=None):
         rows = [r for r in gpu_report.report(text, plan.mesh, 0, None, trips, only).rows
@@ -94,6 +99,7 @@ def compiled(flags: list[str], more: list[str], *, batch: int, hosts: int, targe
         return lambda rest: (DISPATCH in rest) == (first != ("transpose(" in rest))
 
     row = {"compiled": peak(step), "predicted": predict(plan, batch, SEQ).total,
+           "live": live_peak(lines),
            "exposed": exchanges().exposed, "exposed_later": exchanges(1.0).exposed,
            "a2a_bytes": exchanges().bytes, "planned": planned_share(plan, config, hosts, target),
            **{name: exchanges(only=side(first)).exposed for name, first in SIDES.items()}}
@@ -158,7 +164,8 @@ def measure(target: str, layouts: list[str], routings=ROUTINGS, remats=REMATS,
 
 def _memory_row(label: str, routing: str, remat: str, row: dict) -> dict:
     return {"layout": label, "routing": routing, "remat": remat, "predicted": row["predicted"],
-            "compiled": row["compiled"], "ratio": row["compiled"] / row["predicted"]}
+            "compiled": row["compiled"], "ratio": row["compiled"] / row["predicted"],
+            "live": row["live"], "live_ratio": row["live"] / row["predicted"]}
 
 
 def lines(result: dict, target: str) -> list[str]:

@@ -7,6 +7,10 @@ peak to the JAX operation that made it (`op_name` metadata: `jvp()/while/body/..
 forward layer loop, `transpose(jvp())` the backward, `state` the arguments), with sizes.
 `python -m jdist.memory --measure --peak-breakdown` prints it: the instrument for holding
 `jdist.memory`'s model to a compiler (which terms it misses, which it over-counts).
+Its total (`live_peak`) is the most the step's buffers hold at once, arguments included;
+the compiled peak (`jdist.memory.peak`) can lie well above it, where the heap's placement
+leaves holes between buffers live at different times (H100 compiler, jax 0.10.2:
+qwen3-30b-a3b dp=2,ep=2,tp=4 grouped, 12.28 GiB live and 14.98 laid out).
 """
 
 from __future__ import annotations
@@ -47,3 +51,10 @@ def breakdown(live_range_text: str, min_share: float = 0.01) -> list[str]:
         if float(share) / 100 >= min_share:
             out.append(f"{float(share):5.1f}% {gib(int(total.replace(' ', '')))} {prefix}{name}")
     return out
+
+
+def live_peak(lines: list[str]) -> int:
+    """The bytes of the breakdown's peak (`breakdown`'s first line): what the compiler's
+    buffers hold at once at their peak, before the heap places them (0 without one)."""
+    m = re.search(r"peak usage: ([\d ]+) bytes", lines[0]) if lines else None
+    return int(m.group(1).replace(" ", "")) if m else 0
