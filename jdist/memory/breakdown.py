@@ -8,9 +8,10 @@ forward layer loop, `transpose(jvp())` the backward, `state` the arguments), wit
 `python -m jdist.memory --measure --peak-breakdown` prints it: the instrument for holding
 `jdist.memory`'s model to a compiler (which terms it misses, which it over-counts).
 Its total (`live_peak`) is the most the step's buffers hold at once, arguments included;
-the compiled peak (`jdist.memory.peak`) can lie well above it, where the heap's placement
-leaves holes between buffers live at different times (H100 compiler, jax 0.10.2:
-qwen3-30b-a3b dp=2,ep=2,tp=4 grouped, 12.28 GiB live and 14.98 laid out).
+the compiled peak (`jdist.memory.peak`) can lie well above it, by bytes no buffer of the
+report accounts for (the heap's placement, or what the report does not count; H100
+compiler, jax 0.10.2: qwen3-30b-a3b dp=2,ep=2,tp=4 grouped, 12.28 GiB live, 14.98
+allocated).
 """
 
 from __future__ import annotations
