@@ -167,15 +167,18 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
 
 def expert_grad_sums(plan, micro_batch: int, seq_len: int, compute_bytes: int) -> int:
     """Per device, what the backward of a grouped MoE layer under expert parallelism holds
-    of its local experts' weight gradients (`jdist.parallel.expert_rounds._rounds_bwd`): each
-    piece of the exchange (`--moe-overlap`) sums its rounds' gradients of gate, up and down
-    into float32 zeros of the local experts' shape, and the compiler hoists those zeros out
-    of the backward layer loop, so all pieces' sums are held through it; beside them, the
-    round's own three gradients in the compute dtype. Read off the H100-compiled steps (jax
-    0.10.2): DeepSeek-V3 on fsdp=8,ep=8 holds twelve f32[32, 7168, 2048] zeros (four pieces)
-    and three such gradients at its peak; a 16-expert ep=4 step eleven sums and the round's
-    weight-gradient dot in the layer's backward. That dot (`models.grouped._gmm_bwd`) makes
-    one float32 [d, f] gradient per block of its loop iteration before they are added in."""
+    of its local experts' weight gradients: each piece of the exchange (`--moe-overlap`)
+    runs one weight-gradient loop per projection (`models.grouped._gmm_bwd`), summing its
+    blocks into float32 zeros of the local experts' shape, and the compiler runs all
+    pieces' loops back to back and adds the pieces' gradients after them, so all pieces'
+    sums are held at once; beside them, the round's own three gradients in the compute
+    dtype. (Not `expert_rounds._rounds_bwd`'s sums, which XLA folds into the first round's
+    gradients: starting them there left the 16-expert step at 905.4 MiB.) Read off the
+    H100-compiled steps (jax 0.10.2): DeepSeek-V3 on fsdp=8,ep=8 holds twelve f32[32, 7168,
+    2048] sums (four pieces) and three such gradients at its peak; a
+    16-expert ep=4 step eleven sums and the round's weight-gradient dot in the layer's
+    backward. That dot makes one float32 [d, f] gradient per block of its loop iteration
+    before they are added in."""
     from jdist.models.grouped import blocks_for
     from jdist.models.moe import GROUPED, even_pieces
     from jdist.parallel.expert_rounds import round_capacity

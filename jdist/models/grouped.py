@@ -126,7 +126,12 @@ def _gmm_bwd(chunk, fp8, res, g):
         part = jnp.einsum("gbd,gbf->gdf", xc, gc, preferred_element_type=dw.dtype)
         return dw.at[ic].add(part), None
 
-    dw, _ = jax.lax.scan(weight_grad, zeros(w.shape, accumulator(x, g), like=g),
+    # The sums' zeros are made once g is (an optimization barrier): zeros that depend on
+    # nothing are made together, sixteen f32 [32, 7168, 2048] in one fusion of DeepSeek-V3's
+    # entry computation (H100 compiler, jax 0.10.2, fsdp=8,ep=8, --remat full: its peak
+    # 465.99 -> 448.49 GiB per device; the 16-expert ep=4 step 905.4 -> 904.7 MiB).
+    start, _ = jax.lax.optimization_barrier((zeros(w.shape, accumulator(x, g), like=g), g))
+    dw, _ = jax.lax.scan(weight_grad, start,
                          (_chunks(x, chunk), _chunks(g, chunk), _chunks(block_expert, chunk)))
     return dx, dw.astype(w.dtype), None
 
