@@ -83,6 +83,7 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     and cotangents (one pipeline micro-batch each) with the tick's buffers; a pipeline stage
     runs one chunk of layers at a time, so its "every layer" is one chunk's, held for each
     micro-batch in flight when the backward reads the forward's residuals (`stashes`)."""
+    from jdist.parallel.moe import keeps_exchanges
     from jdist.parallel.pipeline import stashes
     from jdist.spmd import axes as ax
 
@@ -116,6 +117,8 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     # The average layer's sizes for what the layers keep; the largest run's for one layer's
     # backward (a heterogeneous stack's peak is in its widest blocks: `_per_layer`).
     a, largest = _per_layer(plan, micro_batch, seq_len, compute_bytes)
+    if not keeps_exchanges(remat, cfg, dict(m)):  # `full` sends them again in the backward
+        a, largest = (dataclasses.replace(s, exchanged=0) for s in (a, largest))
     gathered = _gathered_layer(plan, compute_bytes)[0]
     per_layer = _kept(a, remat, gathered)
     # One layer's backward holds, besides the cotangents of the block's input and output:

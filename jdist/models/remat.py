@@ -62,10 +62,14 @@ def check(name: str) -> None:
         raise ConfigError(f"unknown --remat policy {name!r}; use one of {', '.join(NAMES)}")
 
 
-def wrapper(name: str) -> Callable[[Callable], Callable]:
+def wrapper(name: str, keep_exchanges: bool = True) -> Callable[[Callable], Callable]:
     """Turns a block function into its checkpointed version under policy `name`. "none"
     keeps every activation but still not the gathered parameters (a full copy of the
-    model per device otherwise); the other policies never name them."""
+    model per device otherwise); the other policies never name them. `keep_exchanges`
+    False: `full` keeps the block input alone, and its backward sends an MoE layer's
+    exchanges again (`jdist.parallel.moe.keeps_exchanges` decides)."""
     check(name)
     policy = _all_but_gathered if name == "none" else POLICIES[name]
+    if name == "full" and not keep_exchanges:
+        policy = _cp.nothing_saveable
     return lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False)

@@ -44,7 +44,7 @@ from jdist.parallel import attention as attn
 from jdist.parallel import collective_matmul, embedding, halves, prefetch
 from jdist.parallel import grad_sync as gs
 from jdist.parallel.attention.context import ContextParallel
-from jdist.parallel.moe import expert_dispatch, expert_kernel, overlap_pieces
+from jdist.parallel.moe import expert_dispatch, expert_kernel, keeps_exchanges, overlap_pieces
 from jdist.parallel.vocab import supports as vocab_supports
 from jdist.parallel.vocab import vocab_parallel_cross_entropy
 from jdist.quant import fp8
@@ -149,7 +149,9 @@ class Forward:
         `--tp-halves` runs on two halves of the rows (`jdist.parallel.halves`). `primal`
         holds every run's blocks; the loop runs the one stored under `run`."""
         primal, sync = primal[run], self.block_sync[run]
-        stored, checkpointed = nnx.to_pure_dict(layers), remat.wrapper(self.plan.compute.remat)
+        stored = nnx.to_pure_dict(layers)
+        checkpointed = remat.wrapper(self.plan.compute.remat, keeps_exchanges(
+            self.plan.compute.remat, self.plan.model, dict(self.plan.mesh.shape)))
         if self.plan.compute.tp_halves:
             # x's rows are this replica's (the step is manual over the batch's axes).
             halves.check(x.shape[0], self.plan.model.n_experts)

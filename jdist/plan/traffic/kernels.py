@@ -8,6 +8,7 @@ from __future__ import annotations
 from jdist.models.moe import DROPLESS, GROUPED, capacity_of
 from jdist.parallel.attention.context import ALL_GATHER, RING
 from jdist.parallel.attention.ulysses import kv_repeats
+from jdist.parallel.moe import keeps_exchanges
 from jdist.plan.traffic import partitioner
 from jdist.plan.traffic.layout import (
     A2A,
@@ -156,10 +157,12 @@ def moe_forward(st: Step) -> list[Collective]:
 
 def moe_backward(st: Step) -> list[Collective]:
     """The MoE kernel's backward; `--remat full` redoes its forward first (not checked
-    against a compile), but for the expert all-to-alls, whose outputs it keeps
-    (`remat.EXPERT_EXCHANGE`)."""
+    against a compile), but for the expert all-to-alls where it keeps their outputs
+    (`parallel.moe.keeps_exchanges`)."""
     if not st.moe:
         return []
-    again = [c for c in _moe_moves(st, False) if c.kind != A2A] \
-        if st.plan.compute.remat == "full" else []
+    plan = st.plan
+    kept = keeps_exchanges(plan.compute.remat, plan.model, dict(plan.mesh.shape))
+    again = [c for c in _moe_moves(st, False) if c.kind != A2A or not kept] \
+        if plan.compute.remat == "full" else []
     return again + _moe_moves(st, True)
