@@ -17,7 +17,7 @@ later rounds run only when routing overflows 1.2x the even share; `1 later round
 one later round each, as `jdist.tools.gpu_report.step_report` does); `dispatch` the
 exchanges before the experts (forward: tokens to them; backward: output gradients to
 them), `combine` those after; `planner` is `jdist.plan.cost`'s share (`parallel.moe.
-exposed_share`). Under each of `--remats`, best16 under the planner's own remat. Imported
+exposed_share`). Under each of `--remats` (best16's flags otherwise the planner's). Imported
 by benchmarks/moe.py (section 6), or run alone:
 
     python benchmarks/moe_at_scale.py [--json] [--target h100-80gb] [--layouts ep8,best16,fsdp-ep]
@@ -128,7 +128,7 @@ def planned_share(plan, config, hosts: int, target: str) -> float:
 def measure(target: str, layouts: list[str], routings=ROUTINGS, remats=REMATS,
             quick: bool = False) -> dict:
     """{"exposed": rows, "memory": rows} over `layouts` (keys of FIXED, best16 or deepseek),
-    each under `remats` (best16 under the planner's own), `--moe-overlap` off and on;
+    each under `remats`, `--moe-overlap` off and on;
     `quick`: the memory rows alone (on)."""
     exposed, memory = [], []
     for name in layouts:
@@ -140,14 +140,13 @@ def measure(target: str, layouts: list[str], routings=ROUTINGS, remats=REMATS,
             continue
         flags, batch, hosts = best_16(target) if name == "best16" else FIXED[name]
         label = " ".join(flags[1:])
-        own = flags[flags.index("--remat") + 1] if "--remat" in flags else "none"
         for flag in ("--remat", "--moe-overlap"):  # set below
             if flag in flags:
                 del flags[flags.index(flag):flags.index(flag) + 2]
         for routing in routings:
             run = functools.partial(compiled, [*flags, "--moe-routing", routing],
                                     batch=batch, hosts=hosts, target=target)
-            for remat in [own] if name == "best16" else remats:
+            for remat in remats:
                 after = run(["--remat", remat, "--moe-overlap", "on"])
                 memory.append(_memory_row(label, routing, remat, after))
                 if quick:

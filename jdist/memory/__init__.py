@@ -129,12 +129,16 @@ def activation_bytes(plan, micro_batch: int, seq_len: int, compute_bytes: int,
     # recomputes, each freeing what it is computed from; under a policy, what it
     # recomputes (the rest is read from the stacks) and beside it the larger of two MLP
     # cotangents and those score blocks (the attention's backward comes after the MLP's).
+    # An MoE layer's routed experts carry no names, so `full` recomputes what `selective`
+    # does (H100 compiler, jax 0.10.2, qwen3-30b-a3b 2 layers: selective and full compile
+    # to 14.93 and 14.91 GiB on ep=8, 10.47 and 10.35 on dp=2,ep=2,tp=4).
     saves_all = remat in ("none", "everything_saveable")
     gpu = on_gpu(plan) and plan.pipeline is None
     w = largest
     if saves_all:
         working = max(w.every if layers > 1 else 0, 4 * w.f, w.blocks)
-    elif gpu and remat == "full":  # the GPU's fused layer holds the MLP's pieces (fitted)
+    elif gpu and remat == "full" and not any(r.moe for r in model_runs(cfg)):
+        # the GPU's fused layer holds the MLP's pieces (fitted on dense models)
         working = max(GPU_FULL_MLP_PIECES * w.f, w.blocks)
     else:
         working = w.every - _kept(w, remat, gathered) + max(2 * w.f, w.blocks)
@@ -205,7 +209,11 @@ def expert_grad_sums(plan, micro_batch: int, seq_len: int, compute_bytes: int) -
     # gate/up matmuls' input gradient; four of each at qwen3-30b-a3b ep=8, four and eight
     # at dp=2,ep=2,tp=4, where tensor parallelism leaves them d wide on every rank).
     rows_back = pieces * (rows + shape.n_blocks * shape.block) * cfg.d_model * compute_bytes
-    return 3 * local * d * f * (4 * pieces + compute_bytes) + shape.chunk * d * f * 4 + rows_back
+    # Beside them, each assignment's output gradient, d wide, split in the pieces (the
+    # transpose of their concatenation: four [32768, 2048] at dp=2,ep=2,tp=4).
+    assigned = tokens * cfg.top_k * cfg.d_model * compute_bytes
+    return 3 * local * d * f * (4 * pieces + compute_bytes) + shape.chunk * d * f * 4 + \
+        rows_back + assigned
 
 
 def _periods(plan, layers: int) -> tuple[int, int]:
@@ -251,7 +259,9 @@ class _Sizes:
     `every` all the residuals the backward of a layer reads (what remat "none" keeps per
     layer), `blocks` a blockwise kernel's score blocks live at once, `mask` dense
     attention's boolean mask, `loss` the loss's own temporaries, `exchanged` what an MoE
-    layer's expert all-to-alls delivered (kept by `selective` and `full`)."""
+    layer's expert all-to-alls delivered (kept by `selective` and `full`), `named_f` the MLP
+    hidden activation a policy can name (`f` in a dense layer; in an MoE layer the shared
+    expert's alone: the routed experts' matmuls carry no names)."""
     x: int
     q: int
     k: int
@@ -262,6 +272,7 @@ class _Sizes:
     mask: int
     loss: int
     exchanged: int = 0
+    named_f: int = 0
 
 
 def _per_layer(plan, micro_batch: int, seq_len: int, c: int) -> tuple[_Sizes, _Sizes]:
@@ -282,7 +293,7 @@ def _kept(a: _Sizes, remat: str, gathered: int) -> int:
     projection's output) and keeps XLA's own intermediates of the rest. `gathered`: one
     layer's parameters as gathered (`everything_saveable` keeps them)."""
     kept = {"full": a.x + a.exchanged,
-            "selective": a.x + a.q + 2 * a.k + a.x + 2 * a.f  # +attention_out, gate, up
+            "selective": a.x + a.q + 2 * a.k + a.x + 2 * a.named_f  # +attention_out, gate, up
             + a.exchanged,
             "dots_with_no_batch_dims_saveable": a.x + a.q + 2 * a.k + a.x + 2 * a.f,
             "dots_saveable": a.x + 2 * a.q + 2 * a.k + a.x + 2 * a.f + a.scores,
@@ -354,8 +365,9 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int, run=None) -> _Siz
     if plan.compute.loss == CHUNKED:  # a few [tokens, chunk] float32 blocks, dh in float32
         chunk = chunk_size(tokens, cfg.vocab_size // tp)
         logits = tokens * chunk * 4 * 3 + tokens * d * 4
+    named = tokens * (cfg.shared_d_ff if run.moe else run.d_ff) // tp * c
     return _Sizes(x, q, k, hidden, scores, every, blocks, mask, logits,
-                  _exchanged(plan, tokens, c) if run.moe else 0)
+                  _exchanged(plan, tokens, c) if run.moe else 0, named)
 
 
 def _exchanged(plan, tokens: int, c: int) -> int:
