@@ -394,19 +394,23 @@ PRESETS: dict[str, ModelConfig] = {
     "mixtral-8x7b": ModelConfig(vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32,
                                 n_kv_heads=8, d_ff=14_336, rope_theta=1_000_000.0, n_experts=8,
                                 top_k=2, shape_only=True),
+    # The 128- and 256-expert presets plan with grouped routing: padded dropless would run
+    # E/k times the routed FLOPs (16x here, 32x for DeepSeek-V3); `--moe-routing` overrides.
     "qwen3-30b-a3b": ModelConfig(vocab_size=151_936, d_model=2048, n_layers=48, n_heads=32,
                                  n_kv_heads=4, d_ff=768, head_dim=128, rope_theta=1_000_000.0,
                                  norm_eps=1e-6, qk_norm=True, n_experts=128, top_k=8,
-                                 shape_only=True),
+                                 moe_routing="grouped", shape_only=True),
     "qwen3-235b-a22b": ModelConfig(vocab_size=151_936, d_model=4096, n_layers=94, n_heads=64,
                                    n_kv_heads=4, d_ff=1536, head_dim=128,
                                    rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
-                                   n_experts=128, top_k=8, shape_only=True),
+                                   n_experts=128, top_k=8, moe_routing="grouped",
+                                   shape_only=True),
     # DeepSeek-V3's published shape (HF config.json, 671B; its MTP module here is a dense
     # block, where the published one routes to experts), for planning only.
     "deepseek-v3": ModelConfig(vocab_size=129_280, d_model=7168, n_layers=61, n_heads=128,
                                n_kv_heads=128, d_ff=2048, head_dim=192, norm_eps=1e-6,
                                n_experts=256, top_k=8, first_dense_layers=3,
+                               moe_routing="grouped",
                                dense_d_ff=18_432, **_DEEPSEEK, n_expert_groups=8,
                                topk_groups=4, shared_d_ff=2048, kv_lora_rank=512,
                                q_lora_rank=1536, rope_head_dim=64, v_head_dim=128,
