@@ -57,17 +57,18 @@ def lora_run(corpus, mesh, **settings):
 # ZeRO-2/3 on a mesh with two replica axes: with 4 layers and rank 4, the data axis once
 # split an adapter's stacked layers dimension (a size tie) and the gradient came back with
 # twice the layers (issue 29, defect 1).
-# (dp=8 alone left: its adapters' all-reduce over data runs in dp=2,fsdp=2,tp=2 too.)
-LAYOUTS = [("fsdp=8", {}), ("dp=2,fsdp=2,tp=2", {}),
-           ("dp=2,fsdp=2,tp=2", {"zero": 2}), ("dp=2,fsdp=2,tp=2", {"zero": 3}),
-           ("pp=2", {"pipeline": PipelineConfig("1f1b", 2)}),
+# (dp=8 alone left: its adapters' all-reduce over data runs in dp=2,fsdp=2,tp=2 too. Left
+# for the suite's time: dp=2,fsdp=2,tp=2 without ZeRO, its mesh run by the ZeRO-2 and -3
+# cases and ZeRO-0 by fsdp=8's; pp=2 under 1f1b, its stages run by the interleaved case,
+# whose schedule is the harder one: two chunks per stage.)
+LAYOUTS = [("fsdp=8", {}), ("dp=2,fsdp=2,tp=2", {"zero": 2}), ("dp=2,fsdp=2,tp=2", {"zero": 3}),
            ("pp=2", {"pipeline": PipelineConfig("interleaved", 2, 2)}),
            ("sp=2", {"cp_strategy": "ring"})]
 
 
 @pytest.mark.parametrize("mesh, settings", LAYOUTS,
-                         ids=["fsdp8", "dp2fsdp2tp2", "dp2fsdp2tp2-zero2",
-                              "dp2fsdp2tp2-zero3", "pp2-1f1b", "pp2-interleaved", "sp2-ring"])
+                         ids=["fsdp8", "dp2fsdp2tp2-zero2", "dp2fsdp2tp2-zero3",
+                              "pp2-interleaved", "sp2-ring"])
 def test_lora_matches_single_device_and_keeps_the_base(corpus, reference, initial, mesh,
                                                        settings):
     run = lora_run(corpus, mesh, **settings)
