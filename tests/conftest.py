@@ -102,6 +102,27 @@ def single_device(corpus):
     return run
 
 
+@pytest.fixture
+def train_refusal(capfd):
+    """`train_refusal(argv)`: what `python -m jdist.train argv` refuses, run in this process
+    (`main`, its output read at the file descriptors; a new interpreter for each costs 2 s
+    of suite time, importing jax): exit status 2, one line on stderr, no traceback; returns
+    the line. tests/test_cli.py checks the whole process on a few."""
+    from jdist.train.__main__ import main
+
+    jax.devices()  # backends up first: main then keeps this process's 8 devices for later tests
+
+    def refuse(argv) -> str:
+        code = main([str(a) for a in argv])
+        out, err = capfd.readouterr()
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (code, out + err)
+        assert lines[0].startswith("jdist: error: ") and "Traceback" not in out, out + err
+        return lines[0]
+
+    return refuse
+
+
 # SmolLM2-Instruct's chat template (ChatML with a default system message).
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -220,16 +220,12 @@ def test_prepare_loads_rows_and_implies_document_packing(tmp_path, tok, capsys):
         prepare(sft_config(data=path))
 
 
-def test_cli_error_is_one_line_and_writes_nothing(tmp_path):
+def test_cli_error_is_one_line_and_writes_nothing(tmp_path, train_refusal):
     path = write_jsonl(tmp_path / "d.jsonl", mixed(30))
-    result = subprocess.run(
-        [sys.executable, "-m", "jdist.train", "--model", "tiny", "--mesh", "dp=1", "--data",
-         path, "--data-format", "sft", "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    assert train_refusal(["--model", "tiny", "--mesh", "dp=1", "--data", path, "--data-format",
+                          "sft", "--run-dir", tmp_path / "run"]) == (
         "jdist: error: --data-format sft needs --tokenizer (a Hugging Face tokenizer directory,"
-        " with its chat template for messages records)"]
+        " with its chat template for messages records)")
     assert not (tmp_path / "run").exists()
 
 
