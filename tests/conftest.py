@@ -25,6 +25,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Backends up now, in every process the suite imports this in: a CLI `main` run in a test's
+# process calls configure_devices(n), which before this would change the worker's device
+# count for every later test (a test-order-dependent "needs 8 devices but 4 are available").
+jax.devices()
 
 import pytest
 
@@ -110,13 +114,12 @@ def train_refusal(capfd):
     the line. tests/test_cli.py checks the whole process on a few."""
     from jdist.train.__main__ import main
 
-    jax.devices()  # backends up first: main then keeps this process's 8 devices for later tests
-
     def refuse(argv) -> str:
         code = main([str(a) for a in argv])
         out, err = capfd.readouterr()
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1, (code, out + err)
+        assert jax.device_count() == 8, "main changed this process's devices"
         assert lines[0].startswith("jdist: error: ") and "Traceback" not in out, out + err
         return lines[0]
 
