@@ -93,33 +93,6 @@ def test_muon_pipelined_matches_single_device(corpus, single_device):
     assert_matches(run, single_device(TINY4, optimizer="muon"))
 
 
-@pytest.mark.slow
-def test_muon_resumes_onto_another_mesh(tmp_path):
-    """Muon's state (one momentum per matrix, AdamW's two moments elsewhere, in a
-    partitioned optax state) saves and restores onto another layout: the steps after go on
-    as the uninterrupted run's, bitwise on the same mesh."""
-    from jdist.config import TrainConfig
-    from jdist.errors import ConfigError
-    from jdist.train.loop import train
-
-    run = {"model": "tiny", "optimizer": "muon", "schedule": "wsd", "batch_size": 8,
-           "seq_len": 32, "steps": 4, "warmup": 2, "eval_every": 0, "checkpoint_every": 2}
-    losses = lambda history: {r["step"]: r["loss"] for r in history}
-    full = losses(train(TrainConfig.of(**run, mesh="fsdp=4", run_dir=str(tmp_path / "a"))))
-    start = str(tmp_path / "a" / "checkpoints" / "2")
-    same = losses(train(TrainConfig.of(**run, mesh="fsdp=4", run_dir=str(tmp_path / "b"),
-                                       resume=start)))
-    other = losses(train(TrainConfig.of(**run, mesh="dp=2,tp=2", run_dir=str(tmp_path / "c"),
-                                        resume=start)))
-    with pytest.raises(ConfigError, match="--optimizer muon"):  # AdamW's state is not Muon's
-        train(TrainConfig.of(**{**run, "optimizer": "adamw"}, mesh="fsdp=4",
-                             run_dir=str(tmp_path / "d"), resume=start))
-    assert same == {s: full[s] for s in (3, 4)}
-    assert sorted(other) == [3, 4]
-    for step, loss in other.items():
-        assert loss == pytest.approx(full[step], rel=1e-5)
-
-
 def test_muon_keeps_one_moment_per_matrix():
     """The memory model reads the optimizer state's shapes: Muon's is AdamW's less one
     float32 moment of every projection matrix (a few scalars aside)."""

@@ -157,12 +157,24 @@ def test_resume_onto_another_mesh(tmp_path, optimizer):
     offload: step 3 repeats within 1e-5 (another mesh sums in another order; on the same
     mesh, resuming repeated the losses bitwise by hand); the saved state restores onto
     either layout bitwise, and under --offload optimizer on a third. Muon's too (its update
-    walked on the device)."""
+    walked on the device; one momentum per matrix, AdamW's moments elsewhere, in a
+    partitioned optax state; under --schedule wsd), which also resumes bitwise on the same
+    mesh and is refused to --optimizer adamw."""
     common = dict(model="tiny", batch_size=8, seq_len=32, warmup=2, eval_every=0,
                   log_every=100, steps=3, optimizer=optimizer)
+    if optimizer == "muon":
+        common["schedule"] = "wsd"
     losses = lambda history: {r["step"]: r["loss"] for r in history if r["step"] > 2}
     first = losses(train(TrainConfig.of(**common, mesh="fsdp=2", offload="params",
                                         checkpoint_every=2, run_dir=str(tmp_path / "a"))))
+    if optimizer == "muon":  # (was test_muon's own resume test: 16 s of the suite's time)
+        start = str(tmp_path / "a" / "checkpoints" / "2")
+        same = losses(train(TrainConfig.of(**common, mesh="fsdp=2", offload="params",
+                                           resume=start, run_dir=str(tmp_path / "b"))))
+        assert same == first
+        with pytest.raises(ConfigError, match="--optimizer muon"):  # AdamW's state is not Muon's
+            train(TrainConfig.of(**{**common, "optimizer": "adamw", "schedule": "cosine"},
+                                 mesh="fsdp=2", resume=start, run_dir=str(tmp_path / "d")))
     other = losses(train(TrainConfig.of(**common, mesh="dp=2,tp=2",
                                         resume=str(tmp_path / "a" / "checkpoints" / "2"),
                                         run_dir=str(tmp_path / "c"))))
