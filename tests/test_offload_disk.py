@@ -25,14 +25,6 @@ TINY, MOE = get_preset("tiny"), get_preset("moe-tiny")
 TINY4 = get_preset("tiny", n_layers=4)  # two layers per stage at pp=2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def eight_devices():
-    """The CLI test's `main` simulates only the devices its mesh needs if JAX is not up yet
-    (`jdist.runtime.distributed.configure_devices`): run alone, it left the tests after it
-    two devices (jax 0.10.2 and 0.12). Start JAX with conftest's 8 first."""
-    assert len(jax.devices()) == 8
-
-
 def test_moments_on_disk_match_single_device(corpus, single_device, tmp_path):
     """AdamW, moe-tiny on dp=2,ep=2,tp=2 at ZeRO-2 (the experts' stacks walked a layer at a
     time): loss, grad_norm and first-step gradients equal one device at 1e-5; the
