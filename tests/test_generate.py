@@ -175,8 +175,23 @@ def generate_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_cli_generates_from_a_training_checkpoint(run_dir):
-    result = generate_cli("--checkpoint", str(run_dir), "--prompt", data.decode(PROMPT),
+@pytest.fixture
+def generate_main(capfd):
+    """The command's `main` in this process, its output read at the file descriptors (a new
+    interpreter costs ~3 s importing jax); test_bad_input_exits_2_from_the_command_line and
+    the chat test run the process itself."""
+    from jdist.generate.__main__ import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        code = main(list(args))
+        return subprocess.CompletedProcess(args, code, *capfd.readouterr())
+
+    return run
+
+
+def test_cli_generates_from_a_training_checkpoint(run_dir, generate_main):
+    result = generate_main("--checkpoint", str(run_dir), "--prompt", data.decode(PROMPT),
                           "--mesh", "tp=2", "--max-new-tokens", str(NEW))
     assert result.returncode == 0, result.stderr
     assert "restored parameters of step 2" in result.stderr and "tokens/s" in result.stderr
@@ -266,9 +281,9 @@ def test_export_carries_the_tokenizer(run_dir, tmp_path, capsys):
     assert capsys.readouterr().out == from_checkpoint
 
 
-def test_fsdp_cli_writes_what_one_device_writes(run_dir):
+def test_fsdp_cli_writes_what_one_device_writes(run_dir, generate_main):
     """`--mesh fsdp=2` with one prompt: it used to stop after printing the prompt."""
-    result = generate_cli("--checkpoint", str(run_dir), "--prompt", data.decode(PROMPT),
+    result = generate_main("--checkpoint", str(run_dir), "--prompt", data.decode(PROMPT),
                           "--mesh", "fsdp=2", "--max-new-tokens", str(NEW))
     assert result.returncode == 0, result.stderr
     assert "weights replicated over fsdp" in result.stderr

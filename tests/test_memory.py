@@ -1,8 +1,8 @@
 """The memory planner: the ZeRO paper's accounting, agreement with the compiler, the CLI."""
 
+import importlib
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -60,12 +60,20 @@ def test_pipeline_activations_follow_the_schedule(schedule, micro):
         assert abs(ratio - 1) <= ACTIVATIONS_RTOL, (key, ratio)
 
 
-def run(module: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], check=False,
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def run(capfd):
+    """`run(module, *args)`: the command's `main` in this process, its output read at the file
+    descriptors (a new interpreter costs ~3 s importing jax)."""
+    def command(module: str, *args: str) -> subprocess.CompletedProcess:
+        main = importlib.import_module(f"{module}.__main__").main
+        capfd.readouterr()
+        code = main(list(args))
+        return subprocess.CompletedProcess(args, code, *capfd.readouterr())
+
+    return command
 
 
-def test_memory_cli_json():
+def test_memory_cli_json(run):
     result = run("jdist.memory", "--model", "tiny", "--mesh", "dp=4", "--zero", "1",
                  "--batch-size", "8", "--seq-len", "32", "--json")
     assert result.returncode == 0, result.stderr
@@ -74,7 +82,7 @@ def test_memory_cli_json():
     assert out["predicted"]["optimizer"] * 3 < out["predicted"]["params"] * 2
 
 
-def test_dry_run_refuses_what_does_not_fit_and_suggests_a_fix():
+def test_dry_run_refuses_what_does_not_fit_and_suggests_a_fix(run):
     result = run("jdist.train", "--model", "small", "--mesh", "dp=4", "--batch-size", "8",
                  "--seq-len", "64", "--dry-run", "--device-memory-gb", "0.03")
     assert result.returncode == 2, result.stderr

@@ -5,8 +5,6 @@ compute dtype; straggler judgement."""
 
 import json
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from jdist import checkpoint as ckpt
 from jdist.config import TrainConfig
 from jdist.errors import ConfigError
 from jdist.train import faults, goodput, resume, straggler
+from jdist.train.__main__ import main
 from jdist.train.loop import train
 
 TINY = dict(model="tiny", batch_size=8, seq_len=32, warmup=2, log_every=100)
@@ -130,16 +129,17 @@ def test_moe_resume_refuses_changed_micro_batching(tmp_path):
     resume.check_numerics(found, saved.replace(grad_accum=4), dense, {"data": 2})
 
 
-def test_corruption_stops_with_exit_4_and_keeps_the_checkpoint_before_it(tmp_path):
+def test_corruption_stops_with_exit_4_and_keeps_the_checkpoint_before_it(tmp_path, capfd):
     run_dir = tmp_path / "run"
     args = ["--model", "tiny", "--mesh", "dp=4,fsdp=2", "--batch-size", "8", "--seq-len", "32",
             "--steps", "12", "--eval-every", "0", "--checkpoint-every", "4",
             "--check-replicas-every", "3", "--inject-corruption-at-step", "5",
             "--run-dir", str(run_dir)]
-    out = subprocess.run([sys.executable, "-m", "jdist.train", *args], capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == faults.EXIT_CORRUPTION, out.stderr
-    (line,) = [x for x in out.stderr.splitlines() if "silent data corruption" in x]
+    capfd.readouterr()
+    code = main(args)  # the command's main in process: a new interpreter costs ~3 s
+    stderr = capfd.readouterr().err
+    assert code == faults.EXIT_CORRUPTION, stderr
+    (line,) = [x for x in stderr.splitlines() if "silent data corruption" in x]
     assert "after step 6" in line and "dp=3" in line, line  # the corrupted (last) replica
     good = ckpt.latest_good(run_dir / "checkpoints")
     assert good.step == 4 and [s for s, _ in ckpt.step_dirs(run_dir / "checkpoints")] == [4]
