@@ -8,7 +8,6 @@ import pytest
 from optax.contrib import MuonDimensionNumbers
 
 from jdist.models import get_preset
-from jdist.parallel.pipeline import PipelineConfig
 from jdist.step.muon import NS_COEFFS, NS_STEPS, dimension_numbers
 from jdist.step.optim import lr_schedule
 from jdist.tools.equivalence import assert_matches, config, plan_of, train_steps
@@ -65,8 +64,10 @@ def reference(single_device):
     return single_device(TINY, optimizer="muon")
 
 
+# ZeRO-0 on dp=2,fsdp=2,tp=2 went for the suite's time: ZeRO 1 and 3 on that mesh and 2 on
+# dp=4,tp=2 stay (and Muon at ZeRO 1 under --offload params in test_offload).
 @pytest.mark.parametrize("mesh, zero, offload", [
-    ("dp=2,fsdp=2,tp=2", 0, "none"), ("dp=2,fsdp=2,tp=2", 3, "none"),
+    ("dp=2,fsdp=2,tp=2", 3, "none"),
     ("dp=2,fsdp=2,tp=2", 1, "optimizer"), ("dp=4,tp=2", 2, "none")])
 def test_muon_matches_single_device(corpus, reference, mesh, zero, offload):
     run = train_steps(TINY, mesh, corpus.train,
@@ -85,12 +86,8 @@ def test_muon_per_expert_matches_single_device(corpus, single_device):
                    single_device(MOE, optimizer="muon"))
 
 
-@pytest.mark.slow
-def test_muon_pipelined_matches_single_device(corpus, single_device):
-    run = train_steps(TINY4, "pp=2,fsdp=2", corpus.train,
-                      config(optimizer="muon", prefetch="on"),
-                      pipeline=PipelineConfig("1f1b", 4, 1))
-    assert_matches(run, single_device(TINY4, optimizer="muon"))
+# Muon pipelined (pp=2,fsdp=2, 1f1b, --prefetch on): test_offload_disk's
+# test_muon_on_disk_matches_single_device[pp2], the same layout with its state on disk.
 
 
 def test_muon_keeps_one_moment_per_matrix():

@@ -53,10 +53,11 @@ def test_muon_on_disk_matches_single_device(corpus, single_device, tmp_path, mod
                                             zero, pipeline):
     """Muon's momentum (and AdamW's moments of the rest) in files, each layer's matrices
     orthogonalised alone: equal to one device at 1e-5. On pp=2 a group is one layer per
-    stage (rows j and j + 2 of the stage-split stack); the files hold the stored stack."""
-    run = train_steps(model, mesh, corpus.train, config(
-        optimizer="muon", zero=zero, offload="disk", offload_dir=str(tmp_path)),
-        pipeline=pipeline)
+    stage (rows j and j + 2 of the stage-split stack), each stage gathering its next layer
+    while one computes (--prefetch on); the files hold the stored stack."""
+    run = train_steps(model, mesh, corpus.train, config(  # pp2 also prefetches layers
+        optimizer="muon", zero=zero, offload="disk", offload_dir=str(tmp_path),
+        prefetch="on" if pipeline else "auto"), pipeline=pipeline)
     assert_matches(run, single_device(model, optimizer="muon"))
     mu = np.load(next(tmp_path.glob("*muon*mu.blocks.attn.wq.npy")))
     assert mu.shape == (model.n_layers, 64, 8, 8) and np.abs(mu).max(axis=(1, 2, 3)).all()
