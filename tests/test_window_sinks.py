@@ -178,13 +178,14 @@ def reference(single_device):
     return single_device(LOCAL)
 
 
+# The dense (xla) path partitioned on fsdp=2,tp=2 went for the suite's time: the reference is
+# that path on one device, and fsdp=4,tp=2 partitions the sinks and the windowed blocks.
 @pytest.mark.parametrize("mesh, flags", [
-    ("fsdp=2,tp=2", {}),                          # xla: the dense path, partitioned
     ("fsdp=4,tp=2", {"attention": "flash"}),
     ("sp=2", {"cp_strategy": RING}),              # chunks of 8: pairs beyond 11 skipped
     ("sp=2", {"cp_strategy": ALL_GATHER}),
     ("sp=2", {"cp_strategy": ULYSSES}),
-], ids=["xla", "flash", "ring", "all_gather", "ulysses"])
+], ids=["flash", "ring", "all_gather", "ulysses"])
 def test_training_with_window_and_sinks_matches_single_device(corpus, reference, mesh, flags):
     run = train_steps(LOCAL, mesh_of(mesh), corpus.train, config(**flags))
     assert_matches(run, reference)
