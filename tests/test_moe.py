@@ -222,7 +222,12 @@ def test_low_capacity_drops_tokens_and_they_skip_the_mlp():
 # fsdp=2,ep=4 cases, and here overlapped dropless (with routing biases) on that mesh.
 @pytest.mark.parametrize("mesh", ["ep=2", "ep=4", "dp=2,ep=4", "ep=2,tp=2"])
 def test_matches_single_device(corpus, single_device, mesh):
-    assert_matches(train_steps(MOE, mesh, corpus.train), single_device(MOE))
+    run = train_steps(MOE, mesh, corpus.train)
+    assert_matches(run, single_device(MOE))
+    if mesh == "dp=2,ep=4":  # expert parallelism exchanges tokens with all-to-alls: forward
+        # dispatch + return, and their transposes in the backward pass, per layer (the
+        # compiled step again: the compilation cache's copy of the one just run)
+        assert sum(collective_counts(b)["all-to-all"] for b in loop_bodies(run.hlo)) >= 4
 
 
 @pytest.mark.parametrize("mesh, routing, remat, resent, model", [
@@ -268,15 +273,6 @@ def expert_exchanges(lowered, mesh) -> int:
               'axes = [#stablehlo.axis_ref<name = "expert">]>')
     return sum(any(g in line for g in groups) for line in lowered.as_text().splitlines()
                if "stablehlo.all_to_all" in line)
-
-
-def test_expert_parallelism_uses_all_to_all():
-    plan = plan_of("dp=2,ep=4", model="moe-tiny")
-    tokens = jax.ShapeDtypeStruct((16, 32), jnp.int32)
-    text = make_train_step(plan).lower(plan.abstract, {"inputs": tokens, "targets": tokens}) \
-        .compile().as_text()
-    # forward dispatch + return, and their transposes in the backward pass, per layer
-    assert sum(collective_counts(b)["all-to-all"] for b in loop_bodies(text)) >= 4
 
 
 TRAIN = ["--model", "moe-tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "32"]
