@@ -326,8 +326,9 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int, run=None) -> _Siz
     tokens = b * s
     x = tokens * d * c // sp
     q, k, hidden = tokens * heads * hd * c, tokens * kv * hd * c, tokens * f * c
-    dispatch = 0
+    dispatch, named = 0, hidden  # what a policy can name: in an MoE layer, its shared expert's
     if run.moe:  # each expert row of the routing path holds a hidden activation
+        named = tokens * (cfg.shared_d_ff // tp) * c
         rows = cfg.top_k * expert_factor(cfg, tokens, m[ax.EXPERT],
                                          overlap_pieces(plan.compute.moe_overlap, plan.mesh))
         hidden = int(hidden * rows)
@@ -365,7 +366,6 @@ def _activations(plan, micro_batch: int, seq_len: int, c: int, run=None) -> _Siz
     if plan.compute.loss == CHUNKED:  # a few [tokens, chunk] float32 blocks, dh in float32
         chunk = chunk_size(tokens, cfg.vocab_size // tp)
         logits = tokens * chunk * 4 * 3 + tokens * d * 4
-    named = tokens * (cfg.shared_d_ff if run.moe else run.d_ff) // tp * c
     return _Sizes(x, q, k, hidden, scores, every, blocks, mask, logits,
                   _exchanged(plan, tokens, c) if run.moe else 0, named)
 
